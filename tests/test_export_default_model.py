@@ -1,0 +1,89 @@
+"""The packaged all-MiniLM-L6-v2: fp32 parity, int8 fidelity, and failure safety."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import onnx
+import pytest
+
+from nexus_sli.exporter import validate
+from nexus_sli.exporter.cli import main
+from nexus_sli.exporter.errors import ValidationError
+from nexus_sli.exporter.export import ExportOptions, run_export
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("repo")
+    run_export(ExportOptions(out=out))
+    run_export(ExportOptions(out=out, precision="int8", name="minilm_int8"))
+    return out
+
+
+def _report(repo, name):
+    return json.loads((repo / f"{name}_encoder" / "validation.json").read_text())
+
+
+def test_default_name_and_fp32_parity(repo):
+    report = _report(repo, "all_minilm_l6_v2")
+    assert (repo / "all_minilm_l6_v2_encoder" / "1" / "model.onnx").is_file()
+    assert {"precision", "reference", "max_abs_diff", "cosine_min", "cosine_mean", "agreement", "thresholds",
+            "passed"} <= set(report)
+    assert report["passed"] is True and report["precision"] == "fp32" and report["agreement"] is None
+    assert report["max_abs_diff"] <= 1e-4 and report["thresholds"] == {"max_abs_diff": 1e-4}
+    assert report["texts"] >= 200
+    assert (report["pooling"], report["normalize"], report["max_length"]) == ("mean", True, 256)
+
+
+def test_int8_fidelity(repo):
+    report = _report(repo, "minilm_int8")
+    assert report["passed"] is True and report["precision"] == "int8"
+    assert report["cosine_mean"] >= 0.99 and report["cosine_min"] >= 0.95
+    assert report["thresholds"] == {"cosine_mean": 0.99, "cosine_min": 0.95}
+    ops = {node.op_type for node in onnx.load(str(repo / "minilm_int8_encoder" / "1" / "model.onnx")).graph.node}
+    assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops
+
+
+def test_failed_validation_changes_nothing(repo, monkeypatch):
+    before = {p: p.stat().st_mtime_ns for p in repo.rglob("*")}
+    # A threshold no real export can meet stands in for a broken graph.
+    monkeypatch.setitem(validate.THRESHOLDS, "fp32", {"max_abs_diff": 0.0})
+    with pytest.raises(ValidationError, match="nothing was written"):
+        run_export(ExportOptions(out=repo))
+    assert {p: p.stat().st_mtime_ns for p in repo.rglob("*")} == before
+    assert not list(repo.parent.glob(f".{repo.name}.staging-*"))
+
+
+def test_allow_degraded_is_recorded(tmp_path, monkeypatch):
+    monkeypatch.setitem(validate.THRESHOLDS, "fp32", {"max_abs_diff": 0.0})
+    run_export(ExportOptions(out=tmp_path, allow_degraded=True, name="degraded"))
+    report = _report(tmp_path, "degraded")
+    assert report["passed"] is False and report["allow_degraded"] is True and report["failures"]
+
+
+def test_cli_reports_bad_input_clearly(tmp_path, capsys):
+    assert main(["export", "--precision", "fp8", "--out", str(tmp_path)]) == 2
+    assert "unknown precision 'fp8'" in capsys.readouterr().err
+    assert main(["export", "--name", "../escape", "--out", str(tmp_path)]) == 2
+    assert "invalid model name" in capsys.readouterr().err
+    assert main(["export", "--model", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["export", "--task", "translation", "--out", str(tmp_path)]) == 2
+    assert "known tasks: embedding" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hub_id_without_network_fails_fast_with_guidance(tmp_path):
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "nexus_sli.exporter.cli", "export", "--model", "nexus-sli-test/no-such-model",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "MODEL=/path/to/model" in result.stderr
+    assert time.monotonic() - start < 60, "an unreachable hub must not hang the export"

@@ -1,0 +1,76 @@
+"""Seeded tiny checkpoints, one per family, built from configs in code.
+
+Each is saved the way the hub ships them (config.json, model.safetensors,
+tokenizer.json), with a WordPiece tokenizer trained here on the project's
+validation texts, so the exporter sees exactly what it would see offline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+VOCAB = 400
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              intermediate_size=64, max_position_embeddings=128, pad_token_id=0)
+
+#: model_type -> (transformers architecture saved, config overrides)
+TINY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "bert": ("BertModel", {}),
+    "roberta": ("RobertaForMaskedLM", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
+                                       "max_position_embeddings": 130, "type_vocab_size": 1}),
+    "deberta": ("DebertaModel", {"type_vocab_size": 0, "relative_attention": True, "max_relative_positions": -1,
+                                 "pos_att_type": ["c2p", "p2c"]}),
+    "deberta-v2": ("DebertaV2Model", {"type_vocab_size": 0, "relative_attention": True, "position_buckets": 32,
+                                      "pos_att_type": ["c2p", "p2c"], "norm_rel_ebd": "layer_norm",
+                                      "share_att_key": True, "position_biased_input": False}),
+    "distilbert": ("DistilBertForMaskedLM", {"dim": 32, "n_layers": 2, "n_heads": 4, "hidden_dim": 64}),
+    "albert": ("AlbertModel", {"embedding_size": 16, "num_hidden_layers": 4, "num_hidden_groups": 2,
+                               "inner_group_num": 2}),
+    "modernbert": ("ModernBertModel", {"bos_token_id": 2, "eos_token_id": 3, "cls_token_id": 2, "sep_token_id": 3,
+                                       "global_attn_every_n_layers": 2, "local_attention": 16}),
+    "electra": ("ElectraModel", {"embedding_size": 16}),
+    "xlm-roberta": ("XLMRobertaModel", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
+                                        "max_position_embeddings": 130}),
+    "camembert": ("CamembertModel", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
+                                     "max_position_embeddings": 130}),
+    "nomic_bert": ("NomicBertModel", {}),
+}
+
+#: Registered families without a tiny model here, and why.
+NO_TINY_MODEL = {
+    "jinabert": "layer code not yet written (issue 5): create_layer raises NotYetImplementedError",
+    "neobert": "layer code not yet written (issue 5): create_layer raises NotYetImplementedError",
+}
+
+
+def train_tokenizer(texts: list[str]) -> Tokenizer:
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    tokenizer.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=VOCAB, special_tokens=SPECIALS))
+    cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    return tokenizer
+
+
+def build_tiny(model_type: str, directory: Path, tokenizer: Tokenizer, seed: int = 0) -> Path:
+    """Save a seeded random ``model_type`` checkpoint into ``directory``."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    architecture, overrides = TINY_CONFIGS[model_type]
+    config = CONFIG_MAPPING[model_type](**{**COMMON, **overrides})
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
