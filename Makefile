@@ -10,8 +10,11 @@ TASK      ?= embedding
 PRECISION ?= fp32
 NAME      ?=
 OUT       ?= model_repository
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
 
-.PHONY: install export test clean
+.PHONY: install export serve test clean
 
 install: $(VENV)/.installed
 
@@ -27,6 +30,12 @@ $(VENV)/.installed: pyproject.toml
 export: install
 	$(BIN)/nexus-sli export $(if $(MODEL),--model '$(MODEL)') --task '$(TASK)' \
 		--precision '$(PRECISION)' $(if $(NAME),--name '$(NAME)') --out '$(OUT)'
+
+# Exports the default model first when OUT holds no model yet.
+serve: install
+	@ls '$(OUT)'/*/config.pbtxt >/dev/null 2>&1 || $(MAKE) --no-print-directory export
+	$(BIN)/nexus-sli serve --model-repository '$(OUT)' --http-port $(HTTP_PORT) \
+		--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -17,10 +17,17 @@ def _export(args: argparse.Namespace) -> int:
     result = run_export(ExportOptions(
         model=args.model or None, task=args.task, precision=args.precision, name=args.name or None,
         out=Path(args.out), allow_pickle=args.allow_pickle, allow_degraded=args.allow_degraded,
+        truncate=not args.no_truncate,
     ))
     summary = {k: result.report[k] for k in ("precision", "graph", "max_abs_diff", "cosine_min", "cosine_mean", "passed")}
     print(json.dumps({"name": result.name, **summary}))
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .serve import serve_forever
+
+    return serve_forever(Path(args.model_repository), args.http_port, args.grpc_port, args.metrics_port, args.host)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--allow-pickle", action="store_true", help="allow pytorch_model.bin (pickle) weights")
     export.add_argument("--allow-degraded", action="store_true",
                         help="write the model even when validation fails (recorded in validation.json)")
+    export.add_argument("--no-truncate", action="store_true",
+                        help="reject texts longer than the model's limit instead of truncating them")
     export.set_defaults(run=_export)
+
+    serve = commands.add_parser("serve", help="start the Triton server on a model repository")
+    serve.add_argument("--model-repository", default="model_repository")
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--grpc-port", type=int, default=8001)
+    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default loopback only; see the README before exposing it)")
+    serve.set_defaults(run=_serve)
     return parser
 
 

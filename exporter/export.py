@@ -27,6 +27,7 @@ from .python_models.encoding import load_tokenizer
 from .quantize import ffn_output_matmuls, quantize_int8
 from .repository import Staging
 from .tasks import get_task
+from .triton_repository import ServingFacts, write_models, write_readme
 from .validate import THRESHOLDS, Embedder, build_reference, compare, parity_cases, text_batches
 from .walk import walk
 
@@ -44,6 +45,7 @@ class ExportOptions:
     out: Path = Path("model_repository")
     allow_pickle: bool = False
     allow_degraded: bool = False
+    truncate: bool = True
 
 
 @dataclass
@@ -155,17 +157,21 @@ def run_export(options: ExportOptions) -> ExportResult:
                          "max_abs_diff": c.report["max_abs_diff"], "cosine_min": c.report["cosine_min"]}
                         for c in candidates],
             inputs=input_names,
+            truncate=options.truncate,
             max_length=max_length,
             pooling=embedder.pooling if embedder else None,
             normalize=embedder.normalize if embedder else None,
             walk={"layers": walk_report.layers_loaded, "tensors": walk_report.tensors_loaded,
                   "skipped": walk_report.skipped, "absent_optional": walk_report.absent_optional},
         )
-        encoder_dir = stage.model_dir(f"{name}_encoder")
-        (encoder_dir / "1").mkdir()
+        facts = ServingFacts(input_names, family.hidden_size(config), max_length, pad_id, options.truncate,
+                             embedder.pooling, embedder.normalize)
+        write_models(stage.root, name, task.name, facts, tokenizer_path)
+        encoder_dir = stage.root / f"{name}_encoder"
         shutil.copyfile(chosen.path, encoder_dir / "1" / "model.onnx")
         (encoder_dir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
         models = stage.publish()
+        write_readme(Path(options.out), name)
     log.info("wrote %s", ", ".join(str(m) for m in models))
     return ExportResult(name, models, report)
 

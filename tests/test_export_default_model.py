@@ -87,3 +87,21 @@ def test_hub_id_without_network_fails_fast_with_guidance(tmp_path):
     assert result.returncode == 2
     assert "MODEL=/path/to/model" in result.stderr
     assert time.monotonic() - start < 60, "an unreachable hub must not hang the export"
+
+
+def test_killed_export_leaves_the_repository_as_it_was(repo):
+    import signal
+
+    before = {p: p.stat().st_mtime_ns for p in repo.rglob("*")}
+    process = subprocess.Popen([sys.executable, "-m", "nexus_sli.exporter.cli", "export", "--out", str(repo)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in process.stderr:  # kill it mid-export, after the walk has started writing to staging
+        if "graph:" in line:
+            break
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert {p: p.stat().st_mtime_ns for p in repo.rglob("*")} == before
+    stale = list(repo.parent.glob(f".{repo.name}.staging-*"))
+    assert stale, "the killed export should have left its staging folder behind"
+    run_export(ExportOptions(out=repo, name="after_kill"))
+    assert not [p for p in stale if p.exists()], "the next export removes staging folders of dead exports"

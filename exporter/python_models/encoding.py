@@ -30,6 +30,42 @@ def load_tokenizer(path: str, max_length: int, truncate: bool = True) -> Tokeniz
     return tokenizer
 
 
+def check_lengths(encodings, max_length: int) -> None:
+    """Raise :class:`TextTooLongError` for the first encoding over ``max_length`` tokens."""
+    for index, enc in enumerate(encodings):
+        if len(enc.ids) > max_length:
+            raise TextTooLongError(index, len(enc.ids), max_length)
+
+
+def padded_length(longest: int, minimum: int, max_length: int) -> int:
+    """``longest`` rounded up to a power of two (at least ``minimum``, at most
+    ``max_length``): concurrent requests then fall into few shapes, and Triton's
+    dynamic batcher merges only requests of equal shape.  The padding costs
+    little: at most 2x the tokens, masked out."""
+    if minimum <= 1 or longest >= max_length:
+        return longest
+    bucket = minimum
+    while bucket < longest:
+        bucket *= 2
+    return min(bucket, max_length)
+
+
+def to_arrays(encodings, input_names: list[str], pad_id: int, length: int) -> dict[str, np.ndarray]:
+    """int64 arrays ``[batch, length]`` for each graph input in ``input_names``."""
+    batch = len(encodings)
+    arrays = {
+        "input_ids": np.full((batch, length), pad_id, dtype=np.int64),
+        "attention_mask": np.zeros((batch, length), dtype=np.int64),
+        "token_type_ids": np.zeros((batch, length), dtype=np.int64),
+    }
+    for row, enc in enumerate(encodings):
+        n = len(enc.ids)
+        arrays["input_ids"][row, :n] = enc.ids
+        arrays["attention_mask"][row, :n] = 1
+        arrays["token_type_ids"][row, :n] = enc.type_ids
+    return {name: arrays[name] for name in input_names}
+
+
 def encode(
     tokenizer: Tokenizer,
     texts: list[str],
@@ -38,25 +74,11 @@ def encode(
     max_length: int,
     truncate: bool = True,
 ) -> dict[str, np.ndarray]:
-    """int64 arrays ``[batch, longest]`` for each graph input in ``input_names``."""
+    """Tokenise and pad ``texts`` to the longest one."""
     encodings = tokenizer.encode_batch(list(texts))
     if not truncate:
-        for index, enc in enumerate(encodings):
-            if len(enc.ids) > max_length:
-                raise TextTooLongError(index, len(enc.ids), max_length)
-    longest = max((len(e.ids) for e in encodings), default=0)
-    batch = len(encodings)
-    arrays = {
-        "input_ids": np.full((batch, longest), pad_id, dtype=np.int64),
-        "attention_mask": np.zeros((batch, longest), dtype=np.int64),
-        "token_type_ids": np.zeros((batch, longest), dtype=np.int64),
-    }
-    for row, enc in enumerate(encodings):
-        n = len(enc.ids)
-        arrays["input_ids"][row, :n] = enc.ids
-        arrays["attention_mask"][row, :n] = 1
-        arrays["token_type_ids"][row, :n] = enc.type_ids
-    return {name: arrays[name] for name in input_names}
+        check_lengths(encodings, max_length)
+    return to_arrays(encodings, input_names, pad_id, max((len(e.ids) for e in encodings), default=0))
 
 
 def pool(hidden: np.ndarray, mask: np.ndarray, mode: str) -> np.ndarray:

@@ -1,0 +1,82 @@
+"""The four models of one export: NAME_tokenizer, NAME_encoder, NAME_postprocess, NAME."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from . import triton_config as tc
+
+_PYTHON_MODELS = "nexus_sli.exporter.python_models"
+
+REPOSITORY_README = """\
+# Triton model repository written by nexus-sli
+
+`{name}` is an ensemble: raw strings in (`TEXT`, TYPE_STRING), `{output}` out.
+It chains `{name}_tokenizer` (python backend, `tokenizers`), `{name}_encoder`
+(`onnxruntime_onnx`) and `{name}_postprocess` (python backend, numpy).
+
+Serve it with `tritonserver --model-repository <this folder>`; locally,
+`nexus-sli serve --model-repository <this folder>` starts the Triton server
+from the `nvidia-pytriton` wheel with a Python-based onnxruntime backend.
+
+## The server's Python needs `tokenizers` and `numpy`
+
+The python-backend models import `tokenizers` and `numpy` (the files they need
+besides are copied next to each `model.py`). On an NGC Triton container the
+python backend's interpreter lacks `tokenizers`; provide it with either
+
+    pip install tokenizers numpy          # inside the container, before starting
+
+or a packed environment: build one with conda-pack holding `tokenizers` and
+`numpy`, and add to both python models' config.pbtxt
+
+    parameters: {{ key: "EXECUTION_ENV_PATH", value: {{ string_value: "$$TRITON_MODEL_DIRECTORY/env.tar.gz" }} }}
+
+Locally (`nexus-sli serve`) the stub runs with the project's virtual
+environment on its path, where both are installed.
+"""
+
+
+@dataclass(frozen=True)
+class ServingFacts:
+    """What the served models need to know about the exported encoder."""
+
+    input_names: list[str]
+    hidden_size: int
+    max_length: int
+    pad_id: int
+    truncate: bool
+    pooling: str
+    normalize: bool
+
+
+def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None = None) -> None:
+    version = target / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    package = resources.files(_PYTHON_MODELS)
+    (version / "model.py").write_text(package.joinpath(f"{module}.py").read_text())
+    (version / "encoding.py").write_text(package.joinpath("encoding.py").read_text())
+    for name, source in (extra or {}).items():
+        shutil.copyfile(source, version / name)
+
+
+def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenizer_json: Path) -> None:
+    """Write every file of the ensemble except the encoder's ``1/model.onnx``."""
+    tokenizer, encoder, postprocess = f"{name}_tokenizer", f"{name}_encoder", f"{name}_postprocess"
+    _copy_python_model("tokenizer_model", root / tokenizer, {"tokenizer.json": tokenizer_json})
+    tc.write(tc.tokenizer_config(tokenizer, facts.input_names, facts.max_length, facts.pad_id, facts.truncate),
+             root / tokenizer)
+    (root / encoder / "1").mkdir(parents=True, exist_ok=True)
+    tc.write(tc.encoder_config(encoder, facts.input_names, facts.hidden_size), root / encoder)
+    _copy_python_model("postprocess_model", root / postprocess)
+    tc.write(tc.postprocess_config(postprocess, facts.hidden_size, facts.pooling, facts.normalize), root / postprocess)
+    (root / name / "1").mkdir(parents=True, exist_ok=True)  # Triton wants a version folder, even for ensembles
+    tc.write(tc.ensemble_config(name, task, tokenizer, encoder, postprocess, facts.input_names, facts.hidden_size),
+             root / name)
+
+
+def write_readme(out: Path, name: str) -> None:
+    (out / "README.md").write_text(REPOSITORY_README.format(name=name, output="EMBEDDING"))

@@ -1,0 +1,132 @@
+"""The exported repository served by the real Triton server on loopback."""
+
+from __future__ import annotations
+
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from sentence_transformers import SentenceTransformer
+
+from nexus_sli.exporter import serve, triton_config
+from nexus_sli.exporter.export import ExportOptions, run_export
+from nexus_sli.exporter.model_source import resolve_model
+from nexus_sli.exporter.validate import validation_texts
+
+NAME = "all_minilm_l6_v2"
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("served")
+    run_export(ExportOptions(out=repo))
+    run_export(ExportOptions(out=repo, precision="int8", name="minilm_int8"))
+    run_export(ExportOptions(out=repo, name="minilm_strict", truncate=False))
+    http_port, grpc_port, metrics_port = _free_ports(3)
+    process = serve.start(repo, http_port, grpc_port, metrics_port)
+    yield {"repo": repo, "http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
+    serve.stop(process)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return SentenceTransformer(str(resolve_model(None).path), device="cpu")
+
+
+def _text_input(module, texts):
+    tensor = module.InferInput("TEXT", [len(texts), 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[t.encode("utf-8") for t in texts]], dtype=object).reshape(-1, 1))
+    return tensor
+
+
+def _embed(url, texts, model=NAME, protocol="http"):
+    module = httpclient if protocol == "http" else grpcclient
+    client = module.InferenceServerClient(url)
+    result = client.infer(model, [_text_input(module, texts)])
+    return result.as_numpy("EMBEDDING")
+
+
+def _cosines(a, b):
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    return np.sum(a * b, axis=1)
+
+
+def test_configs_parse_back_through_the_schema(server):
+    ensemble = triton_config.read(server["repo"] / NAME / "config.pbtxt")
+    assert ensemble.platform == "ensemble" and ensemble.parameters["task"].string_value == "embedding"
+    assert [s.model_name for s in ensemble.ensemble_scheduling.step] == [
+        f"{NAME}_tokenizer", f"{NAME}_encoder", f"{NAME}_postprocess"]
+    encoder = triton_config.read(server["repo"] / f"{NAME}_encoder" / "config.pbtxt")
+    assert encoder.platform == "onnxruntime_onnx" and encoder.max_batch_size > 0
+    assert [i.name for i in encoder.input] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert encoder.model_warmup and encoder.dynamic_batching.max_queue_delay_microseconds > 0
+    tokenizer = triton_config.read(server["repo"] / f"{NAME}_tokenizer" / "config.pbtxt")
+    assert [o.name for o in tokenizer.output] == [i.name for i in encoder.input]
+    assert tokenizer.backend == "python" and tokenizer.dynamic_batching is not None
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_served_embeddings_match_sentence_transformers(server, reference, protocol):
+    texts = validation_texts()[:64]  # one request of 64 texts
+    served = _embed(server[protocol], texts, protocol=protocol)
+    expected = reference.encode(texts, normalize_embeddings=True)
+    assert served.shape == (64, 384)
+    assert _cosines(served, expected).min() >= 0.9999
+
+
+def test_served_int8_meets_its_thresholds(server, reference):
+    texts = validation_texts()
+    served = np.concatenate([_embed(server["http"], texts[i:i + 64], "minilm_int8") for i in range(0, len(texts), 64)])
+    cos = _cosines(served, reference.encode(texts, normalize_embeddings=True))
+    assert cos.mean() >= 0.99 and cos.min() >= 0.95
+
+
+def test_edge_inputs_then_server_keeps_serving(server, reference):
+    long_text = "word " * 4000  # 20,000 characters, truncated to the model's 256 tokens
+    served = _embed(server["http"], ["", long_text])
+    assert np.isfinite(served).all() and np.allclose(np.linalg.norm(served, axis=1), 1.0, atol=1e-5)
+    expected = reference.encode(["", long_text], normalize_embeddings=True)
+    assert _cosines(served, expected).min() >= 0.9999
+    with pytest.raises(Exception, match="at most 256"):
+        _embed(server["http"], ["short", long_text], "minilm_strict")
+    assert _embed(server["grpc"], ["still alive"], protocol="grpc").shape == (1, 384)
+
+
+def test_invalid_utf8_is_a_clear_error(server):
+    client = httpclient.InferenceServerClient(server["http"])
+    tensor = httpclient.InferInput("TEXT", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[b"\xff\xfe bad"]], dtype=object), binary_data=True)
+    with pytest.raises(Exception, match="not valid UTF-8"):
+        client.infer(NAME, [tensor])
+    assert _embed(server["http"], ["fine again"]).shape == (1, 384)
+
+
+def test_concurrent_single_texts_share_encoder_executions(server):
+    client = httpclient.InferenceServerClient(server["http"])
+
+    def counts():
+        stats = client.get_inference_statistics(f"{NAME}_encoder")["model_stats"][0]
+        return stats["inference_count"], stats["execution_count"]
+
+    texts = validation_texts()[:32]
+    before = counts()
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda t: _embed(server["grpc"], [t], protocol="grpc"), texts))
+    after = counts()
+    inferences, executions = after[0] - before[0], after[1] - before[1]
+    assert inferences == 32 and all(r.shape == (1, 384) for r in results)
+    assert executions <= inferences / 4, f"{executions} encoder executions for {inferences} requests"
