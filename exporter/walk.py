@@ -90,7 +90,7 @@ def walk(config: Any, checkpoint: Checkpoint, task: Task, handler: BERTFamilyHan
     handler = (handler or BERTFamilyHandler()).bind(config, checkpoint.keys())
     family = handler.family
     with torch.device("cpu"):
-        model = task.build(config)
+        model = family.build_model(task, config)
     model.eval()
     base = model.base_model
     target_base = "" if base is model else model.base_model_prefix + "."

@@ -139,6 +139,11 @@ class EncoderFamily:
         """Published name of a tensor outside the layers -> the transformers name."""
         return key
 
+    def build_model(self, task: Any, config: Any) -> nn.Module:
+        """The model ``task`` serves, with freshly initialised weights the walk
+        then replaces.  Families transformers lacks override this."""
+        return task.build(config)
+
     def create_layer(self, config: Any, layer_idx: int) -> nn.Module:
         if self.layer_class is None:
             raise NotYetImplementedError(
