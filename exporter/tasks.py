@@ -32,6 +32,11 @@ TASKS: dict[str, Task] = {
     task.name: task
     for task in (
         Task("embedding", "AutoModel", (("last_hidden_state", "last_hidden_state"),)),
+        Task("classification", "AutoModelForSequenceClassification", (("logits", "logits"),)),
+        Task("rerank", "AutoModelForSequenceClassification", (("logits", "logits"),)),
+        Task("token-classification", "AutoModelForTokenClassification", (("logits", "logits"),)),
+        Task("question-answering", "AutoModelForQuestionAnswering",
+             (("start_logits", "start_logits"), ("end_logits", "end_logits"))),
     )
 }
 
