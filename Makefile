@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 
 MODEL     ?=
-TASK      ?= embedding
+TASK      ?= auto
 PRECISION ?= fp32
 NAME      ?=
 OUT       ?= model_repository

@@ -1,1 +1,16 @@
-"""nexus-sli client (tritonclient over HTTP/gRPC). The typed client API is not written yet: see the README."""
+"""nexus-sli client: typed calls to nexus-sli models served by Triton (gRPC or HTTP)."""
+
+from .async_client import AsyncEncoderClient
+from .client import EncoderClient
+from .errors import (
+    ClientError,
+    InferenceError,
+    InvalidInputError,
+    ModelNotFoundError,
+    ServerUnavailableError,
+    WrongTaskError,
+)
+from .results import Answer, Entity, Label, Ranked
+
+__all__ = ["AsyncEncoderClient", "EncoderClient", "ClientError", "InferenceError", "InvalidInputError",
+           "ModelNotFoundError", "ServerUnavailableError", "WrongTaskError", "Answer", "Entity", "Label", "Ranked"]

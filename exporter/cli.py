@@ -30,13 +30,64 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_forever(Path(args.model_repository), args.http_port, args.grpc_port, args.metrics_port, args.host)
 
 
+def _client_call(args: argparse.Namespace) -> int:
+    """embed / classify / ner / answer / rerank: one call, JSON on stdout."""
+    import dataclasses
+
+    from nexus_sli.client import ClientError, EncoderClient
+
+    try:
+        with EncoderClient(args.url, protocol=args.protocol) as client:
+            if args.command == "embed":
+                result = client.embed(args.texts, model=args.model).tolist()
+            elif args.command == "classify":
+                result = client.classify(args.texts, model=args.model, top_k=args.top_k)
+            elif args.command == "ner":
+                result = client.ner(args.texts, model=args.model)
+            elif args.command == "answer":
+                result = client.answer(args.question, args.context, model=args.model, top_k=args.top_k)
+            else:
+                result = client.rerank(args.query, args.documents, model=args.model, top_k=args.top_k)
+    except ClientError as exc:
+        print(f"nexus-sli: error: {exc}", file=sys.stderr)
+        return 3
+    print(json.dumps(result, default=lambda o: dataclasses.asdict(o)))
+    return 0
+
+
+def _add_client_commands(commands) -> None:
+    def command(name: str, help_text: str):
+        sub = commands.add_parser(name, help=help_text)
+        sub.add_argument("--model", required=True, help="model name in the repository")
+        sub.add_argument("--url", default=None, help="server address (default 127.0.0.1:8001 gRPC / :8000 HTTP)")
+        sub.add_argument("--protocol", default="grpc", choices=["grpc", "http"])
+        sub.set_defaults(run=_client_call)
+        return sub
+
+    command("embed", "embed texts").add_argument("texts", nargs="+")
+    classify = command("classify", "classify texts")
+    classify.add_argument("texts", nargs="+")
+    classify.add_argument("--top-k", type=int, default=1)
+    command("ner", "named entities in texts").add_argument("texts", nargs="+")
+    answer = command("answer", "extractive question answering")
+    answer.add_argument("question")
+    answer.add_argument("--context", required=True)
+    answer.add_argument("--top-k", type=int, default=1)
+    rerank = command("rerank", "rank documents by relevance to a query")
+    rerank.add_argument("query")
+    rerank.add_argument("documents", nargs="+")
+    rerank.add_argument("--top-k", type=int, default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nexus-sli", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     export = commands.add_parser("export", help="export a model into a Triton model repository")
     export.add_argument("--model", default="", help="hub id or local directory (default: packaged all-MiniLM-L6-v2)")
-    export.add_argument("--task", default="embedding", help="served task (default: embedding)")
+    export.add_argument("--task", default="auto",
+                        help="embedding, classification, token-classification, question-answering, rerank "
+                             "(default: inferred from the config's architectures)")
     export.add_argument("--precision", default="fp32", help="fp32 or int8")
     export.add_argument("--name", default="", help="model name in the repository (default: from the model id)")
     export.add_argument("--out", default="model_repository", help="repository directory")
@@ -55,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default loopback only; see the README before exposing it)")
     serve.set_defaults(run=_serve)
+    _add_client_commands(commands)
     return parser
 
 

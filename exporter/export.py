@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .checkpoint import Checkpoint
 from .errors import NexusError, ValidationError
-from .families import EncoderFamily, config_value
+from .families import EncoderFamily
 from .handler import get_registry
 from .model_source import (
     check_name,
@@ -26,7 +26,7 @@ from .optimize import fuse, median_latency_ms, session, timing_feeds
 from .python_models.encoding import load_tokenizer
 from .quantize import ffn_output_matmuls, quantize_int8
 from .repository import Staging
-from .tasks import get_task
+from .tasks import get_task, infer_task
 from .triton_repository import ServingFacts, write_models, write_readme
 from .validate import THRESHOLDS, Embedder, build_reference, compare, parity_cases, text_batches
 from .walk import walk
@@ -39,7 +39,7 @@ PRECISIONS = tuple(THRESHOLDS)
 @dataclass
 class ExportOptions:
     model: str | None = None
-    task: str = "embedding"
+    task: str = "auto"
     precision: str = "fp32"
     name: str | None = None
     out: Path = Path("model_repository")
@@ -82,7 +82,7 @@ def _graph_candidates(plain: Path, work: Path, family: EncoderFamily, config, pr
         candidates.append(Candidate("fused", work / "fused.onnx"))
     if precision == "int8":
         quantized = []
-        width = config_value(config, ("intermediate_size", "hidden_dim", "n_inner"))
+        width = family.ffn_width(config)
         for candidate in candidates:
             quantized.append(Candidate(candidate.graph, quantize_int8(candidate.path, work / f"{candidate.graph}.int8.onnx")))
             keep = ffn_output_matmuls(candidate.path, int(width), family.hidden_size(config)) if width else []
@@ -105,16 +105,28 @@ def _choose(candidates: list[Candidate], allow_degraded: bool) -> Candidate:
             report=candidates[0].report,
         )
     log.warning("validation failed but --allow-degraded was given: %s", summary)
-    return max(candidates, key=lambda c: c.report["cosine_mean"] or -c.report["max_abs_diff"])
+    return max(candidates, key=lambda c: c.report["cosine_mean"] or c.report["agreement"] or -c.report["max_abs_diff"])
+
+
+def _post_params(task, config, embedder) -> dict[str, str]:
+    """What the postprocess model (and a client reading the ensemble config) needs."""
+    if task.name == "embedding":
+        return {"pooling": embedder.pooling, "normalize": str(embedder.normalize).lower()}
+    params = {"id2label": json.dumps({str(k): v for k, v in (getattr(config, "id2label", None) or {}).items()})}
+    if task.name == "classification":
+        params["multi_label"] = str(getattr(config, "problem_type", None) == "multi_label_classification").lower()
+    return params
 
 
 def run_export(options: ExportOptions) -> ExportResult:
     if options.precision not in PRECISIONS:
         raise NexusError(f"unknown precision {options.precision!r}; choose one of {', '.join(PRECISIONS)}")
-    task = get_task(options.task)
+    if options.task != "auto":
+        get_task(options.task)  # an unknown task fails before any download
     source = resolve_model(options.model, options.allow_pickle)
     name = check_name(options.name or source.default_name)
     config = load_config(source.path)
+    task = infer_task(config) if options.task == "auto" else get_task(options.task)
     handler = get_registry().detect_family(config)
     family = handler.family
     log.info("exporting %s (%s, %s) as %s, task %s, %s", source.model_id, family.model_type,
@@ -133,13 +145,13 @@ def run_export(options: ExportOptions) -> ExportResult:
         reference = build_reference(
             model, task, input_names,
             parity_cases(input_names, family.vocab_size(config), pad_id, family.max_positions(config)),
-            text_batches(tokenizer, input_names, pad_id, max_length),
+            text_batches(tokenizer, input_names, pad_id, max_length, pairs=task.pair),
         )
         embedder = Embedder(pooling_mode(source.path), normalizes(source.path)) if task.name == "embedding" else None
         feeds = timing_feeds(input_names, family.vocab_size(config), min(128, max_length))
         candidates = _graph_candidates(plain, stage.work, family, config, options.precision)
         for candidate in candidates:
-            candidate.report = compare(session(candidate.path), reference, options.precision, embedder)
+            candidate.report = compare(session(candidate.path), reference, options.precision, embedder, task)
             candidate.latency_ms = median_latency_ms(candidate.path, feeds)
             log.info("%s graph: %s, %.1f ms per batch of %d x %d", candidate.graph,
                      "passed" if candidate.report["passed"] else "FAILED " + "; ".join(candidate.report["failures"]),
@@ -164,14 +176,14 @@ def run_export(options: ExportOptions) -> ExportResult:
             walk={"layers": walk_report.layers_loaded, "tensors": walk_report.tensors_loaded,
                   "skipped": walk_report.skipped, "absent_optional": walk_report.absent_optional},
         )
-        facts = ServingFacts(input_names, family.hidden_size(config), max_length, pad_id, options.truncate,
-                             embedder.pooling, embedder.normalize)
+        facts = ServingFacts(input_names, family.hidden_size(config), int(getattr(config, "num_labels", 0) or 0),
+                             max_length, pad_id, options.truncate, _post_params(task, config, embedder))
         write_models(stage.root, name, task.name, facts, tokenizer_path)
         encoder_dir = stage.root / f"{name}_encoder"
         shutil.copyfile(chosen.path, encoder_dir / "1" / "model.onnx")
         (encoder_dir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
         models = stage.publish()
-        write_readme(Path(options.out), name)
+        write_readme(Path(options.out))
     log.info("wrote %s", ", ".join(str(m) for m in models))
     return ExportResult(name, models, report)
 

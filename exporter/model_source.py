@@ -90,8 +90,15 @@ def load_config(path: Path) -> Any:
     try:
         return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     except ValueError:
-        # Remote-code families (NeoBERT) have no transformers config class.
-        return PretrainedConfig.from_dict(json.loads((path / "config.json").read_text()))
+        # Remote-code families (NeoBERT) have no transformers config class.  A plain
+        # PretrainedConfig drops keys it takes for generation settings (NeoBERT's
+        # ``max_length``), so every key of the file is set back on it.
+        raw = json.loads((path / "config.json").read_text())
+        config = PretrainedConfig.from_dict(raw)
+        for key, value in raw.items():
+            if getattr(config, key, None) != value:
+                setattr(config, key, value)
+        return config
 
 
 def _read_json(path: Path) -> dict:

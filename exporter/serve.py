@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import urllib.request
@@ -79,9 +80,11 @@ def server_command(repository: Path, http_port: int, grpc_port: int, metrics_por
     backend_dir = prepare_backends(backend_dir or Path(tempfile.mkdtemp(prefix="nexus-sli-backends-")))
     libs = root.parent.parent / "nvidia_pytriton.libs"
     env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(libs), env.get("LD_LIBRARY_PATH")]))
-    # The stub runs model.py files; give it this environment's packages.
-    site = [p for p in sys.path if p.endswith("site-packages")]
+    # The stub embeds the system libpython; give it this environment's packages.
+    paths = sysconfig.get_paths()
+    site = list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [*site, env.get("PYTHONPATH")]))
+    log.info("python backend stub path: %s", env["PYTHONPATH"])
     argv = [str(root / "bin" / "tritonserver"), *args, f"--backend-directory={backend_dir}"]
     return ServerCommand(argv, env, backend_dir)
 

@@ -15,6 +15,12 @@ class Task:
     auto_class: str
     #: Names of the encoder graph's outputs, in order, and the model output attribute of each.
     outputs: tuple[tuple[str, str], ...]
+    #: How int8 is judged against fp32: None (embeddings use cosine), "rows"
+    #: (argmax per text), "tokens" (argmax per real token), "span" (argmax
+    #: position of each output), "order" (pairwise order of scores).
+    agreement: str | None = None
+    #: Inputs are (first, second) text pairs: (query, document), (question, context).
+    pair: bool = False
 
     def build(self, config: Any):
         import transformers
@@ -32,13 +38,27 @@ TASKS: dict[str, Task] = {
     task.name: task
     for task in (
         Task("embedding", "AutoModel", (("last_hidden_state", "last_hidden_state"),)),
-        Task("classification", "AutoModelForSequenceClassification", (("logits", "logits"),)),
-        Task("rerank", "AutoModelForSequenceClassification", (("logits", "logits"),)),
-        Task("token-classification", "AutoModelForTokenClassification", (("logits", "logits"),)),
+        Task("classification", "AutoModelForSequenceClassification", (("logits", "logits"),), "rows"),
+        Task("rerank", "AutoModelForSequenceClassification", (("logits", "logits"),), "order", pair=True),
+        Task("token-classification", "AutoModelForTokenClassification", (("logits", "logits"),), "tokens"),
         Task("question-answering", "AutoModelForQuestionAnswering",
-             (("start_logits", "start_logits"), ("end_logits", "end_logits"))),
+             (("start_logits", "start_logits"), ("end_logits", "end_logits")), "span", pair=True),
     )
 }
+
+
+def infer_task(config: Any) -> Task:
+    """The task a checkpoint was trained for, from its architectures: a
+    sequence classifier with one label is a cross-encoder (rerank)."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    for architecture in architectures:
+        if architecture.endswith("ForSequenceClassification"):
+            return TASKS["rerank" if getattr(config, "num_labels", 2) == 1 else "classification"]
+        if architecture.endswith("ForTokenClassification"):
+            return TASKS["token-classification"]
+        if architecture.endswith("ForQuestionAnswering"):
+            return TASKS["question-answering"]
+    return TASKS["embedding"]
 
 
 def get_task(name: str) -> Task:

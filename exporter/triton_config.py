@@ -1,7 +1,9 @@
 """Triton ``config.pbtxt`` files, built from Triton's own protobuf schema.
 
 Never from string templates: each config is a typed ``ModelConfig`` message
-serialised with ``text_format``, so a misspelt field fails here, not in the server.
+serialised with ``text_format``, so a misspelt field fails here, not in the
+server.  :func:`layout` is the one place that says which tensors each task's
+four models exchange.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ QUEUE_DELAY_US = 2000
 MIN_PADDED_LENGTH = 16
 #: The tokenizer waits longer: every text it collects joins one padded batch.
 TOKENIZER_QUEUE_DELAY_US = 5000
+#: Overlap, in tokens, between consecutive windows of a long QA context.
+QA_STRIDE = 32
 
 
 @dataclass(frozen=True)
@@ -30,77 +34,127 @@ class Tensor:
     dims: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The tensors of one task's ensemble.  Dims exclude the batch dimension
+    when ``batched``; otherwise rows are explicit (one request = one query)."""
+
+    batched: bool
+    mode: str                       # the tokenizer model's mode
+    inputs: tuple[Tensor, ...]      # raw strings into the ensemble and the tokenizer
+    tokens: tuple[Tensor, ...]      # tokenizer outputs: graph inputs plus extras
+    encoder_outputs: tuple[Tensor, ...]
+    post_inputs: tuple[str, ...]    # names taken from inputs, tokens and encoder outputs
+    outputs: tuple[Tensor, ...]     # the postprocess's, and the ensemble's, outputs
+
+    def rows(self, tensor: Tensor) -> Tensor:
+        """``tensor`` as a step of this layout sees it (an explicit row dim when unbatched)."""
+        return tensor if self.batched else Tensor(tensor.name, tensor.data_type, (-1, *tensor.dims))
+
+    def tensor(self, name: str) -> Tensor:
+        for t in self.inputs:
+            if t.name == name:
+                return t
+        return self.rows(next(t for t in (*self.tokens, *self.encoder_outputs) if t.name == name))
+
+
+def _string(name: str, dims=(1,)) -> Tensor:
+    return Tensor(name, pb.TYPE_STRING, dims)
+
+
+def layout(task: str, input_names: list[str], hidden_size: int, num_labels: int) -> Layout:
+    ids = tuple(Tensor(n, pb.TYPE_INT64, (-1,)) for n in input_names)
+    offsets = Tensor("offsets", pb.TYPE_INT64, (-1, 2))
+    context_mask = Tensor("context_mask", pb.TYPE_INT64, (-1,))
+    fp32 = pb.TYPE_FP32
+    if task == "embedding":
+        return Layout(True, "single", (_string("TEXT"),), ids, (Tensor("last_hidden_state", fp32, (-1, hidden_size)),),
+                      ("last_hidden_state", "attention_mask"), (Tensor("EMBEDDING", fp32, (hidden_size,)),))
+    if task == "classification":
+        return Layout(True, "single", (_string("TEXT"),), ids, (Tensor("logits", fp32, (num_labels,)),),
+                      ("logits",), (Tensor("SCORES", fp32, (num_labels,)),))
+    if task == "token-classification":
+        return Layout(True, "single", (_string("TEXT"),), (*ids, offsets), (Tensor("logits", fp32, (-1, num_labels)),),
+                      ("TEXT", "logits", "offsets", "attention_mask"), (_string("ENTITIES"),))
+    if task == "rerank":
+        return Layout(False, "pair", (_string("QUERY"), _string("DOCUMENTS", (-1,))), ids,
+                      (Tensor("logits", fp32, (1,)),), ("logits",), (Tensor("SCORES", fp32, (-1,)),))
+    if task == "question-answering":
+        return Layout(False, "qa", (_string("QUESTION"), _string("CONTEXT")), (*ids, offsets, context_mask),
+                      (Tensor("start_logits", fp32, (-1,)), Tensor("end_logits", fp32, (-1,))),
+                      ("CONTEXT", "start_logits", "end_logits", "offsets", "context_mask"), (_string("ANSWERS"),))
+    raise ValueError(f"no Triton layout for task {task!r}")
+
+
 def _io(cls, tensor: Tensor):
     return cls(name=tensor.name, data_type=tensor.data_type, dims=list(tensor.dims))
 
 
-def _base(name: str, inputs: list[Tensor], outputs: list[Tensor], params: dict[str, str] | None = None,
-          batching: bool = True) -> pb.ModelConfig:
-    config = pb.ModelConfig(name=name, max_batch_size=MAX_BATCH_SIZE)
+def _model(name: str, inputs, outputs, batched: bool, params: dict | None = None,
+           queue_delay_us: int = QUEUE_DELAY_US) -> pb.ModelConfig:
+    config = pb.ModelConfig(name=name, max_batch_size=MAX_BATCH_SIZE if batched else 0)
     config.input.extend(_io(pb.ModelInput, t) for t in inputs)
     config.output.extend(_io(pb.ModelOutput, t) for t in outputs)
     for key, value in (params or {}).items():
         config.parameters[key].string_value = str(value)
-    if batching:
-        config.dynamic_batching.max_queue_delay_microseconds = QUEUE_DELAY_US
-        config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=1)
+    config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=1)
+    if batched:
+        config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
     return config
 
 
-def token_tensors(input_names: list[str]) -> list[Tensor]:
-    return [Tensor(name, pb.TYPE_INT64, (-1,)) for name in input_names]
-
-
-def tokenizer_config(name: str, input_names: list[str], max_length: int, pad_id: int, truncate: bool) -> pb.ModelConfig:
-    config = _base(name, [Tensor("TEXT", pb.TYPE_STRING, (1,))], token_tensors(input_names), {
-        "max_length": max_length, "pad_id": pad_id, "truncate": str(truncate).lower(),
-        "min_padded_length": MIN_PADDED_LENGTH,
-    })
+def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, truncate: bool) -> pb.ModelConfig:
+    params = {"mode": lay.mode, "max_length": max_length, "pad_id": pad_id, "truncate": str(truncate).lower(),
+              "min_padded_length": MIN_PADDED_LENGTH}
+    if lay.mode == "qa":
+        params["stride"] = QA_STRIDE
+    config = _model(name, lay.inputs, [lay.rows(t) for t in lay.tokens], lay.batched, params,
+                    TOKENIZER_QUEUE_DELAY_US)
     config.backend = "python"
-    config.dynamic_batching.max_queue_delay_microseconds = TOKENIZER_QUEUE_DELAY_US
     return config
 
 
-def encoder_config(name: str, input_names: list[str], hidden_size: int) -> pb.ModelConfig:
-    config = _base(name, token_tensors(input_names),
-                   [Tensor("last_hidden_state", pb.TYPE_FP32, (-1, hidden_size))])
+def encoder_config(name: str, lay: Layout, input_names: list[str]) -> pb.ModelConfig:
+    inputs = [t for t in lay.tokens if t.name in input_names]
+    config = _model(name, inputs, lay.encoder_outputs, batched=True)
     config.platform = "onnxruntime_onnx"
     config.default_model_filename = "model.onnx"
     warmup = config.model_warmup.add(name="warmup", batch_size=1)
-    for input_name in input_names:
-        warmup.inputs[input_name].CopyFrom(
-            pb.ModelWarmup.Input(data_type=pb.TYPE_INT64, dims=[16], zero_data=True))
+    for tensor in inputs:
+        warmup.inputs[tensor.name].CopyFrom(pb.ModelWarmup.Input(data_type=pb.TYPE_INT64, dims=[16], zero_data=True))
     return config
 
 
-def postprocess_config(name: str, hidden_size: int, pooling: str, normalize: bool) -> pb.ModelConfig:
-    config = _base(
-        name,
-        [Tensor("last_hidden_state", pb.TYPE_FP32, (-1, hidden_size)), Tensor("attention_mask", pb.TYPE_INT64, (-1,))],
-        [Tensor("EMBEDDING", pb.TYPE_FP32, (hidden_size,))],
-        {"pooling": pooling, "normalize": str(normalize).lower()},
-    )
+def postprocess_config(name: str, lay: Layout, params: dict[str, str]) -> pb.ModelConfig:
+    config = _model(name, [lay.tensor(n) for n in lay.post_inputs], lay.outputs, lay.batched, params)
     config.backend = "python"
     return config
 
 
-def ensemble_config(name: str, task: str, tokenizer: str, encoder: str, postprocess: str,
-                    input_names: list[str], hidden_size: int) -> pb.ModelConfig:
+def ensemble_config(name: str, task: str, lay: Layout, input_names: list[str], steps: tuple[str, str, str],
+                    params: dict[str, str]) -> pb.ModelConfig:
     """Raw strings in, the task's output out: tokenizer -> encoder -> postprocess."""
-    config = _base(name, [Tensor("TEXT", pb.TYPE_STRING, (1,))],
-                   [Tensor("EMBEDDING", pb.TYPE_FP32, (hidden_size,))], {"task": task}, batching=False)
-    config.platform = "ensemble"
-    steps = config.ensemble_scheduling.step
-    tokens = {n: f"_{n}" for n in input_names}
-    steps.add(model_name=tokenizer, model_version=-1, input_map={"TEXT": "TEXT"}, output_map=tokens)
-    steps.add(model_name=encoder, model_version=-1, input_map=tokens, output_map={"last_hidden_state": "_hidden"})
-    steps.add(model_name=postprocess, model_version=-1,
-              input_map={"last_hidden_state": "_hidden", "attention_mask": tokens["attention_mask"]},
-              output_map={"EMBEDDING": "EMBEDDING"})
+    config = pb.ModelConfig(name=name, max_batch_size=MAX_BATCH_SIZE if lay.batched else 0, platform="ensemble")
+    config.input.extend(_io(pb.ModelInput, t) for t in lay.inputs)
+    config.output.extend(_io(pb.ModelOutput, t) for t in lay.outputs)
+    for key, value in {"task": task, **params}.items():
+        config.parameters[key].string_value = str(value)
+    internal = {t.name: f"_{t.name}" for t in (*lay.tokens, *lay.encoder_outputs)}
+    external = {t.name: t.name for t in lay.inputs}
+    tokenizer, encoder, postprocess = steps
+    step = config.ensemble_scheduling.step
+    step.add(model_name=tokenizer, model_version=-1, input_map=external,
+             output_map={t.name: internal[t.name] for t in lay.tokens})
+    step.add(model_name=encoder, model_version=-1, input_map={n: internal[n] for n in input_names},
+             output_map={t.name: internal[t.name] for t in lay.encoder_outputs})
+    step.add(model_name=postprocess, model_version=-1,
+             input_map={n: {**internal, **external}[n] for n in lay.post_inputs},
+             output_map={t.name: t.name for t in lay.outputs})
     return config
 
 
 def write(config: pb.ModelConfig, model_dir: Path) -> Path:
+    model_dir.mkdir(parents=True, exist_ok=True)
     path = model_dir / "config.pbtxt"
     path.write_text(text_format.MessageToString(config))
     return path

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -14,9 +14,10 @@ _PYTHON_MODELS = "nexus_sli.exporter.python_models"
 REPOSITORY_README = """\
 # Triton model repository written by nexus-sli
 
-`{name}` is an ensemble: raw strings in (`TEXT`, TYPE_STRING), `{output}` out.
-It chains `{name}_tokenizer` (python backend, `tokenizers`), `{name}_encoder`
-(`onnxruntime_onnx`) and `{name}_postprocess` (python backend, numpy).
+Each model `NAME` is an ensemble: raw strings in (TYPE_STRING), the task's
+answer out (`parameters {{ task: ... }}` in its config says which task).
+It chains `NAME_tokenizer` (python backend, `tokenizers`), `NAME_encoder`
+(`onnxruntime_onnx`) and `NAME_postprocess` (python backend, numpy).
 
 Serve it with `tritonserver --model-repository <this folder>`; locally,
 `nexus-sli serve --model-repository <this folder>` starts the Triton server
@@ -46,11 +47,12 @@ class ServingFacts:
 
     input_names: list[str]
     hidden_size: int
+    num_labels: int
     max_length: int
     pad_id: int
     truncate: bool
-    pooling: str
-    normalize: bool
+    #: postprocess parameters (pooling, normalize, id2label, multi_label ...)
+    post_params: dict = field(default_factory=dict)
 
 
 def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None = None) -> None:
@@ -58,25 +60,26 @@ def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None 
     version.mkdir(parents=True, exist_ok=True)
     package = resources.files(_PYTHON_MODELS)
     (version / "model.py").write_text(package.joinpath(f"{module}.py").read_text())
-    (version / "encoding.py").write_text(package.joinpath("encoding.py").read_text())
+    for helper in ("encoding.py", "heads.py"):
+        (version / helper).write_text(package.joinpath(helper).read_text())
     for name, source in (extra or {}).items():
         shutil.copyfile(source, version / name)
 
 
 def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenizer_json: Path) -> None:
     """Write every file of the ensemble except the encoder's ``1/model.onnx``."""
-    tokenizer, encoder, postprocess = f"{name}_tokenizer", f"{name}_encoder", f"{name}_postprocess"
+    lay = tc.layout(task, facts.input_names, facts.hidden_size, facts.num_labels)
+    steps = (f"{name}_tokenizer", f"{name}_encoder", f"{name}_postprocess")
+    tokenizer, encoder, postprocess = steps
     _copy_python_model("tokenizer_model", root / tokenizer, {"tokenizer.json": tokenizer_json})
-    tc.write(tc.tokenizer_config(tokenizer, facts.input_names, facts.max_length, facts.pad_id, facts.truncate),
-             root / tokenizer)
+    tc.write(tc.tokenizer_config(tokenizer, lay, facts.max_length, facts.pad_id, facts.truncate), root / tokenizer)
     (root / encoder / "1").mkdir(parents=True, exist_ok=True)
-    tc.write(tc.encoder_config(encoder, facts.input_names, facts.hidden_size), root / encoder)
+    tc.write(tc.encoder_config(encoder, lay, facts.input_names), root / encoder)
     _copy_python_model("postprocess_model", root / postprocess)
-    tc.write(tc.postprocess_config(postprocess, facts.hidden_size, facts.pooling, facts.normalize), root / postprocess)
+    tc.write(tc.postprocess_config(postprocess, lay, {"task": task, **facts.post_params}), root / postprocess)
     (root / name / "1").mkdir(parents=True, exist_ok=True)  # Triton wants a version folder, even for ensembles
-    tc.write(tc.ensemble_config(name, task, tokenizer, encoder, postprocess, facts.input_names, facts.hidden_size),
-             root / name)
+    tc.write(tc.ensemble_config(name, task, lay, facts.input_names, steps, facts.post_params), root / name)
 
 
-def write_readme(out: Path, name: str) -> None:
-    (out / "README.md").write_text(REPOSITORY_README.format(name=name, output="EMBEDDING"))
+def write_readme(out: Path) -> None:
+    (out / "README.md").write_text(REPOSITORY_README.format())

@@ -19,10 +19,20 @@ from .python_models.encoding import encode, l2_normalize, pool
 from .tasks import Task
 
 REFERENCE = "pytorch-fp32"
+#: Embeddings: token states within 1e-4 (fp32); sentence-embedding cosine (int8).
 THRESHOLDS: dict[str, dict[str, float]] = {
     "fp32": {"max_abs_diff": 1e-4},
     "int8": {"cosine_mean": 0.99, "cosine_min": 0.95},
 }
+#: Tasks with labels or spans: the same argmax as PyTorch fp32.
+LABEL_THRESHOLDS: dict[str, dict[str, float]] = {
+    "fp32": {"max_abs_diff": 1e-4, "agreement": 1.0},
+    "int8": {"agreement": 0.98},
+}
+
+
+def thresholds(task: Task, precision: str) -> dict[str, float]:
+    return (LABEL_THRESHOLDS if task.agreement else THRESHOLDS)[precision]
 #: Longest sequence the parity check runs (attention cost grows with its square).
 LONG_CASE_CAP = 1024
 TEXT_BATCH = 16
@@ -86,8 +96,11 @@ def build_reference(model: torch.nn.Module, task: Task, input_names: list[str], 
     return reference
 
 
-def text_batches(tokenizer, input_names: list[str], pad_id: int, max_length: int) -> list[dict[str, np.ndarray]]:
+def text_batches(tokenizer, input_names: list[str], pad_id: int, max_length: int,
+                 pairs: bool = False) -> list[dict[str, np.ndarray]]:
     texts = validation_texts()
+    if pairs:  # each text with the next one: (query, document) / (question, context) shaped
+        texts = list(zip(texts, texts[1:] + texts[:1]))
     return [
         encode(tokenizer, texts[i : i + TEXT_BATCH], input_names, pad_id, max_length)
         for i in range(0, len(texts), TEXT_BATCH)
@@ -101,18 +114,37 @@ def _masked_max_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> float:
     return float(diff.max()) if diff.size else 0.0
 
 
-def compare(session: Any, reference: Reference, precision: str, embedder: Embedder | None) -> dict:
+def _agreement(kind: str, got: list[np.ndarray], expected: list[np.ndarray], mask: np.ndarray) -> tuple[int, int]:
+    """(agreeing, total) decisions of ``got`` vs ``expected`` for one batch."""
+    agree = total = 0
+    for g, e in zip(got, expected):
+        if kind == "rows":
+            same = g.argmax(-1) == e.argmax(-1)
+        elif kind == "tokens":
+            same = (g.argmax(-1) == e.argmax(-1))[mask.astype(bool)]
+        elif kind == "span":
+            same = np.where(mask > 0, g, -np.inf).argmax(-1) == np.where(mask > 0, e, -np.inf).argmax(-1)
+        else:  # "order": every pair of rows ranked the same way
+            dg, de = g[:, 0][:, None] - g[:, 0][None, :], e[:, 0][:, None] - e[:, 0][None, :]
+            upper = np.triu_indices(len(g), 1)
+            same = np.sign(dg[upper]) == np.sign(de[upper])
+        agree, total = agree + int(same.sum()), total + int(same.size)
+    return agree, total
+
+
+def compare(session: Any, reference: Reference, precision: str, embedder: Embedder | None,
+            task: Task | None = None) -> dict:
     """Run ``session`` on the reference inputs; the validation report."""
     failures: list[str] = []
+    first_text = len(reference.batches) - reference.text_batches
     graph_inputs = [i.name for i in session.get_inputs()]
     graph_outputs = [o.name for o in session.get_outputs()]
     if graph_inputs != reference.input_names:
         failures.append(f"graph inputs {graph_inputs} != model inputs {reference.input_names}")
     if graph_outputs != reference.output_names:
         failures.append(f"graph outputs {graph_outputs} != expected {reference.output_names}")
-    max_diff, cosines = 0.0, []
+    max_diff, cosines, agree, decisions = 0.0, [], 0, 0
     if not failures:
-        first_text = len(reference.batches) - reference.text_batches
         for index, (feeds, expected) in enumerate(zip(reference.batches, reference.outputs)):
             try:
                 got = session.run(None, feeds)
@@ -124,23 +156,28 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
                     failures.append(f"{name}: shape {g.shape} != {e.shape} for input shape {feeds['input_ids'].shape}")
                     continue
                 max_diff = max(max_diff, _masked_max_diff(g, e, feeds["attention_mask"]))
-            if embedder is not None and index >= first_text and not failures:
+            if index < first_text or failures:
+                continue
+            if embedder is not None:
                 a = embedder(got[0], feeds["attention_mask"])
                 b = embedder(expected[0], feeds["attention_mask"])
                 cosines.extend(np.sum(l2_normalize(a) * l2_normalize(b), axis=-1).tolist())
-    thresholds = THRESHOLDS[precision]
+            if task is not None and task.agreement:
+                a, n = _agreement(task.agreement, got, expected, feeds["attention_mask"])
+                agree, decisions = agree + a, decisions + n
+    limits = thresholds(task, precision) if task is not None else THRESHOLDS[precision]
     report = {
         "precision": precision,
         "reference": REFERENCE,
         "max_abs_diff": max_diff,
         "cosine_min": float(min(cosines)) if cosines else None,
         "cosine_mean": float(np.mean(cosines)) if cosines else None,
-        "agreement": None,
-        "thresholds": thresholds,
-        "texts": len(cosines),
+        "agreement": agree / decisions if decisions else None,
+        "thresholds": limits,
+        "texts": sum(len(b["input_ids"]) for b in reference.batches[first_text:]),
     }
     if not failures:
-        failures.extend(_threshold_failures(report, thresholds))
+        failures.extend(_threshold_failures(report, limits))
     report["failures"] = failures
     report["passed"] = not failures
     return report

@@ -10,12 +10,13 @@ import pytest
 from nexus_sli.exporter.export import ExportOptions, run_export
 from nexus_sli.exporter.families import FAMILIES, normalize_model_type
 from tiny_models import NO_TINY_MODEL, TINY_CONFIGS
+from tiny_remote_models import REMOTE_TINY
 
 NO_SEGMENT_INPUT = {"distilbert", "modernbert", "deberta", "deberta-v2"}
 
 
 def test_every_registered_family_has_a_tiny_model_or_a_named_reason():
-    covered = {normalize_model_type(t) for t in TINY_CONFIGS} | set(NO_TINY_MODEL)
+    covered = {normalize_model_type(t) for t in TINY_CONFIGS} | set(REMOTE_TINY) | set(NO_TINY_MODEL)
     assert set(FAMILIES) == covered
     assert all(reason.strip() for reason in NO_TINY_MODEL.values())
 

@@ -126,16 +126,20 @@ def test_jinabert_detected_from_real_config_shape():
     handler = get_registry().detect_family(jina)
     assert handler.family.model_type == "jinabert"
     assert handler.get_layer_prefix(1) == "encoder.layer.1."
-    with pytest.raises(NotYetImplementedError, match="not yet implemented"):
-        handler.create_layer(jina, 0)
+    layer = handler.create_layer(jina, 0)
+    assert type(layer).__name__ == "JinaBertLayer"
+    assert "attention.self.query.weight" in dict(layer.named_parameters())
     assert get_registry().detect_family({"model_type": "bert", **TINY}).family.model_type == "bert"
 
 
 def test_neobert_registered_with_published_prefix():
-    config = {"model_type": "neobert", "hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 100, "max_length": 64}
+    config = {"model_type": "neobert", "hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 100, "max_length": 64,
+              "num_attention_heads": 4, "intermediate_size": 64}
     handler = get_registry().detect_family(config)
     handler.bind(config, ["model.encoder.weight", "model.transformer_encoder.0.qkv.weight"])
     assert handler.get_layer_prefix(1) == "model.transformer_encoder.1."
     assert handler.get_embedding_name() == "model.encoder"
-    with pytest.raises(NotYetImplementedError):
-        handler.create_layer(config, 0)
+    layer = handler.create_layer(config, 0)
+    assert type(layer).__name__ == "NeoBertEncoderBlock"
+    assert {"qkv.weight", "wo.weight", "ffn.w12.weight", "ffn.w3.weight", "attention_norm.weight",
+            "ffn_norm.weight"} == set(dict(layer.named_parameters()))

@@ -78,6 +78,11 @@ class EncoderFamily:
     def hidden_size(self, config: Any) -> int:
         return int(config_value(config, self.hidden_size_keys))
 
+    def ffn_width(self, config: Any) -> int | None:
+        """Inner width of the feed-forward block (its output projection maps it back)."""
+        width = config_value(config, ("intermediate_size", "hidden_dim", "n_inner"))
+        return int(width) if width else None
+
     def num_heads(self, config: Any) -> int:
         return int(config_value(config, self.num_heads_keys))
 

@@ -20,14 +20,24 @@ class TextTooLongError(ValueError):
         self.index, self.length, self.limit = index, length, limit
 
 
-def load_tokenizer(path: str, max_length: int, truncate: bool = True) -> Tokenizer:
+def load_tokenizer(path: str, max_length: int, truncate: bool = True, stride: int = 0,
+                   strategy: str = "longest_first") -> Tokenizer:
+    """A ``tokenizers`` tokenizer that truncates to ``max_length`` (or not).
+    ``stride`` > 0 with ``strategy="only_second"`` makes long (question, context)
+    pairs overflow into overlapping windows (``Encoding.overflowing``)."""
     tokenizer = Tokenizer.from_file(str(path))
-    tokenizer.no_padding()  # padding is done per batch below, to the longest text
+    tokenizer.no_padding()  # padding is done per batch below, to one length
     if truncate:
-        tokenizer.enable_truncation(max_length)
+        tokenizer.enable_truncation(max_length, stride=stride, strategy=strategy)
     else:
         tokenizer.no_truncation()
     return tokenizer
+
+
+def windows(tokenizer: Tokenizer, question: str, context: str) -> list:
+    """Every window of a (question, context) pair: the first encoding and its overflow."""
+    encoding = tokenizer.encode(question, context)
+    return [encoding, *encoding.overflowing]
 
 
 def check_lengths(encodings, max_length: int) -> None:
@@ -57,24 +67,34 @@ def to_arrays(encodings, input_names: list[str], pad_id: int, length: int) -> di
         "input_ids": np.full((batch, length), pad_id, dtype=np.int64),
         "attention_mask": np.zeros((batch, length), dtype=np.int64),
         "token_type_ids": np.zeros((batch, length), dtype=np.int64),
+        # character span of each token in its own sequence; (0, 0) for specials and padding
+        "offsets": np.zeros((batch, length, 2), dtype=np.int64),
+        # 1 where a token belongs to the second sequence (the context of a QA pair)
+        "context_mask": np.zeros((batch, length), dtype=np.int64),
     }
     for row, enc in enumerate(encodings):
         n = len(enc.ids)
         arrays["input_ids"][row, :n] = enc.ids
         arrays["attention_mask"][row, :n] = 1
         arrays["token_type_ids"][row, :n] = enc.type_ids
+        if "offsets" in input_names:
+            arrays["offsets"][row, :n] = enc.offsets
+            special = [i for i, sid in enumerate(enc.sequence_ids) if sid is None]
+            arrays["offsets"][row, special] = 0
+        if "context_mask" in input_names:
+            arrays["context_mask"][row, :n] = [sid == 1 for sid in enc.sequence_ids]
     return {name: arrays[name] for name in input_names}
 
 
 def encode(
     tokenizer: Tokenizer,
-    texts: list[str],
+    texts: list,
     input_names: list[str],
     pad_id: int,
     max_length: int,
     truncate: bool = True,
 ) -> dict[str, np.ndarray]:
-    """Tokenise and pad ``texts`` to the longest one."""
+    """Tokenise and pad ``texts`` (strings, or (first, second) pairs) to the longest one."""
     encodings = tokenizer.encode_batch(list(texts))
     if not truncate:
         check_lengths(encodings, max_length)

@@ -1,28 +1,63 @@
-"""Triton python model: token states -> sentence embedding (pooling, L2 normalisation)."""
+"""Triton python model: encoder outputs -> the task's answer.
+
+The ``task`` parameter picks one of the functions below; each takes the
+request's input arrays and returns its output arrays.
+"""
 
 import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from encoding import l2_normalize, pool
+from heads import answer_spans, class_scores, entities, sigmoid
+
+
+def _json_strings(items):
+    return np.array([json.dumps(item).encode("utf-8") for item in items], dtype=object)
 
 
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        self.pooling = params["pooling"]
-        self.normalize = params.get("normalize", "false") == "true"
-        pool(np.zeros((1, 1, 1), np.float32), np.ones((1, 1), np.int64), self.pooling)  # unknown mode fails load
+        self.params = params
+        self.task = params["task"]
+        self.input_names = [i["name"] for i in config["input"]]
+        self.id2label = json.loads(params.get("id2label", "{}"))
+        if self.task == "embedding":
+            pool(np.zeros((1, 1, 1), np.float32), np.ones((1, 1), np.int64), params["pooling"])  # bad mode fails load
+        self.run = getattr(self, "_" + self.task.replace("-", "_"))
+
+    def _embedding(self, x):
+        vectors = pool(x["last_hidden_state"], x["attention_mask"], self.params["pooling"])
+        if self.params.get("normalize") == "true":
+            vectors = l2_normalize(vectors)
+        return {"EMBEDDING": vectors.astype(np.float32)}
+
+    def _classification(self, x):
+        scores = class_scores(x["logits"].astype(np.float64), self.params.get("multi_label") == "true")
+        return {"SCORES": scores.astype(np.float32)}
+
+    def _rerank(self, x):
+        return {"SCORES": sigmoid(x["logits"].astype(np.float64)[:, 0]).astype(np.float32)}
+
+    def _token_classification(self, x):
+        texts = [t.decode("utf-8", "replace") for t in x["TEXT"].reshape(-1)]
+        found = [entities(text, x["logits"][i], x["offsets"][i], x["attention_mask"][i], self.id2label)
+                 for i, text in enumerate(texts)]
+        return {"ENTITIES": _json_strings(found).reshape(-1, 1)}
+
+    def _question_answering(self, x):
+        context = x["CONTEXT"].reshape(-1)[0].decode("utf-8", "replace")
+        spans = answer_spans(context, x["start_logits"], x["end_logits"], x["offsets"], x["context_mask"],
+                             int(self.params.get("top_k", "20")))
+        return {"ANSWERS": _json_strings([spans])}
 
     def execute(self, requests):
         responses = []
         for request in requests:
-            hidden = pb_utils.get_input_tensor_by_name(request, "last_hidden_state").as_numpy()
-            mask = pb_utils.get_input_tensor_by_name(request, "attention_mask").as_numpy()
-            vectors = pool(hidden, mask, self.pooling)
-            if self.normalize:
-                vectors = l2_normalize(vectors)
-            out = pb_utils.Tensor("EMBEDDING", vectors.astype(np.float32))
-            responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
+            inputs = {name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in self.input_names}
+            outputs = self.run(inputs)
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(name, value) for name, value in outputs.items()]))
         return responses

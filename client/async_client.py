@@ -1,0 +1,91 @@
+"""``AsyncEncoderClient``: the same calls over asyncio; chunks are sent concurrently."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from . import calls
+from . import protocol as p
+from .errors import ClientError, ModelNotFoundError
+from .client import default_url
+
+
+def _module(protocol: str):
+    if protocol == "grpc":
+        import tritonclient.grpc as sync
+        import tritonclient.grpc.aio as aio
+    elif protocol == "http":
+        import tritonclient.http as sync
+        import tritonclient.http.aio as aio
+    else:
+        raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
+    return sync, aio
+
+
+class AsyncEncoderClient:
+    """``async with AsyncEncoderClient() as c: await c.embed(texts, model=...)``"""
+
+    def __init__(self, url: str | None = None, protocol: str = "grpc"):
+        self.protocol = protocol
+        self._types, aio = _module(protocol)
+        self.url = url or default_url(protocol)
+        self._client = aio.InferenceServerClient(self.url)
+        self._info: dict[str, p.ModelInfo] = {}
+
+    async def info(self, model: str) -> p.ModelInfo:
+        if model not in self._info:
+            try:
+                if not await self._client.is_model_ready(model):
+                    raise ModelNotFoundError(f"model {model!r} is not served or not ready")
+                kwargs = {"as_json": True} if self.protocol == "grpc" else {}
+                config = await self._client.get_model_config(model, **kwargs)
+            except ClientError:
+                raise
+            except Exception as exc:
+                raise p.translate(exc, model) from None
+            self._info[model] = p.ModelInfo.from_config(model, config.get("config", config))
+        return self._info[model]
+
+    async def _run(self, model: str, plan: calls.Plan):
+        (await self.info(model)).expect(plan.task)
+        outputs = await asyncio.gather(*(self._infer(model, r, plan.output) for r in plan.requests))
+        return plan.finish(list(outputs))
+
+    async def _infer(self, model: str, request: calls.Request, output: str) -> np.ndarray:
+        inputs = []
+        for name, array in request.items():
+            tensor = self._types.InferInput(name, list(array.shape), "BYTES")
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        try:
+            result = await self._client.infer(model, inputs, outputs=[self._types.InferRequestedOutput(output)])
+        except Exception as exc:
+            self._info.pop(model, None)
+            raise p.translate(exc, model) from None
+        return result.as_numpy(output)
+
+    async def embed(self, texts, model: str) -> np.ndarray:
+        return await self._run(model, calls.embed(texts, await self.info(model)))
+
+    async def classify(self, texts, model: str, top_k: int = 1):
+        return await self._run(model, calls.classify(texts, await self.info(model), top_k))
+
+    async def ner(self, texts, model: str):
+        return await self._run(model, calls.ner(texts, await self.info(model)))
+
+    async def answer(self, question: str, context: str, model: str, top_k: int = 1):
+        return await self._run(model, calls.answer(question, context, await self.info(model), top_k))
+
+    async def rerank(self, query: str, documents, model: str, top_k: int | None = None):
+        return await self._run(model, calls.rerank(query, documents, await self.info(model), top_k))
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def __aenter__(self) -> "AsyncEncoderClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,102 @@
+"""``EncoderClient``: a thin synchronous client for nexus-sli models on Triton."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import calls
+from . import protocol as p
+from .errors import ClientError, ModelNotFoundError
+
+
+def _module(protocol: str):
+    if protocol == "grpc":
+        import tritonclient.grpc as module
+    elif protocol == "http":
+        import tritonclient.http as module
+    else:
+        raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
+    return module
+
+
+def default_url(protocol: str) -> str:
+    return "127.0.0.1:8001" if protocol == "grpc" else "127.0.0.1:8000"
+
+
+class EncoderClient:
+    """Calls one server; each method names the model it uses.
+
+    >>> client = EncoderClient()                 # gRPC on 127.0.0.1:8001
+    >>> client.embed(["a text", "another"], model="all_minilm_l6_v2").shape
+    (2, 384)
+    """
+
+    def __init__(self, url: str | None = None, protocol: str = "grpc", timeout_s: float = 60.0):
+        self.protocol = protocol
+        self._triton = _module(protocol)
+        self.url = url or default_url(protocol)
+        self.timeout_s = timeout_s
+        self._client = self._triton.InferenceServerClient(self.url)
+        self._info: dict[str, p.ModelInfo] = {}
+
+    def info(self, model: str) -> p.ModelInfo:
+        """The model's task and batch limit, read once from its Triton config."""
+        if model not in self._info:
+            try:
+                if not self._client.is_model_ready(model):
+                    raise ModelNotFoundError(f"model {model!r} is not served or not ready")
+                config = self._client.get_model_config(model, **({"as_json": True} if self.protocol == "grpc" else {}))
+            except ClientError:
+                raise
+            except Exception as exc:
+                raise p.translate(exc, model) from None
+            self._info[model] = p.ModelInfo.from_config(model, config.get("config", config))
+        return self._info[model]
+
+    def _run(self, model: str, plan: calls.Plan):
+        self.info(model).expect(plan.task)
+        outputs = [self._infer(model, request, plan.output) for request in plan.requests]
+        return plan.finish(outputs)
+
+    def _infer(self, model: str, request: calls.Request, output: str) -> np.ndarray:
+        inputs = []
+        for name, array in request.items():
+            tensor = self._triton.InferInput(name, list(array.shape), "BYTES")
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        try:
+            kwargs = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
+            result = self._client.infer(model, inputs, outputs=[self._triton.InferRequestedOutput(output)], **kwargs)
+        except Exception as exc:
+            self._info.pop(model, None)  # the model may come back changed
+            raise p.translate(exc, model) from None
+        return result.as_numpy(output)
+
+    def embed(self, texts, model: str) -> np.ndarray:
+        """Embeddings ``[n, hidden]`` for a list, ``[hidden]`` for one string."""
+        return self._run(model, calls.embed(texts, self.info(model)))
+
+    def classify(self, texts, model: str, top_k: int = 1):
+        """Top ``top_k`` labels (label, score) per text."""
+        return self._run(model, calls.classify(texts, self.info(model), top_k))
+
+    def ner(self, texts, model: str):
+        """Entities (text, label, start, end, score) per text, offsets into that text."""
+        return self._run(model, calls.ner(texts, self.info(model)))
+
+    def answer(self, question: str, context: str, model: str, top_k: int = 1):
+        """Best answer spans (text, start, end, score) in ``context``."""
+        return self._run(model, calls.answer(question, context, self.info(model), top_k))
+
+    def rerank(self, query: str, documents, model: str, top_k: int | None = None):
+        """Documents by relevance to ``query``: (index, score, document), best first."""
+        return self._run(model, calls.rerank(query, documents, self.info(model), top_k))
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> "EncoderClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

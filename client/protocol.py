@@ -1,0 +1,96 @@
+"""What goes over the wire for each task, shared by the sync and async clients.
+
+A call is planned as a list of requests (chunks no larger than the server's
+``max_batch_size``), each a list of (input name, numpy array); the responses'
+arrays are then turned into typed results.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import InferenceError, InvalidInputError, ModelNotFoundError, ServerUnavailableError, WrongTaskError
+from .results import Answer, Entity, Label, Ranked
+
+OUTPUTS = {"embedding": "EMBEDDING", "classification": "SCORES", "token-classification": "ENTITIES",
+           "question-answering": "ANSWERS", "rerank": "SCORES"}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    task: str
+    max_batch_size: int
+    params: dict
+
+    @classmethod
+    def from_config(cls, name: str, config: dict) -> "ModelInfo":
+        params = {k: v.get("string_value", v.get("stringValue", "")) for k, v in config.get("parameters", {}).items()}
+        return cls(name, params.get("task", ""), int(config.get("max_batch_size", 0)), params)
+
+    def expect(self, task: str) -> None:
+        if self.task != task:
+            raise WrongTaskError(f"model {self.name!r} serves task {self.task or 'unknown'!r}, not {task!r}")
+
+    @property
+    def id2label(self) -> dict[int, str]:
+        return {int(k): v for k, v in json.loads(self.params.get("id2label", "{}")).items()}
+
+
+def as_list(texts, what: str = "texts") -> tuple[list[str], bool]:
+    """(items, was_single): a single string and a list both work; items must be str."""
+    single = isinstance(texts, str)
+    items = [texts] if single else list(texts)
+    for index, item in enumerate(items):
+        if not isinstance(item, str):
+            raise InvalidInputError(f"{what}[{index}] is {type(item).__name__}, expected str")
+    return items, single
+
+
+def strings(items: list[str]) -> np.ndarray:
+    return np.array([item.encode("utf-8") for item in items], dtype=object)
+
+
+def chunks(items: list[str], size: int) -> list[list[str]]:
+    size = max(size, 1)
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def translate(exc: Exception, model: str) -> Exception:
+    """A tritonclient / transport exception as one of ours."""
+    text = str(exc)
+    if isinstance(exc, OSError) or re.search(r"UNAVAILABLE|Connection refused|Failed to connect|connect error",
+                                             text, re.IGNORECASE):
+        return ServerUnavailableError(f"Triton server unreachable ({text.splitlines()[0] if text else type(exc).__name__}); "
+                                      "check that it runs and the URL is right, then retry")
+    if re.search(r"unknown model|not found|is not ready|unavailable model", text, re.IGNORECASE):
+        return ModelNotFoundError(f"model {model!r} is not served or not ready: {text}")
+    if re.search(r"UTF-8|tokens; the model takes|is empty|is missing|exactly one", text):
+        return InvalidInputError(text)
+    return InferenceError(text)
+
+
+def labels(scores: np.ndarray, info: ModelInfo, top_k: int) -> list[list[Label]]:
+    names = info.id2label
+    result = []
+    for row in scores:
+        order = np.argsort(-row)[:top_k]
+        result.append([Label(names.get(int(i), str(int(i))), float(row[i])) for i in order])
+    return result
+
+
+def entity_lists(raw: np.ndarray) -> list[list[Entity]]:
+    return [[Entity(**e) for e in json.loads(item)] for item in raw.reshape(-1)]
+
+
+def answers(raw: np.ndarray, top_k: int) -> list[Answer]:
+    return [Answer(**a) for a in json.loads(raw.reshape(-1)[0])][:top_k]
+
+
+def ranking(scores: np.ndarray, documents: list[str], top_k: int | None) -> list[Ranked]:
+    ranked = sorted((Ranked(i, float(s), documents[i]) for i, s in enumerate(scores)), key=lambda r: -r.score)
+    return ranked if top_k is None else ranked[:top_k]

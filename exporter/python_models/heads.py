@@ -1,0 +1,92 @@
+"""What each task makes of the encoder's logits: numpy only.
+
+Used by the Triton post-processing model and, on PyTorch's logits, by the
+tests' reference pipeline, so both sides agree on what a label, an entity or an
+answer span is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: Longest answer span considered, in tokens (as transformers' QA pipeline).
+MAX_ANSWER_TOKENS = 30
+#: Best start/end candidates tried per window.
+SPAN_CANDIDATES = 20
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    x = x - x.max(axis=axis, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def class_scores(logits: np.ndarray, multi_label: bool) -> np.ndarray:
+    """Probabilities per label: softmax, or independent sigmoids for multi-label models."""
+    return sigmoid(logits) if multi_label else softmax(logits)
+
+
+def _entity_type(label: str) -> tuple[str, str]:
+    """('B', 'PER') for 'B-PER'; ('', 'PER') for a label without a B-/I- prefix."""
+    if len(label) > 2 and label[1] == "-" and label[0] in "BIES":
+        return label[0], label[2:]
+    return "", label
+
+
+def entities(text: str, logits: np.ndarray, offsets: np.ndarray, mask: np.ndarray, id2label: dict) -> list[dict]:
+    """Token labels grouped into entities (B-/I- scheme) with character offsets into ``text``.
+
+    A token starts a new entity on ``B-X``, or on ``I-X`` when the previous token
+    was not of type X; the score is the mean of its tokens' top probabilities.
+    Special and padding tokens (offsets (0, 0)) are skipped.
+    """
+    probs = softmax(logits.astype(np.float64))
+    found, current = [], None
+    for position in range(len(mask)):
+        start, end = (int(v) for v in offsets[position])
+        if not mask[position] or start == end:
+            continue
+        label_id = int(probs[position].argmax())
+        prefix, kind = _entity_type(str(id2label.get(label_id, id2label.get(str(label_id), label_id))))
+        score = float(probs[position, label_id])
+        if kind == "O":
+            current = None
+            continue
+        if current is not None and current["label"] == kind and prefix != "B":
+            current["end"], current["scores"] = end, current["scores"] + [score]
+            continue
+        current = {"label": kind, "start": start, "end": end, "scores": [score]}
+        found.append(current)
+    return [{"text": text[e["start"]:e["end"]], "label": e["label"], "start": e["start"], "end": e["end"],
+             "score": float(np.mean(e["scores"]))} for e in found]
+
+
+def answer_spans(context: str, start_logits: np.ndarray, end_logits: np.ndarray, offsets: np.ndarray,
+                 context_mask: np.ndarray, top_k: int) -> list[dict]:
+    """Best answer spans over all windows of one (question, context) pair.
+
+    Per window, start and end probabilities are a softmax over the context
+    tokens; a span's score is p(start) * p(end), the end not before the start
+    and at most MAX_ANSWER_TOKENS long.  The best spans over every window win.
+    """
+    best: dict[tuple[int, int], float] = {}
+    for window in range(start_logits.shape[0]):
+        in_context = context_mask[window].astype(bool)
+        if not in_context.any():
+            continue
+        p_start = softmax(np.where(in_context, start_logits[window], -np.inf).astype(np.float64))
+        p_end = softmax(np.where(in_context, end_logits[window], -np.inf).astype(np.float64))
+        starts = np.argsort(p_start)[::-1][:SPAN_CANDIDATES]
+        ends = np.argsort(p_end)[::-1][:SPAN_CANDIDATES]
+        for s in starts:
+            for e in ends:
+                if not (in_context[s] and in_context[e]) or e < s or e - s + 1 > MAX_ANSWER_TOKENS:
+                    continue
+                span = (int(offsets[window, s, 0]), int(offsets[window, e, 1]))
+                best[span] = max(best.get(span, 0.0), float(p_start[s] * p_end[e]))
+    ranked = sorted(best.items(), key=lambda item: -item[1])[:top_k]
+    return [{"text": context[a:b], "start": a, "end": b, "score": score} for (a, b), score in ranked]
