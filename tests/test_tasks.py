@@ -1,0 +1,224 @@
+"""Every task exported, served by the real Triton server, and called through the client."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import task_models
+from nexus_sli.client import (
+    AsyncEncoderClient,
+    EncoderClient,
+    InvalidInputError,
+    ModelNotFoundError,
+    ServerUnavailableError,
+    WrongTaskError,
+)
+from nexus_sli.exporter import serve
+from nexus_sli.exporter.export import ExportOptions, run_export
+from nexus_sli.exporter.python_models.encoding import load_tokenizer, to_arrays, windows
+from nexus_sli.exporter.python_models.heads import answer_spans, class_scores, entities, sigmoid
+from nexus_sli.exporter.validate import validation_texts
+from test_serving import _free_ports
+
+TOPICS = Path(__file__).parent / "data" / "topics.tsv"
+TEXTS = validation_texts()[:12]
+
+
+@pytest.fixture(scope="module")
+def topics():
+    rows = task_models.read_topics(TOPICS)
+    random.Random(0).shuffle(rows)
+    held_out = len(rows) // 5
+    return rows[held_out:], rows[:held_out]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_tokenizer, topics):
+    root = tmp_path_factory.mktemp("tasks")
+    repo = root / "repo"
+    checkpoints = {
+        "classifier": task_models.classifier(tiny_tokenizer, root / "classifier"),
+        "tagger": task_models.tagger(tiny_tokenizer, root / "tagger"),
+        "reranker": task_models.reranker(tiny_tokenizer, root / "reranker"),
+        "reader": task_models.reader(tiny_tokenizer, root / "reader"),
+        "topics": task_models.topic_classifier(root / "topics", topics[0]),
+    }
+    reports = {name: run_export(ExportOptions(model=str(path), name=name, out=repo)).report
+               for name, path in checkpoints.items()}
+    reports["classifier_int8"] = run_export(ExportOptions(model=str(checkpoints["classifier"]), name="classifier_int8",
+                                                          precision="int8", out=repo)).report
+    run_export(ExportOptions(out=repo, name="minilm"))
+    http, grpc, metrics = _free_ports(3)
+    process = serve.start(repo, http, grpc, metrics)
+    yield {"http": f"127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}", "checkpoints": checkpoints, "reports": reports}
+    serve.stop(process)
+
+
+@pytest.fixture(params=["grpc", "http"])
+def client(request, served):
+    with EncoderClient(served[request.param], protocol=request.param) as c:
+        yield c
+
+
+def _torch(checkpoint: Path, auto_class: str):
+    return getattr(transformers, auto_class).from_pretrained(checkpoint, attn_implementation="eager").eval()
+
+
+def _tokenize(checkpoint: Path, items, names, pairs=False):
+    tokenizer = load_tokenizer(str(checkpoint / "tokenizer.json"), 128)
+    encodings = tokenizer.encode_batch(items)
+    return encodings, to_arrays(encodings, names, 0, max(len(e.ids) for e in encodings))
+
+
+def test_tasks_are_inferred_and_validated(served):
+    reports = served["reports"]
+    expected = {"classifier": "classification", "tagger": "token-classification", "reranker": "rerank",
+                "reader": "question-answering", "topics": "classification"}
+    for name, task in expected.items():
+        assert reports[name]["task"] == task and reports[name]["passed"], name
+        assert reports[name]["agreement"] == 1.0 and reports[name]["max_abs_diff"] <= 1e-4
+    assert reports["classifier_int8"]["passed"] and reports["classifier_int8"]["agreement"] >= 0.98
+
+
+def test_classification_matches_pytorch(client, served):
+    checkpoint = served["checkpoints"]["classifier"]
+    model = _torch(checkpoint, "AutoModelForSequenceClassification")
+    _, arrays = _tokenize(checkpoint, TEXTS, ["input_ids", "attention_mask", "token_type_ids"])
+    with torch.no_grad():
+        logits = model(**{k: torch.from_numpy(v) for k, v in arrays.items()}).logits.numpy()
+    expected = class_scores(logits, multi_label=False)
+    served_labels = client.classify(TEXTS, model="classifier", top_k=3)
+    for row, labels in zip(expected, served_labels):
+        assert [lab.label for lab in labels] == [model.config.id2label[i] for i in np.argsort(-row)]
+        assert np.allclose([lab.score for lab in labels], np.sort(row)[::-1], atol=1e-4)
+    single = client.classify(TEXTS[0], model="classifier")
+    assert len(single) == 1 and single[0].label == served_labels[0][0].label
+
+
+def test_real_weights_topic_classifier_is_meaningful_and_agrees(client, served, topics):
+    _, held_out = topics
+    texts = [text for _, text in held_out]
+    model = transformers.BertForSequenceClassification.from_pretrained(served["checkpoints"]["topics"]).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(served["checkpoints"]["topics"])
+    with torch.no_grad():
+        logits = model(**tokenizer(texts, padding=True, truncation=True, return_tensors="pt")).logits
+    expected = [model.config.id2label[int(i)] for i in logits.argmax(-1)]
+    served_labels = [labels[0].label for labels in client.classify(texts, model="topics")]
+    assert served_labels == expected  # 100% agreement on held-out texts
+    accuracy = np.mean([label == truth for label, (truth, _) in zip(served_labels, held_out)])
+    assert accuracy >= 0.8, f"held-out accuracy {accuracy:.2f}: the trained head should mean something"
+
+
+def test_ner_entities_match_pytorch_and_slice_the_text(client, served):
+    checkpoint = served["checkpoints"]["tagger"]
+    model = _torch(checkpoint, "AutoModelForTokenClassification")
+    names = ["input_ids", "attention_mask", "token_type_ids", "offsets"]
+    _, arrays = _tokenize(checkpoint, TEXTS, names)
+    with torch.no_grad():
+        logits = model(**{k: torch.from_numpy(arrays[k]) for k in names[:3]}).logits.numpy()
+    served_entities = client.ner(TEXTS, model="tagger")
+    assert sum(len(found) for found in served_entities) > 0
+    for i, (text, found) in enumerate(zip(TEXTS, served_entities)):
+        reference = entities(text, logits[i], arrays["offsets"][i], arrays["attention_mask"][i], model.config.id2label)
+        assert [(e.label, e.start, e.end) for e in found] == [(e["label"], e["start"], e["end"]) for e in reference]
+        for entity in found:
+            assert entity.text == text[entity.start:entity.end] and entity.label in {"PER", "LOC"}
+
+
+def test_rerank_matches_pytorch(client, served):
+    checkpoint = served["checkpoints"]["reranker"]
+    model = _torch(checkpoint, "AutoModelForSequenceClassification")
+    query, documents = TEXTS[0], TEXTS[1:]
+    _, arrays = _tokenize(checkpoint, [(query, d) for d in documents], ["input_ids", "attention_mask"])
+    with torch.no_grad():
+        scores = sigmoid(model(**{k: torch.from_numpy(v) for k, v in arrays.items()}).logits.numpy()[:, 0])
+    ranked = client.rerank(query, documents, model="reranker")
+    assert [r.index for r in ranked] == list(np.argsort(-scores))
+    assert np.allclose([r.score for r in ranked], np.sort(scores)[::-1], atol=1e-4)
+    assert all(r.document == documents[r.index] for r in ranked)
+    assert len(client.rerank(query, documents, model="reranker", top_k=2)) == 2
+
+
+def test_answer_spans_slice_the_context_and_long_contexts_are_windowed(client, served):
+    marker = task_models.QA_MARKER
+    filler = "the plan is that they start after the first year and more time is over. "
+    context = filler * 60 + f"in the end it was {marker} that they found. " + filler
+    tokenizer = load_tokenizer(str(served["checkpoints"]["reader"] / "tokenizer.json"), 128, truncate=False)
+    assert len(tokenizer.encode(context).ids) > 5 * 128  # 5x the model's limit
+    answers = client.answer("what did they find?", context, model="reader", top_k=3)
+    best = answers[0]
+    assert best.text == marker == context[best.start:best.end]
+    assert best.start > 0.8 * len(context)  # found near the end, past many windows
+    assert all(a.text == context[a.start:a.end] for a in answers)
+
+
+def test_answer_matches_pytorch_over_windows(client, served):
+    checkpoint = served["checkpoints"]["reader"]
+    model = _torch(checkpoint, "AutoModelForQuestionAnswering")
+    question, context = "what is it?", " ".join(validation_texts()[:6])
+    tokenizer = load_tokenizer(str(checkpoint / "tokenizer.json"), 128, stride=32, strategy="only_second")
+    encs = windows(tokenizer, question, context)
+    names = ["input_ids", "attention_mask", "token_type_ids", "offsets", "context_mask"]
+    arrays = to_arrays(encs, names, 0, max(len(e.ids) for e in encs))
+    with torch.no_grad():
+        out = model(**{k: torch.from_numpy(arrays[k]) for k in names[:3]})
+    expected = answer_spans(context, out.start_logits.numpy(), out.end_logits.numpy(), arrays["offsets"],
+                            arrays["context_mask"], 3)
+    served_answers = client.answer(question, context, model="reader", top_k=3)
+    assert [(a.start, a.end) for a in served_answers] == [(e["start"], e["end"]) for e in expected]
+    assert np.allclose([a.score for a in served_answers], [e["score"] for e in expected], atol=1e-4)
+
+
+def test_large_inputs_are_chunked_in_order(client, served):
+    texts = [f"text number {i} about {TEXTS[i % len(TEXTS)][:40]}" for i in range(150)]  # > max_batch_size 64
+    together = client.embed(texts, model="minilm")
+    assert together.shape == (150, 384)
+    one_by_one = np.stack([client.embed(t, model="minilm") for t in texts[::37]])
+    assert np.allclose(together[::37], one_by_one, atol=1e-5)
+    assert client.embed([], model="minilm").shape[0] == 0
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_async_client_sends_chunks_concurrently(served, protocol):
+    texts = TEXTS * 12  # 144 texts: three chunks
+
+    async def run():
+        async with AsyncEncoderClient(served[protocol], protocol=protocol) as c:
+            vectors = await c.embed(texts, model="minilm")
+            labels = await c.classify(TEXTS, model="classifier")
+            ranked = await c.rerank(TEXTS[0], TEXTS[1:], model="reranker")
+            answer = await c.answer("what?", TEXTS[3], model="reader")
+        return vectors, labels, ranked, answer
+
+    vectors, labels, ranked, answer = asyncio.run(run())
+    with EncoderClient(served["grpc"]) as sync:
+        assert np.allclose(vectors, sync.embed(texts, model="minilm"), atol=1e-5)
+        assert [l[0].label for l in labels] == [l[0].label for l in sync.classify(TEXTS, model="classifier")]
+    assert len(ranked) == len(TEXTS) - 1 and answer
+
+
+def test_client_errors_are_clear(client, served):
+    with pytest.raises(WrongTaskError, match="serves task 'embedding', not 'classification'"):
+        client.classify("text", model="minilm")
+    with pytest.raises(ModelNotFoundError, match="no_such_model"):
+        client.embed("text", model="no_such_model")
+    with pytest.raises(InvalidInputError, match=r"texts\[1\] is int"):
+        client.embed(["fine", 3], model="minilm")
+    with pytest.raises(InvalidInputError, match="context is empty"):
+        client.answer("what?", "   ", model="reader")
+    assert client.rerank("q", [], model="reranker") == []
+    assert client.embed(["still serving"], model="minilm").shape == (1, 384)
+
+
+def test_unreachable_server_is_retryable_error():
+    port = _free_ports(1)[0]
+    for protocol in ("grpc", "http"):
+        with pytest.raises(ServerUnavailableError, match="unreachable"):
+            EncoderClient(f"127.0.0.1:{port}", protocol=protocol).embed("x", model="minilm")
