@@ -14,7 +14,7 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 
-.PHONY: install export serve test clean
+.PHONY: install export serve test test-load bench clean
 
 install: $(VENV)/.installed
 
@@ -29,7 +29,8 @@ $(VENV)/.installed: pyproject.toml
 
 export: install
 	$(BIN)/nexus-sli export $(if $(MODEL),--model '$(MODEL)') --task '$(TASK)' \
-		--precision '$(PRECISION)' $(if $(NAME),--name '$(NAME)') --out '$(OUT)'
+		--precision '$(PRECISION)' $(if $(NAME),--name '$(NAME)') --out '$(OUT)' \
+		$(if $(NO_CACHE),--no-cache)
 
 # Exports the default model first when OUT holds no model yet.
 serve: install
@@ -37,8 +38,25 @@ serve: install
 	$(BIN)/nexus-sli serve --model-repository '$(OUT)' --http-port $(HTTP_PORT) \
 		--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
+# Everything but the load test (pyproject's addopts deselect the `load` marker).
 test: install
 	$(BIN)/python -m pytest -q
+
+# 64 concurrent gRPC clients for 60 s against the default model; prints p50/p99,
+# throughput and server RSS growth (LOAD_REPORT=path also writes them as JSON).
+test-load: install
+	NEXUS_SLI_LOAD_REPORT='$(LOAD_REPORT)' $(BIN)/python -m pytest -q -s -m load tests/test_load.py
+
+# The bench serves its own repository: exported (fp32 + int8) again when the exporter changed.
+BENCH_REPO := bench/.repo
+$(BENCH_REPO)/.exported: $(VENV)/.installed $(wildcard exporter/*.py exporter/*/*.py)
+	$(BIN)/nexus-sli bench --repo '$(BENCH_REPO)' --export-only --reexport
+	touch $@
+
+# Measures the packaged default model (under 10 minutes on 2 cores; QUICK=1: under 2).
+bench: $(BENCH_REPO)/.exported
+	$(BIN)/nexus-sli bench --repo '$(BENCH_REPO)' \
+		$(if $(QUICK),--quick --out bench/results/quick,--benchmarks-md BENCHMARKS.md)
 
 clean:
 	rm -rf $(OUT)/*/ .pytest_cache

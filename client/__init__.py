@@ -7,10 +7,13 @@ from .errors import (
     InferenceError,
     InvalidInputError,
     ModelNotFoundError,
+    ModelUnavailableError,
+    RetryableError,
     ServerUnavailableError,
     WrongTaskError,
 )
 from .results import Answer, Entity, Label, Ranked
 
 __all__ = ["AsyncEncoderClient", "EncoderClient", "ClientError", "InferenceError", "InvalidInputError",
-           "ModelNotFoundError", "ServerUnavailableError", "WrongTaskError", "Answer", "Entity", "Label", "Ranked"]
+           "ModelNotFoundError", "ModelUnavailableError", "RetryableError", "ServerUnavailableError", "WrongTaskError",
+           "Answer", "Entity", "Label", "Ranked"]

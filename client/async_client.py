@@ -8,8 +8,7 @@ import numpy as np
 
 from . import calls
 from . import protocol as p
-from .errors import ClientError, ModelNotFoundError
-from .client import default_url
+from .client import client_kwargs, default_url
 
 
 def _module(protocol: str):
@@ -31,20 +30,19 @@ class AsyncEncoderClient:
         self.protocol = protocol
         self._types, aio = _module(protocol)
         self.url = url or default_url(protocol)
-        self._client = aio.InferenceServerClient(self.url)
+        self._client = aio.InferenceServerClient(self.url, **client_kwargs(self._types, protocol))
         self._info: dict[str, p.ModelInfo] = {}
 
     async def info(self, model: str) -> p.ModelInfo:
         if model not in self._info:
+            kwargs = {"as_json": True} if self.protocol == "grpc" else {}
             try:
-                if not await self._client.is_model_ready(model):
-                    raise ModelNotFoundError(f"model {model!r} is not served or not ready")
-                kwargs = {"as_json": True} if self.protocol == "grpc" else {}
+                ready = await self._client.is_model_ready(model)
                 config = await self._client.get_model_config(model, **kwargs)
-            except ClientError:
-                raise
             except Exception as exc:
                 raise p.translate(exc, model) from None
+            if not ready:
+                raise p.not_ready(model)
             self._info[model] = p.ModelInfo.from_config(model, config.get("config", config))
         return self._info[model]
 

@@ -54,8 +54,7 @@ def ner(texts, info: p.ModelInfo) -> Plan:
 
 def answer(question: str, context: str, info: p.ModelInfo, top_k: int = 1) -> Plan:
     for name, value in (("question", question), ("context", context)):
-        if not isinstance(value, str):
-            raise InvalidInputError(f"{name} is {type(value).__name__}, expected str")
+        p.check_text(value, name)
     if not context.strip():
         raise InvalidInputError("context is empty: there is nothing to find an answer in")
     request = {"QUESTION": p.strings([question]), "CONTEXT": p.strings([context])}
@@ -63,8 +62,7 @@ def answer(question: str, context: str, info: p.ModelInfo, top_k: int = 1) -> Pl
 
 
 def rerank(query: str, documents, info: p.ModelInfo, top_k: int | None = None, chunk: int = 64) -> Plan:
-    if not isinstance(query, str):
-        raise InvalidInputError(f"query is {type(query).__name__}, expected str")
+    p.check_text(query, "query")
     items, _ = p.as_list(documents, "documents")
     requests = [{"QUERY": p.strings([query]), "DOCUMENTS": p.strings(c)} for c in p.chunks(items, chunk)]
 

@@ -6,7 +6,6 @@ import numpy as np
 
 from . import calls
 from . import protocol as p
-from .errors import ClientError, ModelNotFoundError
 
 
 def _module(protocol: str):
@@ -23,6 +22,28 @@ def default_url(protocol: str) -> str:
     return "127.0.0.1:8001" if protocol == "grpc" else "127.0.0.1:8000"
 
 
+#: Longest wait between a gRPC channel's attempts to reconnect.  gRPC's default
+#: grows to two minutes: a client would stay failed long after the server is back.
+RECONNECT_BACKOFF_MS = 1000
+
+
+def client_kwargs(module, protocol: str) -> dict:
+    """tritonclient's defaults, plus a short reconnect backoff for gRPC."""
+    if protocol != "grpc":
+        return {}
+    keepalive = module.KeepAliveOptions()
+    return {"channel_args": [
+        ("grpc.max_send_message_length", module.MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", module.MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+    ]}
+
+
 class EncoderClient:
     """Calls one server; each method names the model it uses.
 
@@ -36,20 +57,21 @@ class EncoderClient:
         self._triton = _module(protocol)
         self.url = url or default_url(protocol)
         self.timeout_s = timeout_s
-        self._client = self._triton.InferenceServerClient(self.url)
+        self._client = self._triton.InferenceServerClient(self.url, **client_kwargs(self._triton, protocol))
         self._info: dict[str, p.ModelInfo] = {}
 
     def info(self, model: str) -> p.ModelInfo:
         """The model's task and batch limit, read once from its Triton config."""
         if model not in self._info:
+            kwargs = {"as_json": True} if self.protocol == "grpc" else {}
             try:
-                if not self._client.is_model_ready(model):
-                    raise ModelNotFoundError(f"model {model!r} is not served or not ready")
-                config = self._client.get_model_config(model, **({"as_json": True} if self.protocol == "grpc" else {}))
-            except ClientError:
-                raise
+                ready = self._client.is_model_ready(model)
+                # Not ready: the config request says why (unknown, or known but loading again).
+                config = self._client.get_model_config(model, **kwargs)
             except Exception as exc:
                 raise p.translate(exc, model) from None
+            if not ready:
+                raise p.not_ready(model)
             self._info[model] = p.ModelInfo.from_config(model, config.get("config", config))
         return self._info[model]
 

@@ -5,12 +5,21 @@ class ClientError(Exception):
     """Base class of every error the nexus-sli client raises."""
 
 
-class ServerUnavailableError(ClientError, ConnectionError):
+class RetryableError(ClientError):
+    """The request may succeed if sent again later, with the same client object."""
+
+
+class ServerUnavailableError(RetryableError, ConnectionError):
     """The server could not be reached. Retryable: the same client works once it is back."""
 
 
+class ModelUnavailableError(RetryableError):
+    """The model exists but cannot serve right now: one of its workers died and is
+    being restarted, or it is being loaded again. Retryable."""
+
+
 class ModelNotFoundError(ClientError):
-    """The model is not in the repository, or not ready yet."""
+    """The server has no model of that name."""
 
 
 class WrongTaskError(ClientError):

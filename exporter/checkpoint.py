@@ -10,6 +10,8 @@ when the caller explicitly allows it.
 from __future__ import annotations
 
 import json
+import os
+import struct
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -20,6 +22,24 @@ from .errors import CheckpointError, UnsafeCheckpointError
 
 # TF-era BERT checkpoints name LayerNorm parameters gamma/beta; torch names them weight/bias.
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
+
+
+def _file_identity(file: Path) -> dict:
+    """What says a file is unchanged without reading it: path, size, inode, mtime and ctime.
+
+    ctime cannot be set by ``touch``/``cp -p``, so a rewrite that restores the
+    old mtime still changes the identity.
+    """
+    stat = os.stat(file)
+    return {"path": str(file.resolve()), "size": stat.st_size, "inode": stat.st_ino,
+            "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns}
+
+
+def _header(file: Path) -> dict:
+    """The JSON header of a safetensors file (dtype, shape, data offsets per tensor): 8 + N bytes read."""
+    with open(file, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        return json.loads(handle.read(length))
 
 
 def _modern_name(key: str) -> str:
@@ -38,12 +58,17 @@ class Checkpoint:
         self._handles: dict[Path, object] = {}
         self._pickled: dict[str, torch.Tensor] = {}
         self._where: dict[str, tuple[Path, str]] = {}
+        #: file -> (identity, header), taken before the file is opened so that a
+        #: change while it is read shows up as a different identity next time
+        self._sources: dict[Path, tuple[dict, dict]] = {}
         files = self._safetensors_files()
         if files:
             self.format = "safetensors"
             for file in files:
+                identity = _file_identity(file)
                 try:
                     handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
+                    self._sources[file] = (identity, _header(file))
                 except Exception as exc:  # safetensors' own error types for truncated/corrupt headers
                     raise CheckpointError(f"{file.name} is not a readable safetensors file: {exc}") from exc
                 self._handles[file] = handle
@@ -92,6 +117,21 @@ class Checkpoint:
 
     def __contains__(self, key: str) -> bool:
         return key in self._where
+
+    def tensor_source(self, key: str) -> dict | None:
+        """Where ``key``'s bytes live, without reading them: the file's identity
+        (path, size, inode, mtime, ctime) and the tensor's header entry (stored
+        name, dtype, shape, data offsets).  A source key for caching built from
+        these changes whenever the file is rewritten.  None for pickle
+        checkpoints, which have no header to read this from.
+        """
+        if key not in self._where:
+            raise CheckpointError(f"tensor {key!r} is not in the checkpoint")
+        if self.format != "safetensors":
+            return None
+        file, original = self._where[key]
+        identity, header = self._sources[file]
+        return {"file": identity, "name": original, **header[original]}
 
     def get(self, key: str) -> torch.Tensor:
         """One tensor, floating point promoted to fp32 (the export precision)."""

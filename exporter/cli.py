@@ -18,6 +18,7 @@ def _export(args: argparse.Namespace) -> int:
         model=args.model or None, task=args.task, precision=args.precision, name=args.name or None,
         out=Path(args.out), allow_pickle=args.allow_pickle, allow_degraded=args.allow_degraded,
         truncate=not args.no_truncate,
+        cache=not args.no_cache, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
     ))
     summary = {k: result.report[k] for k in ("precision", "graph", "max_abs_diff", "cosine_min", "cosine_mean", "passed")}
     print(json.dumps({"name": result.name, **summary}))
@@ -28,6 +29,12 @@ def _serve(args: argparse.Namespace) -> int:
     from .serve import serve_forever
 
     return serve_forever(Path(args.model_repository), args.http_port, args.grpc_port, args.metrics_port, args.host)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from nexus_sli.bench.cli import run
+
+    return run(args)
 
 
 def _client_call(args: argparse.Namespace) -> int:
@@ -96,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write the model even when validation fails (recorded in validation.json)")
     export.add_argument("--no-truncate", action="store_true",
                         help="reject texts longer than the model's limit instead of truncating them")
+    export.add_argument("--no-cache", action="store_true",
+                        help="read every layer from the checkpoint; neither use nor fill the layer cache")
+    export.add_argument("--cache-dir", default="",
+                        help="layer cache directory (default: $NEXUS_SLI_CACHE_DIR, else "
+                             "${XDG_CACHE_HOME:-~/.cache}/nexus-sli/layers)")
     export.set_defaults(run=_export)
 
     serve = commands.add_parser("serve", help="start the Triton server on a model repository")
@@ -106,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default loopback only; see the README before exposing it)")
     serve.set_defaults(run=_serve)
+
+    from nexus_sli.bench.cli import add_arguments as add_bench_arguments  # argparse only; cheap
+
+    bench = commands.add_parser("bench", help="benchmark the served model against in-process peers")
+    add_bench_arguments(bench)
+    bench.set_defaults(run=_bench)
     _add_client_commands(commands)
     return parser
 

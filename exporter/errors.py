@@ -39,6 +39,10 @@ class UnsafeCheckpointError(CheckpointError):
     """Only a pickle checkpoint is present and pickle loading was not allowed."""
 
 
+class LayerCacheError(NexusError, ValueError):
+    """A bad argument to the layer cache, or a layer it cannot store or rebuild."""
+
+
 class ExportError(NexusError):
     """The ONNX export or graph optimisation itself failed."""
 

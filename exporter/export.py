@@ -29,7 +29,7 @@ from .repository import Staging
 from .tasks import get_task, infer_task
 from .triton_repository import ServingFacts, write_models, write_readme
 from .validate import THRESHOLDS, Embedder, build_reference, compare, parity_cases, text_batches
-from .walk import walk
+from .walk import open_layer_cache, walk
 
 log = logging.getLogger("nexus_sli.export")
 
@@ -46,6 +46,10 @@ class ExportOptions:
     allow_pickle: bool = False
     allow_degraded: bool = False
     truncate: bool = True
+    #: reuse layers cached by an earlier export of the same checkpoint (and cache this one's)
+    cache: bool = True
+    #: None: $NEXUS_SLI_CACHE_DIR, else ~/.cache/nexus-sli/layers (the LayerCache default)
+    cache_dir: Path | None = None
 
 
 @dataclass
@@ -133,8 +137,12 @@ def run_export(options: ExportOptions) -> ExportResult:
              f"{family.num_layers(config)} layers", name, task.name, options.precision)
 
     with Staging(Path(options.out)) as stage:
+        cache = open_layer_cache(options.cache_dir) if options.cache else None
         with Checkpoint(source.path, allow_pickle=options.allow_pickle) as checkpoint:
-            model, handler, walk_report = walk(config, checkpoint, task, handler)
+            model, handler, walk_report = walk(config, checkpoint, task, handler, cache=cache)
+        if cache is not None:
+            log.info("reused %d of %d layers from the layer cache at %s",
+                     walk_report.layers_from_cache, walk_report.layers_loaded, cache.cache_dir)
         max_length = max_sequence_length(source.path, family, config)
         tokenizer_path = tokenizer_file(source.path, stage.work)
         tokenizer = load_tokenizer(tokenizer_path, max_length)
@@ -173,7 +181,8 @@ def run_export(options: ExportOptions) -> ExportResult:
             max_length=max_length,
             pooling=embedder.pooling if embedder else None,
             normalize=embedder.normalize if embedder else None,
-            walk={"layers": walk_report.layers_loaded, "tensors": walk_report.tensors_loaded,
+            walk={"layers": walk_report.layers_loaded, "from_cache": walk_report.layers_from_cache,
+                  "tensors": walk_report.tensors_loaded,
                   "skipped": walk_report.skipped, "absent_optional": walk_report.absent_optional},
         )
         facts = ServingFacts(input_names, family.hidden_size(config), int(getattr(config, "num_labels", 0) or 0),

@@ -45,7 +45,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import nn
 
-from .errors import LayerIndexError, NexusError
+from .errors import LayerCacheError, LayerIndexError
 from .quantize import get_int8_config
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,6 @@ _GIB = 1024**3
 _FP16_MAX = torch.finfo(torch.float16).max
 
 _last_tick = 0
-
-
-class LayerCacheError(NexusError, ValueError):
-    """A bad argument to the layer cache, or a layer it cannot store or rebuild."""
 
 
 # --------------------------------------------------------------------------- hashing
@@ -251,7 +247,13 @@ def _read_metadata(data: bytes) -> dict[str, str]:
 # --------------------------------------------------------------------------- the cache
 
 
+#: Environment variable naming the default cache directory (CI and tests point it at a scratch folder).
+CACHE_DIR_ENV = "NEXUS_SLI_CACHE_DIR"
+
+
 def _default_cache_dir() -> Path:
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "nexus-sli" / "layers"
 
@@ -302,8 +304,8 @@ def _skeleton(layer: nn.Module) -> nn.Module:
 class LayerCache:
     """Quantized, size-bounded, crash-safe on-disk cache of encoder layers.
 
-    ``cache_dir`` defaults to ``$XDG_CACHE_HOME/nexus-sli/layers`` (``~/.cache``
-    without it).  ``max_cache_size_gb`` (GiB, floats welcome) bounds the total
+    ``cache_dir`` defaults to ``$NEXUS_SLI_CACHE_DIR`` when set, else
+    ``$XDG_CACHE_HOME/nexus-sli/layers`` (``~/.cache`` without it).  ``max_cache_size_gb`` (GiB, floats welcome) bounds the total
     size of the entries; the least recently used go first.
     """
 

@@ -108,6 +108,8 @@ def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, trunc
               "min_padded_length": MIN_PADDED_LENGTH}
     if lay.mode == "qa":
         params["stride"] = QA_STRIDE
+    if not lay.batched:  # one request becomes many encoder rows: the tokenizer refuses more than it takes
+        params["max_rows"] = MAX_BATCH_SIZE
     config = _model(name, lay.inputs, [lay.rows(t) for t in lay.tokens], lay.batched, params,
                     TOKENIZER_QUEUE_DELAY_US)
     config.backend = "python"

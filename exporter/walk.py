@@ -7,12 +7,23 @@ remaining tensors (embeddings, pooler, task head) are loaded into the rest of
 the model.  Every checkpoint tensor ends up consumed or explicitly accounted
 for (a buffer the model recomputes, a pre-training head the task does not
 use); anything else is an error that names it.
+
+With a :class:`~.layer_cache.LayerCache`, a layer whose checkpoint tensors are
+unchanged since it was cached is rebuilt from the cache and its tensors are not
+read.  "Unchanged" is judged without reading tensor data, from the safetensors
+header and the file's stat (see :meth:`Checkpoint.tensor_source`): rewriting
+a file makes every layer stored in it miss, layers in other shards still hit.
+Pickle checkpoints are never cached: they have no header to key on, and keying
+on their bytes would read everything the cache is meant to skip.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,14 +34,24 @@ from tqdm.auto import tqdm
 from .checkpoint import Checkpoint
 from .errors import CheckpointError
 from .handler import BERTFamilyHandler
+from .layer_cache import LayerCache
 from .tasks import Task
 
 log = logging.getLogger(__name__)
 
 
+# Part of every cache key: bump it when the walk changes what a layer's weights
+# are for the same checkpoint tensors (convert_layer_tensors, dtype handling).
+_CACHE_KEY_VERSION = 1
+
+
 @dataclass
 class WalkReport:
+    #: distinct layers put into the model, wherever their weights came from
     layers_loaded: int = 0
+    #: of those, layers rebuilt from the layer cache without reading the checkpoint
+    layers_from_cache: int = 0
+    #: tensors put into the model (a cached layer's count as loaded)
     tensors_loaded: int = 0
     #: reason -> checkpoint keys that were deliberately not loaded
     skipped: dict[str, list[str]] = field(default_factory=dict)
@@ -84,8 +105,91 @@ def _replace(root: nn.Module, path: str, new: nn.Module) -> None:
     setattr(parent, name, new)
 
 
-def walk(config: Any, checkpoint: Checkpoint, task: Task, handler: BERTFamilyHandler | None = None):
-    """Build ``task``'s model for ``config`` from ``checkpoint``; return (model, handler, report)."""
+def open_layer_cache(cache_dir: str | os.PathLike | None = None) -> LayerCache | None:
+    """The LayerCache at ``cache_dir`` (None: its default), or None with a warning when
+    the directory cannot be used: a read-only home must not stop an export."""
+    try:
+        return LayerCache(cache_dir)
+    except OSError as exc:
+        log.warning("layer cache disabled, cannot use %s (%s); pass --cache-dir DIR or --no-cache",
+                    cache_dir or "the default cache directory", exc)
+        return None
+
+
+class _CachedLayers:
+    """The walk's use of a LayerCache for one checkpoint.
+
+    Entries are stored exact (``quantization_mode="none"``, fp32): the walked
+    model is the fp32 reference every exported graph is validated against, so
+    a lossy (int8 / fp16) cached layer would shift the reference itself and
+    validation could not notice.
+    """
+
+    def __init__(self, cache: LayerCache, checkpoint: Checkpoint, model_type: str):
+        self.cache = cache
+        self.checkpoint = checkpoint
+        self.model_type = model_type
+        self.model_id = str(checkpoint.directory.resolve())
+        self.store_failed = False
+
+    def source_key(self, layer: nn.Module, keys: list[str]) -> str | None:
+        """A digest of where the layer's tensors are and what the layer expects; None if uncacheable."""
+        sources = [self.checkpoint.tensor_source(key) for key in keys]
+        if not keys or any(source is None for source in sources):
+            return None
+        layer_type = type(layer)
+        payload = {
+            "version": _CACHE_KEY_VERSION,
+            "family": self.model_type,
+            "layer": f"{layer_type.__module__}.{layer_type.__qualname__}",
+            "expects": {name: [str(t.dtype), list(t.shape)] for name, t in layer.state_dict().items()},
+            "tensors": dict(zip(keys, sources)),
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def fill(self, layer: nn.Module, idx: int, source_key: str) -> bool:
+        """Put the cached weights into ``layer``; False on a miss (``layer`` untouched)."""
+        hit = self.cache.get_layer(self.model_id, idx, lambda: layer, source_hash=source_key,
+                                   quantization_mode="none")
+        return hit is not None
+
+    def store(self, layer: nn.Module, idx: int, source_key: str) -> None:
+        if self.store_failed:
+            return
+        try:
+            self.cache.cache_layer(self.model_id, idx, layer, quantization_mode="none", source_hash=source_key)
+        except OSError as exc:  # a full or read-only disk costs the next export time, not this one
+            log.warning("layer cache: could not store layer %d in %s (%s); going on without storing",
+                        idx, self.cache.cache_dir, exc)
+            self.store_failed = True
+
+
+def _split_layer_keys(layer: nn.Module, prefix: str, layer_keys: list[str]) -> tuple[list[str], list[str]]:
+    """(keys to load into the layer, keys of buffers the layer recomputes instead)."""
+    state, buffers = layer.state_dict(), _buffer_names(layer)
+    recomputed = [k for k in layer_keys if k[len(prefix):] in buffers and k[len(prefix):] not in state]
+    return [k for k in layer_keys if k not in recomputed], recomputed
+
+
+def _fill_layer(layer, idx, prefix, keys, checkpoint, family, cached: _CachedLayers | None) -> bool:
+    """Load ``layer``'s weights, from the cache when it holds them unchanged; True if it did."""
+    source_key = cached.source_key(layer, keys) if cached else None
+    if source_key and cached.fill(layer, idx, source_key):
+        return True
+    tensors = {key[len(prefix):]: checkpoint.get(key) for key in keys}
+    _load_exactly(layer, family.convert_layer_tensors(tensors), prefix)
+    if source_key:
+        cached.store(layer, idx, source_key)
+    return False
+
+
+def walk(config: Any, checkpoint: Checkpoint, task: Task, handler: BERTFamilyHandler | None = None,
+         cache: LayerCache | None = None):
+    """Build ``task``'s model for ``config`` from ``checkpoint``; return (model, handler, report).
+
+    With ``cache``, layers are taken from it where the checkpoint tensors they
+    came from are unchanged, and stored in it otherwise.
+    """
     config = prepare_config(config)
     handler = (handler or BERTFamilyHandler()).bind(config, checkpoint.keys())
     family = handler.family
@@ -97,23 +201,20 @@ def walk(config: Any, checkpoint: Checkpoint, task: Task, handler: BERTFamilyHan
     report = WalkReport()
     consumed: set[str] = set()
     keys = checkpoint.keys()
+    cached = _CachedLayers(cache, checkpoint, family.model_type) if cache is not None else None
     slots = list(family.weight_slots(config))
     for idx, relative in tqdm(slots, desc=f"walk {family.model_type} layers", unit="layer", disable=None):
         prefix = handler.prefix + relative
         layer = handler.create_layer(config, idx)
         layer_keys = [k for k in keys if k.startswith(prefix)]
-        buffers = _buffer_names(layer)
-        tensors = {}
-        for key in layer_keys:
-            if key[len(prefix):] in buffers and key[len(prefix):] not in layer.state_dict():
-                report.skip("buffer the model recomputes", key)
-            else:
-                tensors[key[len(prefix):]] = checkpoint.get(key)
-        _load_exactly(layer, family.convert_layer_tensors(tensors), prefix)
+        to_load, recomputed = _split_layer_keys(layer, prefix, layer_keys)
+        for key in recomputed:
+            report.skip("buffer the model recomputes", key)
+        report.layers_from_cache += _fill_layer(layer, idx, prefix, to_load, checkpoint, family, cached)
         _replace(base, family.module_path(config, idx), layer.eval())
         consumed.update(layer_keys)
         report.layers_loaded += 1
-        report.tensors_loaded += len(tensors)
+        report.tensors_loaded += len(to_load)
     module_paths = [family.module_path(config, idx) + "." for idx, _ in slots]
     _load_rest(model, checkpoint, handler, target_base, module_paths, consumed, report)
     return model, handler, report

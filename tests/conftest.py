@@ -2,8 +2,17 @@ from __future__ import annotations
 
 import pytest
 
+from nexus_sli.exporter.layer_cache import CACHE_DIR_ENV
 from nexus_sli.exporter.validate import validation_texts
 from tiny_models import build_tiny, train_tokenizer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def scratch_layer_cache(tmp_path_factory):
+    """Exports cache layers by default: keep every test (and its subprocesses) out of the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_DIR_ENV, str(tmp_path_factory.mktemp("layer-cache")))
+        yield
 
 
 @pytest.fixture(scope="session")

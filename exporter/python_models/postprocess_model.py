@@ -53,11 +53,21 @@ class TritonPythonModel:
                              int(self.params.get("top_k", "20")))
         return {"ANSWERS": _json_strings([spans])}
 
-    def execute(self, requests):
-        responses = []
-        for request in requests:
+    def _respond(self, request):
+        """The response to one request: its outputs, or an error for it alone (inputs that do
+        not fit together, such as offsets for fewer tokens than the logits, are an error)."""
+        try:
+            missing = [n for n in self.input_names if pb_utils.get_input_tensor_by_name(request, n) is None]
+            if missing:
+                raise ValueError(f"input {', '.join(missing)} is missing")
             inputs = {name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in self.input_names}
-            outputs = self.run(inputs)
-            responses.append(pb_utils.InferenceResponse(
-                output_tensors=[pb_utils.Tensor(name, value) for name, value in outputs.items()]))
-        return responses
+            with np.errstate(all="ignore"):  # non-finite logits give non-finite scores, not a failure
+                outputs = self.run(inputs)
+        except Exception as exc:  # noqa: BLE001 - reported to the request's sender
+            message = f"{self.task} post-processing failed for this request: {type(exc).__name__}: {exc}"
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+        return pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor(name, value) for name, value in outputs.items()])
+
+    def execute(self, requests):
+        return [self._respond(request) for request in requests]

@@ -7,6 +7,10 @@ Modes (the ``mode`` parameter):
 
 All rows of one execute() call are padded to one length, a power of two, so
 the encoder's dynamic batcher can merge requests: Triton batches only equal shapes.
+
+Every request gets its own answer: a request that cannot be tokenized gets an
+error naming the input, the item and the reason, and the other requests of the
+same execution are unaffected.
 """
 
 import json
@@ -40,25 +44,51 @@ class TritonPythonModel:
         self.truncate = params.get("truncate", "true") == "true"
         self.pad_id = int(params["pad_id"])
         self.min_bucket = int(params.get("min_padded_length", "1"))
+        self.stride = int(params.get("stride", "0"))
+        # Rows one request may become (pair and qa modes): the encoder's max_batch_size.
+        self.max_rows = int(params["max_rows"]) if "max_rows" in params else None
         strategy = "only_second" if self.mode == "qa" else "longest_first"
-        self.tokenizer = load_tokenizer(str(here / "tokenizer.json"), self.max_length,
-                                        self.truncate or self.mode == "qa", int(params.get("stride", "0")), strategy)
+        path = str(here / "tokenizer.json")
+        self.tokenizer = load_tokenizer(path, self.max_length, self.truncate or self.mode == "qa", self.stride,
+                                        strategy)
+        if self.mode == "qa":  # counts a question's tokens, however long it is
+            self.counter = load_tokenizer(path, self.max_length, truncate=False)
         self.output_names = [output["name"] for output in config["output"]]
+
+    def _too_many(self, rows):
+        return self.max_rows is not None and rows > self.max_rows
+
+    def _qa(self, request):
+        question, context = _strings(request, "QUESTION"), _strings(request, "CONTEXT")
+        if len(question) != 1 or len(context) != 1:
+            raise ValueError("send exactly one QUESTION and one CONTEXT per request")
+        if not context[0].strip():
+            raise ValueError("CONTEXT is empty: there is nothing to find an answer in")
+        # A window holds the question, the special tokens and more than `stride` context tokens.
+        room = self.max_length - self.tokenizer.num_special_tokens_to_add(True) - self.stride - 1
+        length = len(self.counter.encode(question[0], add_special_tokens=False).ids)
+        if length > room:
+            raise ValueError(f"QUESTION has {length} tokens; the model takes {self.max_length} per window, "
+                             f"so a question may have at most {room}")
+        found = windows(self.tokenizer, question[0], context[0])
+        if self._too_many(len(found)):
+            chars = len(context[0]) * self.max_rows // len(found)
+            raise ValueError(f"CONTEXT is too long: it needs {len(found)} windows of {self.max_length} tokens and one "
+                             f"request takes at most {self.max_rows}; split it into parts of about {chars} characters")
+        return found
 
     def _encodings(self, request):
         if self.mode == "qa":
-            question, context = _strings(request, "QUESTION"), _strings(request, "CONTEXT")
-            if len(question) != 1 or len(context) != 1:
-                raise ValueError("send exactly one QUESTION and one CONTEXT per request")
-            if not context[0].strip():
-                raise ValueError("CONTEXT is empty: there is nothing to find an answer in")
-            return windows(self.tokenizer, question[0], context[0])
+            return self._qa(request)
         if self.mode == "pair":
             query, documents = _strings(request, "QUERY"), _strings(request, "DOCUMENTS")
             if len(query) != 1:
                 raise ValueError("send exactly one QUERY per request")
             if not documents:
                 raise ValueError("DOCUMENTS is empty: nothing to rerank")
+            if self._too_many(len(documents)):
+                raise ValueError(f"DOCUMENTS has {len(documents)} items and one request takes at most "
+                                 f"{self.max_rows}; send them in several requests (the client does)")
             encodings = self.tokenizer.encode_batch([(query[0], d) for d in documents])
         else:
             encodings = self.tokenizer.encode_batch(_strings(request, "TEXT"))
@@ -66,13 +96,25 @@ class TritonPythonModel:
             check_lengths(encodings, self.max_length)
         return encodings
 
+    def _try_encodings(self, request):
+        """(encodings, None) or (None, the error message for this request alone)."""
+        try:
+            return self._encodings(request), None
+        except (ValueError, TextTooLongError) as exc:
+            return None, str(exc)
+        except BaseException as exc:  # noqa: BLE001 - tokenizers' Rust panics are BaseExceptions
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return None, f"the input could not be tokenized: {type(exc).__name__}: {exc}"
+
     def execute(self, requests):
         encoded, errors = {}, {}
         for number, request in enumerate(requests):
-            try:
-                encoded[number] = self._encodings(request)
-            except (ValueError, TextTooLongError) as exc:
-                errors[number] = str(exc)
+            encodings, error = self._try_encodings(request)
+            if error is None:
+                encoded[number] = encodings
+            else:
+                errors[number] = error
         longest = max((len(e.ids) for encs in encoded.values() for e in encs), default=1)
         length = padded_length(max(longest, 1), self.min_bucket, self.max_length)
         responses = []

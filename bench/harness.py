@@ -1,0 +1,395 @@
+"""One bench run: export what is missing, build every path, warm up, time the paths
+interleaved repetition by repetition, and summarise.
+
+Interleaving (every path once per repetition, then again) spreads the noise of a
+shared machine over all paths alike, so the ratios in one run stay comparable.
+The throughput rows on the text set are sliced: repetition r of R times every
+R-th text from offset r, the same slice for every path, so the repetitions
+together cover the whole set once and the fidelity figures cover all of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from nexus_sli.exporter.model_source import ModelSource, check_name, resolve_model
+
+from . import machine, texts as text_set
+from .measure import BATCH32, CONCURRENT16, LATENCY1, SEQ_LEN, Measurement, cosines, one_by_one, timed
+
+log = logging.getLogger("nexus_sli.bench")
+
+SEQ_LENS = (16, 64, 128, 256, 512)
+#: "short query": at most this many tokens
+SHORT_QUERY_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much a run measures; ``FULL`` and ``QUICK`` below."""
+
+    texts: int | None           # None: the whole bench text set
+    repetitions: int
+    latency_queries: int
+    latency_budget_s: float     # per path and repetition: single queries stop once it is spent
+    seq_lens: tuple[int, ...]
+    seq_tokens: int             # tokens per sequence-length measurement (at least one batch of 32)
+    protocols: tuple[str, ...]
+    torch_peers: bool
+    warmup_texts: int
+
+
+FULL = Plan(None, 3, 100, 10.0, SEQ_LENS, 4096, ("grpc", "http"), True, 32)
+QUICK = Plan(96, 1, 16, 3.0, (16, 64), 2048, ("grpc",), False, 32)
+
+
+@dataclass
+class BenchOptions:
+    model: str | None = None
+    repository: Path = Path("bench/.repo")
+    out: Path = Path("bench/results")
+    quick: bool = False
+    repetitions: int | None = None
+    reexport: bool = False
+    benchmarks_md: Path | None = None
+    command: str = ""
+
+
+@dataclass
+class Setup:
+    """Everything the measurements need, built once."""
+
+    model_id: str
+    model_dir: Path
+    repository: Path
+    names: dict[str, str]
+    facts: dict
+    texts: list[str]
+    tokens: list[int]
+    queries: list[str]
+    sweep: dict[int, list[str]]
+    skipped: list[dict] = field(default_factory=list)
+
+
+def model_names(model: str | None) -> tuple[ModelSource, dict[str, str]]:
+    """The model source, and the repository name of its export at each precision."""
+    source = resolve_model(model)
+    base = check_name(source.default_name)
+    return source, {"fp32": base, "int8": f"{base}_int8"}
+
+
+def ensure_exported(options: BenchOptions) -> dict[str, str]:
+    """Export the model at fp32 and int8 into the bench repository unless it already
+    holds exports of this model (or ``reexport`` asks for fresh ones)."""
+    from nexus_sli.exporter.export import ExportOptions, run_export
+
+    source, names = model_names(options.model)
+    for precision, name in names.items():
+        report = Path(options.repository) / f"{name}_encoder" / "validation.json"
+        if not options.reexport and report.is_file() and json.loads(report.read_text()).get("model") == source.model_id:
+            continue
+        log.info("exporting %s (%s) into %s as %s", source.model_id, precision, options.repository, name)
+        run_export(ExportOptions(model=options.model, precision=precision, name=name, out=Path(options.repository)))
+    return names
+
+
+def _queries(texts: list[str], tokens: list[int], n: int) -> list[str]:
+    """Short queries from the set: the first ``n`` of at most 16 tokens, topped up with the shortest."""
+    short = [t for t, k in zip(texts, tokens) if k <= SHORT_QUERY_TOKENS]
+    if len(short) < n:
+        short += [t for _, t in sorted(zip(tokens, texts)) if t not in short]
+    return short[:n]
+
+
+def _sweep(facts, texts: list[str], plan: Plan, skipped: list[dict]) -> dict[int, list[str]]:
+    tokenizer = facts.tokenizer()
+    tokenizer.no_truncation()
+    sweep = {}
+    for n in plan.seq_lens:
+        if n > facts.max_length:
+            skipped.append({"path": "every path", "mode": f"{n} tokens",
+                            "reason": f"the model takes at most {facts.max_length} tokens"})
+            continue
+        count = max(32, plan.seq_tokens // n // 32 * 32)
+        sweep[n] = text_set.texts_of_length(tokenizer, texts, n, count)
+    return sweep
+
+
+def prepare(options: BenchOptions, plan: Plan) -> Setup:
+    from .runners import ServedFacts, token_counts
+
+    names = ensure_exported(options)
+    source, _ = model_names(options.model)
+    facts = {p: ServedFacts.read(Path(options.repository), name) for p, name in names.items()}
+    texts = text_set.subset(text_set.bench_texts(), plan.texts or 10**9)
+    tokens = token_counts(facts["fp32"], texts)
+    setup = Setup(source.model_id, Path(source.path), Path(options.repository), names, facts, texts, tokens,
+                  _queries(texts, tokens, plan.latency_queries), {})
+    setup.sweep = _sweep(facts["fp32"], texts, plan, setup.skipped)
+    return setup
+
+
+@dataclass
+class InProcess:
+    path: str
+    precision: str
+    encoder: object
+    baseline: bool = False      # a baseline candidate: the fastest candidate of each mode is the reference
+    threads: int | None = None  # torch intra-op threads (None: not a torch path)
+    torch: bool = False
+
+
+def _baselines(setup: Setup) -> list[InProcess]:
+    from .runners import SentenceTransformersEncoder, TorchEncoder, has_sentence_transformers_config, torch_thread_counts
+
+    threads = torch_thread_counts()
+    if has_sentence_transformers_config(setup.model_dir):
+        model = SentenceTransformersEncoder.load(setup.model_dir)
+        return [InProcess("sentence-transformers", "fp32", SentenceTransformersEncoder(model, n), True, n, True)
+                for n in threads]
+    # No sentence-transformers folder (a bare checkpoint): the baseline is PyTorch fp32 with the
+    # model's pooling, the reference the exporter itself validates against.
+    fp32 = setup.facts["fp32"]
+    log.warning("%s has no sentence-transformers config: the baseline falls back to PyTorch fp32 "
+                "with %s pooling", setup.model_id, fp32.pooling)
+    model = TorchEncoder.load(setup.model_dir)
+    return [InProcess("pytorch (baseline fallback)", "fp32", TorchEncoder(model, fp32, threads=n), True, n, True)
+            for n in threads]
+
+
+def _peers(setup: Setup, plan: Plan) -> list[InProcess]:
+    from .runners import OnnxRuntimeEncoder, TorchEncoder
+
+    fp32, peers = setup.facts["fp32"], []
+    if plan.torch_peers:
+        model = TorchEncoder.load(setup.model_dir)
+        peers.append(InProcess("pytorch", "fp32", TorchEncoder(model, fp32), torch=True))
+        if machine.supports_bf16():
+            peers.append(InProcess("pytorch", "bf16 autocast", TorchEncoder(model, fp32, bf16=True), torch=True))
+        else:
+            setup.skipped.append({"path": "pytorch bf16", "mode": "all", "reason": "the CPU has no bf16 support"})
+    for precision, name in setup.names.items():
+        graph = setup.repository / f"{name}_encoder" / "1" / "model.onnx"
+        peers.append(InProcess("onnxruntime", precision, OnnxRuntimeEncoder(graph, setup.facts[precision])))
+    return peers
+
+
+def calibrate_torch_threads(baselines: list[InProcess], peers: list[InProcess], texts: list[str]) -> dict:
+    """The PyTorch peers run at the thread count the baseline was fastest with on ``texts``
+    (which also warms the baseline up); the baseline itself keeps both, measured side by side."""
+    seconds = {}
+    for candidate in baselines:
+        timings = []
+        for _ in range(2):
+            started = time.perf_counter()
+            candidate.encoder(texts)
+            timings.append(time.perf_counter() - started)
+        seconds[candidate.threads] = min(timings)
+    best = min(seconds, key=seconds.get)
+    for peer in peers:
+        if peer.torch:
+            peer.threads = peer.encoder.threads = best
+    return {"peers": best, "calibration_s": {str(k): round(v, 3) for k, v in seconds.items()},
+            "calibration_texts": len(texts)}
+
+
+def _groups(setup: Setup) -> dict:
+    """The texts of each group of rows, with their token counts."""
+    from .runners import token_counts
+
+    fp32 = setup.facts["fp32"]
+    return {
+        "set": dict(texts=setup.texts, token_counts=setup.tokens, sliced=True),
+        "latency": dict(texts=setup.queries, token_counts=token_counts(fp32, setup.queries)),
+        "seq": {n: dict(texts=texts, token_counts=token_counts(fp32, texts), seq_len=n)
+                for n, texts in setup.sweep.items()},
+    }
+
+
+def in_process_measurements(setup: Setup, plan: Plan, encoders: list[InProcess]) -> list[Measurement]:
+    groups, measurements = _groups(setup), []
+    for p in encoders:
+        common = dict(path=p.path, precision=p.precision, protocol="in-process", baseline=p.baseline,
+                      threads=p.threads)
+        measurements.append(Measurement(mode=BATCH32, run=timed(p.encoder), **groups["set"], **common))
+        if p.baseline:
+            measurements.append(Measurement(mode=LATENCY1, run=one_by_one(p.encoder, plan.latency_budget_s),
+                                            **groups["latency"], **common))
+            measurements += [Measurement(mode=SEQ_LEN, run=timed(p.encoder), **group, **common)
+                             for group in groups["seq"].values()]
+    return measurements
+
+
+def served_measurements(setup: Setup, plan: Plan, server, clients: list) -> list[Measurement]:
+    from .served import ServedEmbedder
+
+    groups, measurements = _groups(setup), []
+    for precision, name in setup.names.items():
+        for protocol in plan.protocols:
+            embedder = ServedEmbedder(server.url(protocol), protocol, name)
+            clients.append(embedder)
+            common = dict(path="triton", precision=precision, protocol=protocol, served=True)
+            single = functools.partial(embedder.sequential, budget_s=plan.latency_budget_s)
+            measurements += [
+                Measurement(mode=BATCH32, run=embedder.batches, **groups["set"], **common),
+                Measurement(mode=CONCURRENT16, run=embedder.concurrent, **groups["set"], **common),
+                Measurement(mode=LATENCY1, run=single, **groups["latency"], **common),
+            ]
+            if protocol == plan.protocols[0]:
+                measurements += [Measurement(mode=SEQ_LEN, run=embedder.batches, **group, **common)
+                                 for group in groups["seq"].values()]
+    return measurements
+
+
+def _warm_up(measurements: list[Measurement], plan: Plan) -> None:
+    for m in measurements:
+        count = 4 if m.mode == LATENCY1 else plan.warmup_texts if m.mode != SEQ_LEN else 32
+        m.warm_up(m.texts[:count])
+
+
+def _idle_rss(server, samples: int = 5) -> list[int]:
+    values = []
+    for _ in range(samples):
+        time.sleep(0.2)
+        values.append(server.rss_bytes())
+    return values
+
+
+def run_repetitions(measurements: list[Measurement], repetitions: int, sampler) -> None:
+    for repetition in range(repetitions):
+        started = time.perf_counter()
+        for m in measurements:
+            sampler.active(m.served)
+            m.time_once(repetition, repetitions)
+        sampler.active(False)
+        log.info("repetition %d of %d: %.1f s", repetition + 1, repetitions, time.perf_counter() - started)
+
+
+def _row(m: Measurement, reference: Measurement, baseline_batch: Measurement) -> dict:
+    cos = cosines(m.embeddings(), reference.embeddings())
+    p50, p99 = m.percentile_ms(50), m.percentile_ms(99)
+    if m.mode == LATENCY1:
+        ratio = reference.percentile_ms(50) / p50 if p50 else None  # speed-up: > 1 is faster
+    else:
+        against = baseline_batch if m.mode == CONCURRENT16 else reference
+        ratio = m.texts_per_s() / against.texts_per_s()
+    return {
+        "path": m.path, "precision": m.precision, "protocol": m.protocol, "mode": m.mode,
+        "seq_len": m.seq_len, "threads": m.threads, "texts": len(m.texts), "texts_timed": m.texts_timed(),
+        "repetitions": len(m.samples),
+        "texts_per_s": round(m.texts_per_s(), 2), "tokens_per_s": round(m.tokens_per_s(), 1),
+        "p50_ms": None if p50 is None else round(p50, 3), "p99_ms": None if p99 is None else round(p99, 3),
+        "cosine_mean": round(float(cos.mean()), 7), "cosine_min": round(float(cos.min()), 7),
+        "ratio_vs_baseline": None if ratio is None else round(ratio, 3), "baseline": m is reference,
+    }
+
+
+def references(measurements: list[Measurement]) -> dict[tuple, Measurement]:
+    """Per group of rows, the fastest baseline candidate (highest texts/s; lowest p50 for single queries)."""
+    found: dict[tuple, Measurement] = {}
+    for m in measurements:
+        if not m.baseline:
+            continue
+        best = found.get(m.group)
+        if best is None:
+            found[m.group] = m
+        elif m.mode == LATENCY1 and m.percentile_ms(50) < best.percentile_ms(50):
+            found[m.group] = m
+        elif m.mode != LATENCY1 and m.texts_per_s() > best.texts_per_s():
+            found[m.group] = m
+    return found
+
+
+def rows(measurements: list[Measurement]) -> list[dict]:
+    chosen = references(measurements)
+    return [_row(m, chosen[m.group], chosen[("set", None)]) for m in measurements]
+
+
+def _memory(idle: list[int], load: list[int], processes: int) -> dict:
+    mb = 2**20
+    return {"idle_mb": round(float(np.median(idle)) / mb, 1),
+            "load_median_mb": round(float(np.median(load)) / mb, 1) if load else None,
+            "load_peak_mb": round(max(load) / mb, 1) if load else None,
+            "samples_under_load": len(load), "processes": processes}
+
+
+def measure(setup: Setup, plan: Plan, repetitions: int) -> tuple[list[Measurement], dict, dict]:
+    from .served import RssSampler, Server
+
+    baselines, peers = _baselines(setup), _peers(setup, plan)
+    threads = calibrate_torch_threads(baselines, peers, setup.texts[:plan.warmup_texts])
+    measurements = in_process_measurements(setup, plan, [*baselines, *peers])
+    clients: list = []
+    with Server(setup.repository) as server:
+        try:
+            measurements += served_measurements(setup, plan, server, clients)
+            log.info("warming up %d measurements", len(measurements))
+            _warm_up(measurements, plan)
+            idle = _idle_rss(server)
+            processes = len(machine.process_tree(server.process.pid))
+            with RssSampler(server) as sampler:
+                run_repetitions(measurements, repetitions, sampler)
+        finally:
+            for client in clients:
+                client.close()
+    return measurements, _memory(idle, sampler.samples, processes), threads
+
+
+def _padding(setup: Setup, facts) -> dict:
+    """Real tokens over what the server pads to when a client sends the set in batches of 32."""
+    from nexus_sli.exporter.python_models.encoding import padded_length
+    from nexus_sli.exporter.triton_config import MIN_PADDED_LENGTH
+
+    real = padded = 0
+    for i in range(0, len(setup.tokens), 32):
+        batch = setup.tokens[i:i + 32]
+        real += sum(batch)
+        padded += len(batch) * padded_length(max(batch), MIN_PADDED_LENGTH, facts.max_length)
+    return {"served_batch32_real_token_share": round(real / padded, 3)}
+
+
+def run_bench(options: BenchOptions) -> dict:
+    """Measure, write ``latest.json``, ``latest.md`` and ``latest.png`` under ``options.out``."""
+    from . import report
+    from .runners import token_counts
+    from .targets import evaluate
+
+    started = time.perf_counter()
+    plan = QUICK if options.quick else FULL
+    repetitions = options.repetitions or plan.repetitions
+    info = machine.machine_info()
+    setup = prepare(options, plan)
+    measurements, memory, threads = measure(setup, plan, repetitions)
+    table = rows(measurements)
+    stats = text_set.length_stats(token_counts(setup.facts["fp32"], setup.texts, truncate=False),
+                                  setup.facts["fp32"].max_length)
+    results = {
+        "schema": 1,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": options.command,
+        "quick": options.quick,
+        "model": setup.model_id,
+        "served_models": setup.names,
+        "machine": info,
+        "libraries": machine.library_versions(),
+        "settings": {"repetitions": repetitions, "batch_size": 32, "concurrent_clients": 16,
+                     "latency_queries": len(setup.queries), "protocols": list(plan.protocols),
+                     "latency_budget_s": plan.latency_budget_s, "seq_lens": sorted(setup.sweep),
+                     "warmup_texts": plan.warmup_texts, "torch_threads": threads},
+        "text_set": {**stats, **_padding(setup, setup.facts["fp32"])},
+        "server_memory": memory,
+        "rows": table,
+        "skipped": setup.skipped,
+        "targets": evaluate(table),
+        "duration_s": round(time.perf_counter() - started, 1),
+    }
+    report.write_all(results, Path(options.out), options.benchmarks_md)
+    return results

@@ -1,0 +1,126 @@
+"""Samples, repetitions and the summary of one measured configuration."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+#: modes: what a client does
+BATCH32 = "batch32"              # client batches of 32 texts (in-process: encode(batch_size=32))
+CONCURRENT16 = "concurrent16"    # 16 clients, one text per request
+LATENCY1 = "latency1"            # sequential single short queries
+SEQ_LEN = "seq_len"              # batches of 32 texts of one token length
+
+
+@dataclass
+class Sample:
+    """One timed run over a list of texts (the first ``count`` of them when time-boxed)."""
+
+    seconds: float
+    latencies_ms: list[float]
+    embeddings: np.ndarray
+    indices: list[int] = field(default_factory=list)  # positions of the texts run in the measurement's list
+    tokens: int = 0                                   # real tokens of the texts run
+
+    @property
+    def count(self) -> int:
+        return len(self.embeddings)
+
+
+@dataclass
+class Measurement:
+    """One row of the results: a path at a precision, over a protocol, in a mode."""
+
+    path: str
+    precision: str
+    protocol: str
+    mode: str
+    texts: list[str]
+    token_counts: list[int]         # real tokens per text (after truncation), for tokens/s
+    run: Callable[[list[str]], Sample]
+    served: bool = False
+    baseline: bool = False          # a baseline candidate (the fastest of a group is the reference)
+    seq_len: int | None = None
+    threads: int | None = None      # torch intra-op threads, for the torch paths
+    sliced: bool = False            # each repetition runs its own slice of ``texts``
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def group(self) -> tuple[str, int | None]:
+        """Rows of a group run on the same texts; the group's baseline row is their reference."""
+        return ("latency" if self.mode == LATENCY1 else "seq" if self.mode == SEQ_LEN else "set", self.seq_len)
+
+    def warm_up(self, texts: list[str]) -> None:
+        self.run(texts)
+
+    def time_once(self, repetition: int = 0, repetitions: int = 1) -> Sample:
+        """Repetition ``repetition``: sliced measurements run every ``repetitions``-th text from
+        that offset, so the repetitions together cover the whole list once."""
+        indices = list(range(repetition, len(self.texts), repetitions) if self.sliced else range(len(self.texts)))
+        sample = self.run([self.texts[i] for i in indices])
+        sample.indices = indices[:sample.count]
+        sample.tokens = sum(self.token_counts[i] for i in sample.indices)
+        self.samples.append(sample)
+        return sample
+
+    def texts_per_s(self) -> float:
+        return float(np.median([s.count / s.seconds for s in self.samples]))
+
+    def tokens_per_s(self) -> float:
+        return float(np.median([s.tokens / s.seconds for s in self.samples]))
+
+    def texts_timed(self) -> int:
+        return sum(s.count for s in self.samples)
+
+    def percentile_ms(self, q: float) -> float | None:
+        pooled = [x for s in self.samples for x in s.latencies_ms]
+        return float(np.percentile(pooled, q)) if pooled else None
+
+    def embeddings(self) -> np.ndarray:
+        """``[len(texts), hidden]``; NaN rows for texts no repetition reached (time-boxed runs)."""
+        first = self.samples[0].embeddings
+        vectors = np.full((len(self.texts), first.shape[1]), np.nan, dtype=np.float64)
+        for sample in reversed(self.samples):
+            vectors[sample.indices] = sample.embeddings
+        return vectors
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine over the rows both have (NaN rows: texts a time-boxed run did not reach)."""
+    keep = ~np.isnan(a).any(axis=1) & ~np.isnan(b).any(axis=1)
+    a, b = a[keep].astype(np.float64), b[keep].astype(np.float64)
+    a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+    b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
+    return np.sum(a * b, axis=1)
+
+
+def timed(function: Callable[[list[str]], np.ndarray]) -> Callable[[list[str]], Sample]:
+    """An in-process encoder as a measurement: one wall-clock time per call, no per-request latencies."""
+    def run(texts: list[str]) -> Sample:
+        start = time.perf_counter()
+        vectors = function(texts)
+        return Sample(time.perf_counter() - start, [], np.asarray(vectors))
+    return run
+
+
+def one_at_a_time(embed_one: Callable[[str], np.ndarray], texts: list[str], budget_s: float | None) -> Sample:
+    """Each text alone, after the previous one returned; stops early once ``budget_s`` is spent
+    (a path slowed down 50x by a loaded machine must not stall the whole bench)."""
+    vectors, latencies = [], []
+    start = time.perf_counter()
+    for text in texts:
+        t0 = time.perf_counter()
+        vectors.append(np.asarray(embed_one(text)).reshape(-1))
+        latencies.append((time.perf_counter() - t0) * 1e3)
+        if budget_s is not None and time.perf_counter() - start > budget_s:
+            break
+    return Sample(time.perf_counter() - start, latencies, np.stack(vectors))
+
+
+def one_by_one(function: Callable[[list[str]], np.ndarray], budget_s: float | None = None
+               ) -> Callable[[list[str]], Sample]:
+    """An in-process encoder called with one text at a time (batch-1 latency)."""
+    return lambda texts: one_at_a_time(lambda text: function([text])[0], texts, budget_s)

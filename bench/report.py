@@ -1,0 +1,250 @@
+"""The results as ``latest.json``, a Markdown page, a plot, and ``BENCHMARKS.md``."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from .measure import BATCH32, CONCURRENT16, LATENCY1, SEQ_LEN
+
+MODE_TEXT = {BATCH32: "batches of 32", CONCURRENT16: "16 concurrent clients, 1 text each",
+             LATENCY1: "sequential single short queries"}
+
+
+def _num(value, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _threads(row: dict) -> str:
+    count = row.get("threads")
+    return "" if count is None else f" ({count} torch thread{'s' if count > 1 else ''})"
+
+
+def _label(row: dict) -> str:
+    protocol = "" if row["protocol"] == "in-process" else f" {row['protocol']}"
+    return f"{row['path']} {row['precision']}{protocol}{_threads(row)}"
+
+
+def rows_table(rows: list[dict]) -> list[str]:
+    lines = ["| path | precision | protocol | mode | texts/s | tokens/s | p50 ms | p99 ms | cosine mean | cosine min "
+             "| vs baseline |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["mode"] == SEQ_LEN:
+            continue
+        name = f"**{r['path']}{_threads(r)}** (baseline)" if r["baseline"] else f"{r['path']}{_threads(r)}"
+        lines.append(
+            f"| {name} | {r['precision']} | {r['protocol']} | {MODE_TEXT.get(r['mode'], r['mode'])} "
+            f"| {_num(r['texts_per_s'], 1)} | {_num(r['tokens_per_s'], 0)} | {_num(r['p50_ms'], 2)} "
+            f"| {_num(r['p99_ms'], 2)} | {_num(r['cosine_mean'], 6)} | {_num(r['cosine_min'], 6)} "
+            f"| {_num(r['ratio_vs_baseline'], 2)}x |")
+    return lines
+
+
+def sweep_table(rows: list[dict]) -> list[str]:
+    sweep = [r for r in rows if r["mode"] == SEQ_LEN]
+    lengths = sorted({r["seq_len"] for r in sweep})
+    if not lengths:
+        return []
+    lines = ["| path | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+             "|---|" + "---:|" * len(lengths)]
+    for label in dict.fromkeys(_label(r) for r in sweep):
+        by_len = {r["seq_len"]: r for r in sweep if _label(r) == label}
+        cells = [f"{by_len[n]['texts_per_s']:.1f} / {by_len[n]['tokens_per_s']:.0f} ({by_len[n]['ratio_vs_baseline']:.2f}x)"
+                 if n in by_len else "-" for n in lengths]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def targets_table(targets: list[dict]) -> list[str]:
+    lines = ["| target | required | measured | met | configuration | gap |", "|---|---|---:|---|---|---|"]
+    for t in targets:
+        lines.append(f"| {t['target']} | {t['required']} | {_num(t['measured'], 6 if 'cosine' in t['target'] else 2)} "
+                     f"| {'met' if t['met'] else '**not met**'} | {t['config'] or '-'} | {t['gap'] or '-'} |")
+    return lines
+
+
+def _settings_line(settings: dict) -> str:
+    threads = settings["torch_threads"]
+    calibration = ", ".join(f"{k} thread(s) {v:.3f} s" for k, v in threads["calibration_s"].items())
+    return (f"Batches and concurrent clients: each of the {settings['repetitions']} repetitions times one text in "
+            f"{settings['repetitions']} of the set (its own slice, the same for every path); together they "
+            f"cover the set once. PyTorch peers ran with {threads['peers']} torch thread(s), the faster for the baseline on "
+            f"{threads['calibration_texts']} warm-up texts ({calibration}). Single queries: up to "
+            f"{settings['latency_queries']} per path and repetition, at most {settings['latency_budget_s']:.0f} s "
+            "(rows list how many were timed in the JSON, `texts_timed`).")
+
+
+def machine_line(machine: dict) -> str:
+    flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in machine["flags"].items())
+    return (f"{machine['cpu_model']}, {machine['cores']} cores, {machine['memory_gb']} GB; {flags}; "
+            f"load average at start {machine['load_average_at_start']}")
+
+
+def _range(values: list[float]) -> str:
+    if not values:
+        return "-"
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return f"{low}x" if low == high else f"{low}-{high}x"
+
+
+def observations(results: dict) -> str:
+    """Where the served path's throughput goes: equal-length batches against the mixed set."""
+    rows = results["rows"]
+    lines = []
+    for precision in dict.fromkeys(r["precision"] for r in rows if r["path"] == "triton"):
+        at_length = [r["ratio_vs_baseline"] for r in rows
+                     if r["path"] == "triton" and r["precision"] == precision and r["mode"] == SEQ_LEN]
+        mixed = [r["ratio_vs_baseline"] for r in rows
+                 if r["path"] == "triton" and r["precision"] == precision and r["mode"] == BATCH32]
+        lines.append(f"served {precision}: {_range(at_length)} the baseline on batches of equal length, "
+                     f"{_range(mixed)} on batches of the mixed set")
+    share = results["text_set"]["served_batch32_real_token_share"]
+    return ("; ".join(lines) + f". Batches of the mixed set carry {share:.0%} real tokens once the server pads "
+            "them to a power of two, while the baseline sorts by length before batching.")
+
+
+def markdown(results: dict) -> str:
+    text, memory = results["text_set"], results["server_memory"]
+    lines = [
+        f"# nexus-sli bench: {results['model']}", "",
+        f"{results['created']} · {'quick' if results['quick'] else 'full'} run · "
+        f"{results['settings']['repetitions']} repetition(s), medians · {results['duration_s']:.0f} s", "",
+        f"Machine: {machine_line(results['machine'])}.", "",
+        f"Command: `{results['command']}`", "",
+        "## Throughput, latency, fidelity", "",
+        *rows_table(results["rows"]), "",
+        "`vs baseline`: throughput over the baseline's `encode(batch_size=32)` throughput (for the concurrent "
+        "mode too); for single queries, the baseline's batch-1 p50 over this row's p50. Above 1x is faster. "
+        "The baseline is timed with torch's default thread count and with 1 thread; the faster of the two, per "
+        "mode, is the reference (bold). Cosines: each path's embeddings against the reference's on the same "
+        "texts. p50/p99: per request (a batch of 32, or one text); none for in-process batch runs. "
+        f"{_settings_line(results['settings'])}", "",
+        "## Cost by sequence length", "",
+        "texts/s / tokens/s (vs baseline at that length); client batches of 32 over gRPC for the served rows.", "",
+        *sweep_table(results["rows"]), "",
+        "## Server memory", "",
+        f"Triton and its python backend stubs ({memory['processes']} processes, both precisions loaded): "
+        f"{memory['idle_mb']} MB RSS idle; under load median {memory['load_median_mb']} MB, "
+        f"peak {memory['load_peak_mb']} MB ({memory['samples_under_load']} samples).", "",
+        "## Text set", "",
+        f"{text['texts']} texts; tokens per text after truncation at {text['max_length']}: mean "
+        f"{text['tokens_mean']}, {', '.join(f'{k} {v}' for k, v in text['tokens_percentiles'].items())}; "
+        f"{text['truncated']} truncated. By tokens before truncation: "
+        f"{', '.join(f'{k}: {v}' for k, v in text['histogram'].items())}. "
+        f"Client batches of 32 sent in set order carry {text['served_batch32_real_token_share']:.0%} real tokens "
+        "after the server pads each batch to a power of two.", "",
+        "## Targets (issue 6)", "",
+        *targets_table(results["targets"]), "",
+        observations(results), "",
+    ]
+    if results["skipped"]:
+        lines += ["Not measured: " + "; ".join(f"{s['path']}, {s['mode']} ({s['reason']})"
+                                             for s in results["skipped"]) + ".", ""]
+    return "\n".join(lines)
+
+
+def _throughput_panel(axis, rows: list[dict]) -> None:
+    throughput = [r for r in rows if r["mode"] in (BATCH32, CONCURRENT16)]
+    baseline = next(r for r in throughput if r["baseline"])
+    colors = ["tab:gray" if r["path"] == baseline["path"] else "tab:blue" if r["path"] == "triton" else "tab:orange"
+              for r in throughput]
+    axis.barh(range(len(throughput)), [r["texts_per_s"] for r in throughput], color=colors)
+    axis.set_yticks(range(len(throughput)),
+                    [f"{_label(r)} · {'batch 32' if r['mode'] == BATCH32 else '16 clients'}" for r in throughput],
+                    fontsize=8)
+    axis.invert_yaxis()
+    axis.axvline(baseline["texts_per_s"], color="black", linestyle="--", linewidth=1, label="baseline")
+    axis.set_xlabel("texts/s (median)")
+    axis.set_title("Throughput by path (gray: baseline, orange: in-process, blue: served)")
+    axis.legend(loc="lower right")
+
+
+def _sweep_panel(axis, rows: list[dict]) -> None:
+    sweep = [r for r in rows if r["mode"] == SEQ_LEN]
+    for label in dict.fromkeys(_label(r) for r in sweep):
+        points = sorted((r["seq_len"], r["texts_per_s"]) for r in sweep if _label(r) == label)
+        axis.plot(*zip(*points), marker="o", label=label)
+    axis.set_xscale("log", base=2)
+    lengths = sorted({r["seq_len"] for r in sweep})
+    axis.set_xticks(lengths, [str(n) for n in lengths])
+    axis.set_yscale("log")
+    axis.set_xlabel("tokens per text")
+    axis.set_ylabel("texts/s (median)")
+    axis.set_title("Throughput against sequence length (batches of 32)")
+    axis.legend()
+
+
+def plot(results: dict, target: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(14, 6), gridspec_kw={"width_ratios": [1.2, 1]})
+    _throughput_panel(left, results["rows"])
+    _sweep_panel(right, results["rows"])
+    figure.suptitle(f"{results['model']} · {results['machine']['cpu_model']}, {results['machine']['cores']} cores · "
+                    f"{results['created']}", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(target, dpi=110)
+    plt.close(figure)
+
+
+BENCHMARKS_INTRO = """\
+# Benchmarks
+
+The latest figures of `make bench`: the packaged all-MiniLM-L6-v2 served end
+to end by this project through the real Triton server (tokenizing included),
+against sentence-transformers and other in-process peers, all measured in one
+run on one machine.
+
+- Machine: {machine}.
+- Command: `make bench`. It exports the model at fp32 and int8 into
+  `bench/.repo` when the exporter changed (`nexus-sli bench --export-only
+  --reexport`), then runs `{command}`, which wrote this page,
+  `bench/results/latest.json` (every row, the machine, the settings) and
+  `bench/results/latest.png` (throughput by path; throughput against sequence
+  length). `make bench QUICK=1` is a smoke run into `bench/results/quick/`.
+
+**The machine is shared and noisy**: other engineers' test runs load its two
+cores while the bench runs, so absolute figures move from run to run (the load
+average at the start is recorded above). The paths are timed interleaved, every
+path once per repetition, {repetitions} repetitions, medians, so that the noise
+falls on all of them alike: the ratios to the baseline measured side by side in
+one run are what count.
+
+How it measures:
+- Baseline: `SentenceTransformer.encode(texts, batch_size=32)`, fp32,
+  in-process, timed with torch's default thread count and with 1 thread; the
+  faster, per mode, is the reference for every ratio (under load, torch's
+  OpenMP threads can be several times slower than one thread, and a crippled
+  baseline would flatter the served path). It sorts texts by length before
+  batching; the PyTorch and ONNX Runtime peers do the same.
+- Served: the exported ensemble (python tokenizer -> ONNX Runtime encoder ->
+  python pooling) on `tritonserver` from `nvidia-pytriton`, loopback, through
+  `nexus_sli.client.EncoderClient`. Batches of 32 go in the order of the text
+  set; the 16 concurrent clients are threads with their own client objects;
+  single queries are texts of at most 16 tokens, sent one after another.
+- Fidelity: cosine of each path's embeddings to the reference's on the same texts.
+- Nothing in the server was tuned for these figures; this page only measures.
+
+"""
+
+
+def benchmarks_page(results: dict, page: str) -> str:
+    intro = BENCHMARKS_INTRO.format(machine=machine_line(results["machine"]), command=results["command"],
+                                    repetitions=results["settings"]["repetitions"])
+    body = page.split("\n", 1)[1].lstrip("\n")  # the latest.md content without its title
+    body = "\n".join(line for line in body.split("\n") if not line.startswith(("Machine: ", "Command: ")))
+    return intro + "## Latest run\n\n" + re.sub(r"\n{3,}", "\n\n", body).replace("\n## ", "\n### ")
+
+
+def write_all(results: dict, out: Path, benchmarks_md: Path | None = None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
+    page = markdown(results)
+    (out / "latest.md").write_text(page)
+    plot(results, out / "latest.png")
+    if benchmarks_md is not None:
+        Path(benchmarks_md).write_text(benchmarks_page(results, page))
