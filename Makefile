@@ -8,6 +8,7 @@ BIN    := $(VENV)/bin
 MODEL     ?=
 TASK      ?= auto
 PRECISION ?= fp32
+BACKEND   ?= onnxruntime
 NAME      ?=
 OUT       ?= model_repository
 HTTP_PORT ?= 8000
@@ -29,7 +30,7 @@ $(VENV)/.installed: pyproject.toml
 
 export: install
 	$(BIN)/nexus-sli export $(if $(MODEL),--model '$(MODEL)') --task '$(TASK)' \
-		--precision '$(PRECISION)' $(if $(NAME),--name '$(NAME)') --out '$(OUT)' \
+		--precision '$(PRECISION)' --backend '$(BACKEND)' $(if $(NAME),--name '$(NAME)') --out '$(OUT)' \
 		$(if $(NO_CACHE),--no-cache)
 
 # Exports the default model first when OUT holds no model yet.

@@ -79,26 +79,59 @@ class Setup:
     skipped: list[dict] = field(default_factory=list)
 
 
+def variants() -> dict[str, tuple[str, str, str]]:
+    """Each served configuration the bench measures: label -> (backend, precision, name suffix).
+    OpenVINO bf16 only where the CPU has bf16 (elsewhere the exporter would make fp32)."""
+    ov_float = "bf16" if machine.supports_bf16() else "fp32"
+    return {"fp32": ("onnxruntime", "fp32", ""), "int8": ("onnxruntime", "int8", "_int8"),
+            f"openvino-{ov_float}": ("openvino", ov_float, f"_ov_{ov_float}"),
+            "openvino-int8": ("openvino", "int8", "_ov_int8")}
+
+
 def model_names(model: str | None) -> tuple[ModelSource, dict[str, str]]:
-    """The model source, and the repository name of its export at each precision."""
+    """The model source, and the repository name of its export in each configuration."""
     source = resolve_model(model)
     base = check_name(source.default_name)
-    return source, {"fp32": base, "int8": f"{base}_int8"}
+    return source, {label: f"{base}{suffix}" for label, (_, _, suffix) in variants().items()}
+
+
+#: Configurations whose export failed validation, with the reason (kept beside the exports).
+SKIPPED_FILE = ".skipped.json"
 
 
 def ensure_exported(options: BenchOptions) -> dict[str, str]:
-    """Export the model at fp32 and int8 into the bench repository unless it already
-    holds exports of this model (or ``reexport`` asks for fresh ones)."""
+    """Export the model in every configuration into the bench repository unless it already
+    holds exports of this model (or ``reexport`` asks for fresh ones).  A configuration
+    whose export fails validation is left out, and the reason recorded."""
+    from nexus_sli.exporter.errors import ValidationError
     from nexus_sli.exporter.export import ExportOptions, run_export
 
     source, names = model_names(options.model)
-    for precision, name in names.items():
+    skipped_file = Path(options.repository) / SKIPPED_FILE
+    skipped = json.loads(skipped_file.read_text()) if skipped_file.is_file() and not options.reexport else {}
+    for label, name in names.items():
+        backend, precision, _ = variants()[label]
         report = Path(options.repository) / f"{name}_encoder" / "validation.json"
-        if not options.reexport and report.is_file() and json.loads(report.read_text()).get("model") == source.model_id:
+        if label in skipped or (not options.reexport and report.is_file()
+                                and json.loads(report.read_text()).get("model") == source.model_id):
             continue
-        log.info("exporting %s (%s) into %s as %s", source.model_id, precision, options.repository, name)
-        run_export(ExportOptions(model=options.model, precision=precision, name=name, out=Path(options.repository)))
-    return names
+        log.info("exporting %s (%s) into %s as %s", source.model_id, label, options.repository, name)
+        try:
+            run_export(ExportOptions(model=options.model, precision=precision, backend=backend, name=name,
+                                     out=Path(options.repository)))
+        except ValidationError as exc:
+            log.warning("%s is left out of the bench: %s", label, exc)
+            skipped[label] = str(exc)
+    Path(options.repository).mkdir(parents=True, exist_ok=True)
+    skipped_file.write_text(json.dumps(skipped, indent=2) + "\n")
+    return {label: name for label, name in names.items() if label not in skipped}
+
+
+def export_skips(repository: Path) -> list[dict]:
+    path = Path(repository) / SKIPPED_FILE
+    found = json.loads(path.read_text()) if path.is_file() else {}
+    return [{"path": f"triton / in-process {label}", "mode": "all", "reason": f"export failed validation: {reason}"}
+            for label, reason in found.items()]
 
 
 def _queries(texts: list[str], tokens: list[int], n: int) -> list[str]:
@@ -133,6 +166,7 @@ def prepare(options: BenchOptions, plan: Plan) -> Setup:
     tokens = token_counts(facts["fp32"], texts)
     setup = Setup(source.model_id, Path(source.path), Path(options.repository), names, facts, texts, tokens,
                   _queries(texts, tokens, plan.latency_queries), {})
+    setup.skipped.extend(export_skips(options.repository))
     setup.sweep = _sweep(facts["fp32"], texts, plan, setup.skipped)
     return setup
 
@@ -166,7 +200,7 @@ def _baselines(setup: Setup) -> list[InProcess]:
 
 
 def _peers(setup: Setup, plan: Plan) -> list[InProcess]:
-    from .runners import OnnxRuntimeEncoder, TorchEncoder
+    from .runners import GraphEncoder, TorchEncoder
 
     fp32, peers = setup.facts["fp32"], []
     if plan.torch_peers:
@@ -176,9 +210,9 @@ def _peers(setup: Setup, plan: Plan) -> list[InProcess]:
             peers.append(InProcess("pytorch", "bf16 autocast", TorchEncoder(model, fp32, bf16=True), torch=True))
         else:
             setup.skipped.append({"path": "pytorch bf16", "mode": "all", "reason": "the CPU has no bf16 support"})
-    for precision, name in setup.names.items():
-        graph = setup.repository / f"{name}_encoder" / "1" / "model.onnx"
-        peers.append(InProcess("onnxruntime", precision, OnnxRuntimeEncoder(graph, setup.facts[precision])))
+    for label in setup.names:
+        encoder = GraphEncoder.for_model(setup.repository, setup.facts[label])
+        peers.append(InProcess(encoder.path, variants()[label][1], encoder))
     return peers
 
 
@@ -344,16 +378,18 @@ def measure(setup: Setup, plan: Plan, repetitions: int) -> tuple[list[Measuremen
 
 
 def _padding(setup: Setup, facts) -> dict:
-    """Real tokens over what the server pads to when a client sends the set in batches of 32."""
-    from nexus_sli.exporter.python_models.encoding import padded_length
-    from nexus_sli.exporter.triton_config import MIN_PADDED_LENGTH
+    """Real tokens over the tokens the encoder computes when a client sends the set in
+    batches of 32 (each batch planned into length groups, as the served encoder does)."""
+    import numpy as np
 
-    real = padded = 0
+    from nexus_sli.exporter.python_models.batching import plan as group_rows
+
+    real = computed = 0
     for i in range(0, len(setup.tokens), 32):
-        batch = setup.tokens[i:i + 32]
-        real += sum(batch)
-        padded += len(batch) * padded_length(max(batch), MIN_PADDED_LENGTH, facts.max_length)
-    return {"served_batch32_real_token_share": round(real / padded, 3)}
+        lengths = np.minimum(np.array(setup.tokens[i:i + 32]), facts.max_length)
+        real += int(lengths.sum())
+        computed += sum(len(rows) * int(lengths[rows].max()) for rows in group_rows(lengths))
+    return {"served_batch32_real_token_share": round(real / computed, 3)}
 
 
 def run_bench(options: BenchOptions) -> dict:

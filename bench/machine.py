@@ -6,30 +6,8 @@ import os
 import platform
 from pathlib import Path
 
-#: CPU flags that decide which fast paths exist: int8 dot products (VNNI, AMX) and bf16.
-RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
-
-
-def _cpuinfo() -> dict[str, str]:
-    fields: dict[str, str] = {}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return fields
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() not in fields:
-            fields[key.strip()] = value.strip()
-    return fields
-
-
-def cpu_flags() -> set[str]:
-    return set(_cpuinfo().get("flags", "").split())
-
-
-def supports_bf16() -> bool:
-    """True where the CPU has native bf16 matmuls (AVX512-BF16 or AMX-BF16)."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+from nexus_sli.exporter.cpu import RELEVANT_FLAGS, cpu_flags, supports_bf16  # noqa: F401 - re-exported
+from nexus_sli.exporter.cpu import cpuinfo as _cpuinfo
 
 
 def machine_info() -> dict:

@@ -100,8 +100,9 @@ def observations(results: dict) -> str:
         lines.append(f"served {precision}: {_range(at_length)} the baseline on batches of equal length, "
                      f"{_range(mixed)} on batches of the mixed set")
     share = results["text_set"]["served_batch32_real_token_share"]
-    return ("; ".join(lines) + f". Batches of the mixed set carry {share:.0%} real tokens once the server pads "
-            "them to a power of two, while the baseline sorts by length before batching.")
+    return ("; ".join(lines) + f". In batches of the mixed set {share:.0%} of the tokens the served encoder "
+            "computes are real (it runs each batch in length groups); the baseline sorts the whole set by length "
+            "before batching.")
 
 
 def markdown(results: dict) -> str:
@@ -132,8 +133,8 @@ def markdown(results: dict) -> str:
         f"{text['tokens_mean']}, {', '.join(f'{k} {v}' for k, v in text['tokens_percentiles'].items())}; "
         f"{text['truncated']} truncated. By tokens before truncation: "
         f"{', '.join(f'{k}: {v}' for k, v in text['histogram'].items())}. "
-        f"Client batches of 32 sent in set order carry {text['served_batch32_real_token_share']:.0%} real tokens "
-        "after the server pads each batch to a power of two.", "",
+        f"Of the tokens the served encoder computes for client batches of 32 sent in set order, "
+        f"{text['served_batch32_real_token_share']:.0%} are real (each batch runs in length groups).", "",
         "## Targets (issue 6)", "",
         *targets_table(results["targets"]), "",
         observations(results), "",

@@ -158,20 +158,30 @@ class TorchEncoder:
         return np.stack(out)
 
 
-class OnnxRuntimeEncoder:
-    """ONNX Runtime on the exported graph the server runs (``<name>_encoder/1/model.onnx``)."""
+class GraphEncoder:
+    """The exported encoder the server runs, in process: ONNX Runtime on
+    ``<name>_encoder/1/model.onnx``, or OpenVINO on its ONNX or IR with the
+    config's precision hint (the exporter's own validation session)."""
 
-    path = "onnxruntime"
-
-    def __init__(self, onnx_path: Path, facts: ServedFacts):
-        import onnxruntime as ort
-
-        self.session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    def __init__(self, session, facts: ServedFacts, path: str):
+        self.session, self.path = session, path
         self.inputs = [i.name for i in self.session.get_inputs()]
         self.output = self.session.get_outputs()[0].name
         self.tokenizer = facts.tokenizer()
         self.facts = facts
         self.embedder = facts.embedder()
+
+    @classmethod
+    def for_model(cls, repository: Path, facts: ServedFacts) -> "GraphEncoder":
+        from nexus_sli.exporter.openvino_target import OpenVINOSession
+        from nexus_sli.exporter.optimize import session
+
+        config = triton_config.read(repository / f"{facts.name}_encoder" / "config.pbtxt")
+        model = repository / f"{facts.name}_encoder" / "1" / (config.default_model_filename or "model.onnx")
+        if config.backend == "openvino":
+            params = {k: v.string_value for k, v in config.parameters.items()}
+            return cls(OpenVINOSession(model, params), facts, "openvino")
+        return cls(session(model), facts, "onnxruntime")
 
     def __call__(self, texts: list[str]) -> np.ndarray:
         encodings = self.tokenizer.encode_batch(list(texts))
@@ -179,7 +189,7 @@ class OnnxRuntimeEncoder:
         for batch in sorted_batches([len(e.ids) for e in encodings]):
             feeds, mask = _feeds([encodings[i] for i in batch], self.inputs, self.facts.pad_id)
             (hidden,) = self.session.run([self.output], feeds)
-            vectors = self.embedder(hidden, mask)
+            vectors = self.embedder(hidden, mask[:, :hidden.shape[1]])  # the graph cuts trailing padding
             for row, index in enumerate(batch):
                 out[index] = vectors[row]
         return np.stack(out)

@@ -42,6 +42,22 @@ def _header(file: Path) -> dict:
         return json.loads(handle.read(length))
 
 
+def _cut_off(file: Path) -> str:
+    """For a file cut short: the tensors whose data lies past its end, named (else "")."""
+    try:
+        header = _header(file)
+        with open(file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+        available = file.stat().st_size - 8 - length
+        missing = sorted(key for key, entry in header.items()
+                         if key != "__metadata__" and entry["data_offsets"][1] > available)
+    except Exception:  # noqa: BLE001 - the header itself is unreadable: nothing more to say
+        return ""
+    if not missing:
+        return ""
+    return f"; the file is truncated: the data of {len(missing)} tensor(s) is cut off: {', '.join(missing)}"
+
+
 def _modern_name(key: str) -> str:
     for old, new in _LEGACY_SUFFIXES.items():
         if key.endswith(old):
@@ -70,7 +86,8 @@ class Checkpoint:
                     handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
                     self._sources[file] = (identity, _header(file))
                 except Exception as exc:  # safetensors' own error types for truncated/corrupt headers
-                    raise CheckpointError(f"{file.name} is not a readable safetensors file: {exc}") from exc
+                    raise CheckpointError(f"{file.name} is not a readable safetensors file: {exc}"
+                                          f"{_cut_off(file)}") from exc
                 self._handles[file] = handle
                 for key in handle.keys():
                     self._where[_modern_name(key)] = (file, key)

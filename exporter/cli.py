@@ -15,12 +15,13 @@ def _export(args: argparse.Namespace) -> int:
     from .export import ExportOptions, run_export
 
     result = run_export(ExportOptions(
-        model=args.model or None, task=args.task, precision=args.precision, name=args.name or None,
+        model=args.model or None, task=args.task, precision=args.precision, backend=args.backend,
+        name=args.name or None,
         out=Path(args.out), allow_pickle=args.allow_pickle, allow_degraded=args.allow_degraded,
         truncate=not args.no_truncate,
         cache=not args.no_cache, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
     ))
-    summary = {k: result.report[k] for k in ("precision", "graph", "max_abs_diff", "cosine_min", "cosine_mean", "passed")}
+    summary = {k: result.report[k] for k in ("precision", "backend", "graph", "max_abs_diff", "cosine_min", "cosine_mean", "passed")}
     print(json.dumps({"name": result.name, **summary}))
     return 0
 
@@ -95,7 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--task", default="auto",
                         help="embedding, classification, token-classification, question-answering, rerank "
                              "(default: inferred from the config's architectures)")
-    export.add_argument("--precision", default="fp32", help="fp32 or int8")
+    export.add_argument("--precision", default="fp32",
+                        help="fp32 or int8; with --backend openvino also bf16 (fp32 where the CPU has no bf16)")
+    export.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "openvino"],
+                        help="the Triton backend that serves the encoder (default onnxruntime)")
     export.add_argument("--name", default="", help="model name in the repository (default: from the model id)")
     export.add_argument("--out", default="model_repository", help="repository directory")
     export.add_argument("--allow-pickle", action="store_true", help="allow pytorch_model.bin (pickle) weights")

@@ -22,7 +22,10 @@ from .model_source import (
     tokenizer_file,
 )
 from .onnx_export import export_onnx
+from . import openvino_target
+from .cpu import supports_bf16
 from .optimize import fuse, median_latency_ms, session, timing_feeds
+from .padding_trim import add_padding_trim
 from .python_models.encoding import load_tokenizer
 from .quantize import ffn_output_matmuls, quantize_int8
 from .repository import Staging
@@ -33,6 +36,8 @@ from .walk import open_layer_cache, walk
 
 log = logging.getLogger("nexus_sli.export")
 
+#: The encoder backends and the precisions each serves.
+BACKEND_PRECISIONS = {"onnxruntime": ("fp32", "int8"), "openvino": ("fp32", "bf16", "int8")}
 PRECISIONS = tuple(THRESHOLDS)
 
 
@@ -41,6 +46,8 @@ class ExportOptions:
     model: str | None = None
     task: str = "auto"
     precision: str = "fp32"
+    #: the Triton backend serving the encoder: onnxruntime (platform onnxruntime_onnx) or openvino
+    backend: str = "onnxruntime"
     name: str | None = None
     out: Path = Path("model_repository")
     allow_pickle: bool = False
@@ -59,6 +66,10 @@ class Candidate:
     report: dict = field(default_factory=dict)
     latency_ms: float | None = None
 
+    def files(self) -> list[Path]:
+        """The model file and, for an OpenVINO IR, its weights."""
+        return [self.path, self.path.with_suffix(".bin")] if self.path.suffix == ".xml" else [self.path]
+
 
 @dataclass
 class ExportResult:
@@ -76,7 +87,7 @@ def _pad_id(config, tokenizer) -> int:
     return 0
 
 
-def _graph_candidates(plain: Path, work: Path, family: EncoderFamily, config, precision: str) -> list[Candidate]:
+def _onnxruntime_candidates(plain: Path, work: Path, family: EncoderFamily, config, precision: str) -> list[Candidate]:
     """The plain graph and, where the ORT optimizer fuses anything, the fused one;
     quantized when int8 was asked for."""
     candidates = [Candidate("plain", plain)]
@@ -95,6 +106,28 @@ def _graph_candidates(plain: Path, work: Path, family: EncoderFamily, config, pr
                 quantized.append(Candidate(f"{candidate.graph}+ffn-out-fp32", path))
         candidates = quantized
     return candidates
+
+
+def _openvino_candidates(plain: Path, work: Path, family: EncoderFamily, config, precision: str,
+                         calibration) -> list[Candidate]:
+    """The plain graph (fp32, bf16: a precision hint), or its NNCF int8 IRs."""
+    if precision != "int8":
+        return [Candidate("plain", plain)]
+    log.info("quantizing with NNCF on %d calibration texts", sum(len(f["input_ids"]) for f in calibration))
+    candidates = [Candidate("plain", openvino_target.quantize_int8(plain, work / "plain.ov-int8.xml", calibration))]
+    width = family.ffn_width(config)
+    keep = ffn_output_matmuls(plain, int(width), family.hidden_size(config)) if width else []
+    if keep:
+        path = openvino_target.quantize_int8(plain, work / "plain.ov-int8-ffn-fp32.xml", calibration, keep)
+        candidates.append(Candidate("plain+ffn-out-fp32", path))
+    return candidates
+
+
+def _trimmed(candidates: list[Candidate], work: Path, task) -> list[Candidate]:
+    """Each ONNX candidate with the padding trim in front (see :mod:`padding_trim`)."""
+    per_token = task.output_names() if task.per_token else []
+    return [Candidate(c.graph, add_padding_trim(c.path, work / f"{c.path.stem}.trim.onnx", per_token))
+            for c in candidates]
 
 
 def _choose(candidates: list[Candidate], allow_degraded: bool) -> Candidate:
@@ -122,9 +155,37 @@ def _post_params(task, config, embedder) -> dict[str, str]:
     return params
 
 
-def run_export(options: ExportOptions) -> ExportResult:
+def _resolve_precision(options: ExportOptions) -> str:
+    """The precision the export makes: as asked, except bf16 without CPU support (fp32, with a warning)."""
+    if options.backend not in BACKEND_PRECISIONS:
+        raise NexusError(f"unknown backend {options.backend!r}; choose one of {', '.join(BACKEND_PRECISIONS)}")
     if options.precision not in PRECISIONS:
         raise NexusError(f"unknown precision {options.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    allowed = BACKEND_PRECISIONS[options.backend]
+    if options.precision not in allowed:
+        raise NexusError(f"the {options.backend} backend serves precision {', '.join(allowed)}, "
+                         f"not {options.precision!r}")
+    if options.precision == "bf16" and not supports_bf16():
+        log.warning("this CPU has no bf16 instructions (avx512_bf16 or amx_bf16): exporting fp32 instead of bf16")
+        return "fp32"
+    return options.precision
+
+
+def _encoder_params(backend: str, precision: str) -> dict[str, str]:
+    """Parameters of the encoder's Triton config (Triton's OpenVINO backend reads these names)."""
+    if backend != "openvino":
+        return {}
+    return {"HINT_BF16": "YES" if precision == "bf16" else "NO", "PERFORMANCE_HINT": "LATENCY"}
+
+
+def _session(candidate: Candidate, backend: str, params: dict[str, str]):
+    if backend == "openvino":
+        return openvino_target.OpenVINOSession(candidate.path, params)
+    return session(candidate.path)
+
+
+def run_export(options: ExportOptions) -> ExportResult:
+    precision = _resolve_precision(options)
     if options.task != "auto":
         get_task(options.task)  # an unknown task fails before any download
     source = resolve_model(options.model, options.allow_pickle)
@@ -133,8 +194,8 @@ def run_export(options: ExportOptions) -> ExportResult:
     task = infer_task(config) if options.task == "auto" else get_task(options.task)
     handler = get_registry().detect_family(config)
     family = handler.family
-    log.info("exporting %s (%s, %s) as %s, task %s, %s", source.model_id, family.model_type,
-             f"{family.num_layers(config)} layers", name, task.name, options.precision)
+    log.info("exporting %s (%s, %s) as %s, task %s, %s on %s", source.model_id, family.model_type,
+             f"{family.num_layers(config)} layers", name, task.name, precision, options.backend)
 
     with Staging(Path(options.out)) as stage:
         cache = open_layer_cache(options.cache_dir) if options.cache else None
@@ -157,10 +218,19 @@ def run_export(options: ExportOptions) -> ExportResult:
         )
         embedder = Embedder(pooling_mode(source.path), normalizes(source.path)) if task.name == "embedding" else None
         feeds = timing_feeds(input_names, family.vocab_size(config), min(128, max_length))
-        candidates = _graph_candidates(plain, stage.work, family, config, options.precision)
+        if options.backend == "openvino":
+            calibration = (openvino_target.calibration_feeds(tokenizer, input_names, pad_id, max_length, task.pair)
+                           if precision == "int8" else None)
+            trimmed = _trimmed([Candidate("plain", plain)], stage.work, task)[0].path
+            candidates = _openvino_candidates(trimmed, stage.work, family, config, precision, calibration)
+        else:
+            candidates = _trimmed(_onnxruntime_candidates(plain, stage.work, family, config, precision),
+                                  stage.work, task)
+        params = _encoder_params(options.backend, precision)
         for candidate in candidates:
-            candidate.report = compare(session(candidate.path), reference, options.precision, embedder, task)
-            candidate.latency_ms = median_latency_ms(candidate.path, feeds)
+            runner = _session(candidate, options.backend, params)
+            candidate.report = compare(runner, reference, precision, embedder, task, options.backend)
+            candidate.latency_ms = median_latency_ms(runner, feeds)
             log.info("%s graph: %s, %.1f ms per batch of %d x %d", candidate.graph,
                      "passed" if candidate.report["passed"] else "FAILED " + "; ".join(candidate.report["failures"]),
                      candidate.latency_ms, *next(iter(feeds.values())).shape)
@@ -172,6 +242,7 @@ def run_export(options: ExportOptions) -> ExportResult:
             model_type=family.model_type,
             task=task.name,
             graph=chosen.graph,
+            requested_precision=options.precision,
             allow_degraded=options.allow_degraded,
             candidates=[{"graph": c.graph, "passed": c.report["passed"], "latency_ms": round(c.latency_ms, 3),
                          "max_abs_diff": c.report["max_abs_diff"], "cosine_min": c.report["cosine_min"]}
@@ -186,10 +257,12 @@ def run_export(options: ExportOptions) -> ExportResult:
                   "skipped": walk_report.skipped, "absent_optional": walk_report.absent_optional},
         )
         facts = ServingFacts(input_names, family.hidden_size(config), int(getattr(config, "num_labels", 0) or 0),
-                             max_length, pad_id, options.truncate, _post_params(task, config, embedder))
+                             max_length, pad_id, options.truncate, _post_params(task, config, embedder),
+                             options.backend, f"model{chosen.path.suffix}", params)
         write_models(stage.root, name, task.name, facts, tokenizer_path)
         encoder_dir = stage.root / f"{name}_encoder"
-        shutil.copyfile(chosen.path, encoder_dir / "1" / "model.onnx")
+        for file in chosen.files():
+            shutil.copyfile(file, encoder_dir / "1" / f"model{file.suffix}")
         (encoder_dir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
         models = stage.publish()
         write_readme(Path(options.out))

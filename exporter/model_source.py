@@ -45,7 +45,7 @@ def triton_name(raw: str) -> str:
 
 def check_name(name: str) -> str:
     """Reject names that could escape the repository or that Triton cannot serve."""
-    if not _SAFE_NAME.match(name):
+    if not _SAFE_NAME.fullmatch(name):  # fullmatch: `$` alone would let a trailing newline through
         raise NexusError(
             f"invalid model name {name!r}: use 1-100 letters, digits, '_' or '-', not starting with '-'"
         )

@@ -42,9 +42,8 @@ def session(path: Path, threads: int = 0):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def median_latency_ms(path: Path, feeds: dict[str, np.ndarray], repeats: int = 5) -> float:
-    """Median wall time of one run on ``feeds`` after two warm-up runs."""
-    sess = session(path)
+def median_latency_ms(sess, feeds: dict[str, np.ndarray], repeats: int = 5) -> float:
+    """Median wall time of one ``sess.run`` on ``feeds`` after two warm-up runs."""
     for _ in range(2):
         sess.run(None, feeds)
     times = []

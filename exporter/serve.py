@@ -3,7 +3,8 @@
 Uses ``tritonserver`` from PATH when there is one (an NGC container, with its
 native backends); otherwise the binary shipped in the ``nvidia-pytriton``
 wheel, with a backend directory prepared here: the python backend with the
-stub for the running Python, and our Python-based ``onnxruntime`` backend.
+stub for the running Python, and our Python-based ``onnxruntime`` and
+``openvino`` backends.
 The installed package is never modified; files are copied into a folder of ours.
 
 Every python-backend model instance runs in its own ``triton_python_backend_stub``
@@ -75,8 +76,12 @@ def _pytriton_root() -> Path:
     return Path(pytriton.__file__).parent / "tritonserver"
 
 
+#: Python-based stand-ins for the native backends the PyPI Triton build lacks.
+SHIM_BACKENDS = ("onnxruntime", "openvino")
+
+
 def prepare_backends(target: Path) -> Path:
-    """python backend + stub for this Python, and the onnxruntime shim, under ``target``."""
+    """python backend + stub for this Python, and the encoder backend shims, under ``target``."""
     root = _pytriton_root()
     python_dir = target / "python"
     python_dir.mkdir(parents=True, exist_ok=True)
@@ -87,10 +92,13 @@ def prepare_backends(target: Path) -> Path:
     if not stub.is_file():
         raise ServerError(f"nvidia-pytriton ships no python backend stub for Python {version}")
     shutil.copy2(stub, python_dir / STUB_EXECUTABLE)
-    shim = target / "onnxruntime"
-    shim.mkdir(exist_ok=True)
-    source = resources.files("nexus_sli.exporter.python_models").joinpath("onnxruntime_backend.py")
-    (shim / "model.py").write_text(source.read_text())
+    package = resources.files("nexus_sli.exporter.python_models")
+    for backend in SHIM_BACKENDS:
+        shim = target / backend
+        shim.mkdir(exist_ok=True)
+        (shim / "model.py").write_text(package.joinpath(f"{backend}_backend.py").read_text())
+        for helper in ("encoder_backend.py", "batching.py", "openvino_properties.py"):
+            (shim / helper).write_text(package.joinpath(helper).read_text())
     return target
 
 

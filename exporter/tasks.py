@@ -21,6 +21,8 @@ class Task:
     agreement: str | None = None
     #: Inputs are (first, second) text pairs: (query, document), (question, context).
     pair: bool = False
+    #: The outputs have a sequence axis (one value per token), cut to the batch's real tokens.
+    per_token: bool = False
 
     def build(self, config: Any):
         import transformers
@@ -37,12 +39,13 @@ class Task:
 TASKS: dict[str, Task] = {
     task.name: task
     for task in (
-        Task("embedding", "AutoModel", (("last_hidden_state", "last_hidden_state"),)),
+        Task("embedding", "AutoModel", (("last_hidden_state", "last_hidden_state"),), per_token=True),
         Task("classification", "AutoModelForSequenceClassification", (("logits", "logits"),), "rows"),
         Task("rerank", "AutoModelForSequenceClassification", (("logits", "logits"),), "order", pair=True),
-        Task("token-classification", "AutoModelForTokenClassification", (("logits", "logits"),), "tokens"),
+        Task("token-classification", "AutoModelForTokenClassification", (("logits", "logits"),), "tokens",
+             per_token=True),
         Task("question-answering", "AutoModelForQuestionAnswering",
-             (("start_logits", "start_logits"), ("end_logits", "end_logits")), "span", pair=True),
+             (("start_logits", "start_logits"), ("end_logits", "end_logits")), "span", pair=True, per_token=True),
     )
 }
 

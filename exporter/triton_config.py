@@ -16,13 +16,16 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 #: Requests Triton may merge into one execution of each step.
 MAX_BATCH_SIZE = 64
-#: How long a step waits for more requests to merge (microseconds).
-QUEUE_DELAY_US = 2000
-#: Token batches are padded to a power of two, at least this long, so concurrent
-#: requests share few shapes (the encoder's batcher merges equal shapes only).
-MIN_PADDED_LENGTH = 16
-#: The tokenizer waits longer: every text it collects joins one padded batch.
-TOKENIZER_QUEUE_DELAY_US = 5000
+#: How long a step waits for more requests to merge (microseconds).  Short:
+#: a lone request pays it at every step, and under load requests queue up while
+#: the step runs anyway (Triton then merges everything waiting).
+QUEUE_DELAY_US = 500
+#: The tokenizer waits as long: the encoder merges what it sends regardless.
+TOKENIZER_QUEUE_DELAY_US = 500
+#: Every token row is padded to this width (or the model's limit when shorter),
+#: so all requests share one shape and the encoder's batcher merges them all;
+#: the encoder cuts each batch to its longest real token before computing.
+PAD_WIDTH = 512
 #: Overlap, in tokens, between consecutive windows of a long QA context.
 QA_STRIDE = 32
 
@@ -105,7 +108,7 @@ def _model(name: str, inputs, outputs, batched: bool, params: dict | None = None
 
 def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, truncate: bool) -> pb.ModelConfig:
     params = {"mode": lay.mode, "max_length": max_length, "pad_id": pad_id, "truncate": str(truncate).lower(),
-              "min_padded_length": MIN_PADDED_LENGTH}
+              "pad_width": min(PAD_WIDTH, max_length)}
     if lay.mode == "qa":
         params["stride"] = QA_STRIDE
     if not lay.batched:  # one request becomes many encoder rows: the tokenizer refuses more than it takes
@@ -116,11 +119,15 @@ def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, trunc
     return config
 
 
-def encoder_config(name: str, lay: Layout, input_names: list[str]) -> pb.ModelConfig:
+def encoder_config(name: str, lay: Layout, input_names: list[str], backend: str = "onnxruntime",
+                   model_filename: str = "model.onnx", params: dict | None = None) -> pb.ModelConfig:
     inputs = [t for t in lay.tokens if t.name in input_names]
-    config = _model(name, inputs, lay.encoder_outputs, batched=True)
-    config.platform = "onnxruntime_onnx"
-    config.default_model_filename = "model.onnx"
+    config = _model(name, inputs, lay.encoder_outputs, batched=True, params=params)
+    if backend == "onnxruntime":
+        config.platform = "onnxruntime_onnx"
+    else:
+        config.backend = backend
+    config.default_model_filename = model_filename
     warmup = config.model_warmup.add(name="warmup", batch_size=1)
     for tensor in inputs:
         warmup.inputs[tensor.name].CopyFrom(pb.ModelWarmup.Input(data_type=pb.TYPE_INT64, dims=[16], zero_data=True))

@@ -17,11 +17,12 @@ REPOSITORY_README = """\
 Each model `NAME` is an ensemble: raw strings in (TYPE_STRING), the task's
 answer out (`parameters {{ task: ... }}` in its config says which task).
 It chains `NAME_tokenizer` (python backend, `tokenizers`), `NAME_encoder`
-(`onnxruntime_onnx`) and `NAME_postprocess` (python backend, numpy).
+(`onnxruntime_onnx`, or the `openvino` backend where exported with
+`--backend openvino`) and `NAME_postprocess` (python backend, numpy).
 
 Serve it with `tritonserver --model-repository <this folder>`; locally,
 `nexus-sli serve --model-repository <this folder>` starts the Triton server
-from the `nvidia-pytriton` wheel with a Python-based onnxruntime backend.
+from the `nvidia-pytriton` wheel with Python-based onnxruntime and openvino backends.
 
 ## The server's Python needs `tokenizers` and `numpy`
 
@@ -53,6 +54,10 @@ class ServingFacts:
     truncate: bool
     #: postprocess parameters (pooling, normalize, id2label, multi_label ...)
     post_params: dict = field(default_factory=dict)
+    #: the encoder's Triton backend, its model file, and its config parameters
+    backend: str = "onnxruntime"
+    model_filename: str = "model.onnx"
+    encoder_params: dict = field(default_factory=dict)
 
 
 def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None = None) -> None:
@@ -67,14 +72,15 @@ def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None 
 
 
 def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenizer_json: Path) -> None:
-    """Write every file of the ensemble except the encoder's ``1/model.onnx``."""
+    """Write every file of the ensemble except the encoder's model file(s) under ``1/``."""
     lay = tc.layout(task, facts.input_names, facts.hidden_size, facts.num_labels)
     steps = (f"{name}_tokenizer", f"{name}_encoder", f"{name}_postprocess")
     tokenizer, encoder, postprocess = steps
     _copy_python_model("tokenizer_model", root / tokenizer, {"tokenizer.json": tokenizer_json})
     tc.write(tc.tokenizer_config(tokenizer, lay, facts.max_length, facts.pad_id, facts.truncate), root / tokenizer)
     (root / encoder / "1").mkdir(parents=True, exist_ok=True)
-    tc.write(tc.encoder_config(encoder, lay, facts.input_names), root / encoder)
+    tc.write(tc.encoder_config(encoder, lay, facts.input_names, facts.backend, facts.model_filename,
+                              facts.encoder_params), root / encoder)
     _copy_python_model("postprocess_model", root / postprocess)
     tc.write(tc.postprocess_config(postprocess, lay, {"task": task, **facts.post_params}), root / postprocess)
     (root / name / "1").mkdir(parents=True, exist_ok=True)  # Triton wants a version folder, even for ensembles

@@ -12,8 +12,10 @@ import json
 
 import pytest
 
+from nexus_sli.bench.harness import variants
 from nexus_sli.bench.texts import bench_texts, generate_from_sources, length_stats
 from nexus_sli.exporter.cli import main
+from nexus_sli.exporter.cpu import supports_bf16
 
 ROW_TYPES = {
     "path": str, "precision": str, "protocol": str, "mode": str,
@@ -64,7 +66,12 @@ def test_every_path_and_mode_was_measured(quick):
     served = {(r["precision"], r["mode"]) for r in rows if r["path"] == "triton"}
     assert served >= {(p, m) for p in ("fp32", "int8") for m in ("batch32", "concurrent16", "latency1", "seq_len")}
     assert {(r["path"], r["precision"]) for r in rows if r["protocol"] == "in-process"} >= {
-        ("onnxruntime", "fp32"), ("onnxruntime", "int8")}
+        ("onnxruntime", "fp32"), ("onnxruntime", "int8"), ("openvino", "bf16" if supports_bf16() else "fp32")}
+    # every configuration is served, or its export's failure is recorded with the reason
+    served_labels = {r["precision"] for r in rows if r["path"] == "triton"}
+    for label in variants():
+        assert label in served_labels or any(label in s["path"] and s["reason"] for s in results["skipped"]), label
+    assert f"openvino-{'bf16' if supports_bf16() else 'fp32'}" in served_labels
     # one reference per group of rows: the text set, single queries, and each sequence length
     references = [(r["mode"], r["seq_len"]) for r in rows if r["baseline"]]
     assert len(references) == len(set(references))

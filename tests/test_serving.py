@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -35,6 +36,8 @@ def server(tmp_path_factory):
     run_export(ExportOptions(out=repo))
     run_export(ExportOptions(out=repo, precision="int8", name="minilm_int8"))
     run_export(ExportOptions(out=repo, name="minilm_strict", truncate=False))
+    # bf16 where this CPU has it, else fp32 (the exporter falls back and says so)
+    run_export(ExportOptions(out=repo, name="minilm_openvino", backend="openvino", precision="bf16"))
     http_port, grpc_port, metrics_port = _free_ports(3)
     process = serve.start(repo, http_port, grpc_port, metrics_port)
     yield {"repo": repo, "http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
@@ -116,17 +119,40 @@ def test_invalid_utf8_is_a_clear_error(server):
 
 
 def test_concurrent_single_texts_share_encoder_executions(server):
-    client = httpclient.InferenceServerClient(server["http"])
+    """32 clients send one text each at once (texts of different lengths): Triton
+    merges them, as the tokenizer pads every row to one width."""
+    stats_client = httpclient.InferenceServerClient(server["http"])
 
     def counts():
-        stats = client.get_inference_statistics(f"{NAME}_encoder")["model_stats"][0]
+        stats = stats_client.get_inference_statistics(f"{NAME}_encoder")["model_stats"][0]
         return stats["inference_count"], stats["execution_count"]
 
     texts = validation_texts()[:32]
+    assert len({len(t.split()) for t in texts}) > 8  # lengths differ: no equal-shape luck
+    clients = [grpcclient.InferenceServerClient(server["grpc"]) for _ in texts]
+    start = threading.Barrier(len(texts))
+
+    def send(index):
+        start.wait()  # every client connected and ready: the requests arrive together
+        result = clients[index].infer(NAME, [_text_input(grpcclient, [texts[index]])])
+        return result.as_numpy("EMBEDDING")
+
     before = counts()
-    with ThreadPoolExecutor(32) as pool:
-        results = list(pool.map(lambda t: _embed(server["grpc"], [t], protocol="grpc"), texts))
+    with ThreadPoolExecutor(len(texts)) as pool:
+        results = list(pool.map(send, range(len(texts))))
     after = counts()
     inferences, executions = after[0] - before[0], after[1] - before[1]
     assert inferences == 32 and all(r.shape == (1, 384) for r in results)
     assert executions <= inferences / 4, f"{executions} encoder executions for {inferences} requests"
+    expected = np.concatenate([_embed(server["http"], [t]) for t in texts[:4]])
+    assert np.allclose(np.concatenate(results[:4]), expected, atol=1e-5)  # merged rows answer their own text
+
+
+def test_openvino_backend_serves_the_same_embeddings(server, reference):
+    """The encoder on the openvino backend (bf16 where the CPU has it) behind the same ensemble."""
+    config = triton_config.read(server["repo"] / "minilm_openvino_encoder" / "config.pbtxt")
+    assert config.backend == "openvino"
+    texts = validation_texts()[:48]
+    got = _embed(server["grpc"], texts, model="minilm_openvino", protocol="grpc")
+    cos = _cosines(got, reference.encode(texts, batch_size=16))
+    assert got.shape == (48, 384) and cos.min() >= 0.999, cos.min()

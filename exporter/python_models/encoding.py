@@ -47,17 +47,13 @@ def check_lengths(encodings, max_length: int) -> None:
             raise TextTooLongError(index, len(enc.ids), max_length)
 
 
-def padded_length(longest: int, minimum: int, max_length: int) -> int:
-    """``longest`` rounded up to a power of two (at least ``minimum``, at most
-    ``max_length``): concurrent requests then fall into few shapes, and Triton's
-    dynamic batcher merges only requests of equal shape.  The padding costs
-    little: at most 2x the tokens, masked out."""
-    if minimum <= 1 or longest >= max_length:
-        return longest
-    bucket = minimum
-    while bucket < longest:
-        bucket *= 2
-    return min(bucket, max_length)
+def padded_length(longest: int, width: int, max_length: int) -> int:
+    """The width a batch is padded to: ``width`` for every batch that fits in it,
+    else ``max_length``.  Triton's dynamic batcher merges only requests of equal
+    shape, so fixed widths let every request join every execution; the encoder
+    never computes the padding (its graph, and our backends, cut each batch to
+    its longest real token)."""
+    return width if longest <= width else max_length
 
 
 def to_arrays(encodings, input_names: list[str], pad_id: int, length: int) -> dict[str, np.ndarray]:

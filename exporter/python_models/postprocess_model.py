@@ -12,6 +12,22 @@ from encoding import l2_normalize, pool
 from heads import answer_spans, class_scores, entities, sigmoid
 
 
+#: Token-aligned inputs: the tokenizer pads them to a fixed width, while the encoder's
+#: per-token outputs come back cut to the batch's longest real token.
+_TOKEN_ALIGNED = ("attention_mask", "offsets", "context_mask")
+_PER_TOKEN = ("last_hidden_state", "start_logits", "logits")
+
+
+def _fit_to_sequence(x):
+    """``x`` with its token-aligned inputs cut to the per-token output's length (only
+    padding is cut: the encoder's output covers every real token)."""
+    per_token = next((x[n] for n in _PER_TOKEN if n in x and x[n].ndim >= 2 + (n == "logits")), None)
+    if per_token is None:
+        return x
+    length = per_token.shape[1]
+    return {n: (v[:, :length] if n in _TOKEN_ALIGNED else v) for n, v in x.items()}
+
+
 def _json_strings(items):
     return np.array([json.dumps(item).encode("utf-8") for item in items], dtype=object)
 
@@ -62,7 +78,7 @@ class TritonPythonModel:
                 raise ValueError(f"input {', '.join(missing)} is missing")
             inputs = {name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in self.input_names}
             with np.errstate(all="ignore"):  # non-finite logits give non-finite scores, not a failure
-                outputs = self.run(inputs)
+                outputs = self.run(_fit_to_sequence(inputs))
         except Exception as exc:  # noqa: BLE001 - reported to the request's sender
             message = f"{self.task} post-processing failed for this request: {type(exc).__name__}: {exc}"
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))

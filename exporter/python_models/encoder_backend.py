@@ -1,0 +1,113 @@
+"""What the Python-based encoder backends (``onnxruntime``, ``openvino``) share.
+
+A subclass loads its model (:meth:`EncoderBackend.load`) and runs one batch
+of arrays (:meth:`EncoderBackend.infer`); this class turns Triton's requests
+into batches and the batches' outputs back into responses:
+
+- every row of every request in the execution is planned at once
+  (:mod:`batching`): sorted by real length and run in groups, each cut to its
+  own longest real token, so the fixed-width padding the tokenizer adds
+  (one width, so Triton merges every request) is never computed;
+- outputs that follow the sequence come back at the execution's longest real
+  length, exactly what the exported graph's padding trim gives the native
+  backends of an NGC container, so the post-processing sees one behaviour;
+- when the joint run fails, each request runs alone, so only a bad request
+  (token ids outside the vocabulary, inputs that do not fit together) gets an
+  error, and it names the reason.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from batching import plan, real_lengths
+
+
+class EncoderBackend:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        filename = config.get("default_model_filename") or self.default_filename
+        self.load(Path(args["model_repository"]) / args["model_version"] / filename, params)
+        self.inputs = [i["name"] for i in config["input"]]
+        # Outputs whose first non-batch dim is variable follow the sequence length.
+        self.outputs = {o["name"]: o["dims"][0] == -1 for o in config["output"]}
+
+    default_filename = "model.onnx"
+
+    def load(self, path: Path, params: dict) -> None:
+        raise NotImplementedError
+
+    def infer(self, feeds: dict) -> dict:
+        """Outputs by name for one batch of int64 arrays ``[rows, length]``."""
+        raise NotImplementedError
+
+    def _feeds(self, request):
+        """The request's inputs, checked to fit together: [rows, length] each, the same for all."""
+        feeds = {}
+        for name in self.inputs:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is None:
+                raise ValueError(f"input {name} is missing")
+            feeds[name] = tensor.as_numpy()
+        shapes = {name: array.shape for name, array in feeds.items()}
+        if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 2:
+            raise ValueError(f"inputs must all have one shape [rows, length]; got {shapes}")
+        return feeds
+
+    def _run(self, per_request):
+        """All requests' rows, run in planned groups: each request's outputs, in order."""
+        width = max(feeds[self.inputs[0]].shape[1] for feeds in per_request)
+        batch = {
+            name: np.concatenate([
+                np.pad(feeds[name], ((0, 0), (0, width - feeds[name].shape[1]))) for feeds in per_request
+            ])
+            for name in self.inputs
+        }
+        mask = batch.get("attention_mask")
+        lengths = real_lengths(mask) if mask is not None else np.full(len(batch[self.inputs[0]]), width)
+        longest = int(lengths.max())
+        results = {}
+        for rows in plan(lengths):
+            length = int(lengths[rows].max())
+            got = self.infer({name: np.ascontiguousarray(array[rows, :length]) for name, array in batch.items()})
+            for name, follows_sequence in self.outputs.items():
+                value = got[name]
+                if name not in results:
+                    shape = (len(lengths), longest, *value.shape[2:]) if follows_sequence else (len(lengths), *value.shape[1:])
+                    results[name] = np.zeros(shape, dtype=np.float32)
+                if follows_sequence:
+                    results[name][rows, :value.shape[1]] = value
+                else:
+                    results[name][rows] = value
+        answers, start = [], 0
+        for feeds in per_request:
+            size = feeds[self.inputs[0]].shape[0]
+            answers.append({name: results[name][start:start + size] for name in self.outputs})
+            start += size
+        return answers
+
+    def _response(self, outputs=None, error=None):
+        if error is not None:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(error))
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, v) for n, v in outputs.items()])
+
+    def execute(self, requests):
+        feeds, errors = {}, {}
+        for number, request in enumerate(requests):
+            try:
+                feeds[number] = self._feeds(request)
+            except ValueError as exc:
+                errors[number] = str(exc)
+        answers = {}
+        if feeds:
+            try:
+                answers = dict(zip(feeds, self._run(list(feeds.values()))))
+            except Exception:  # noqa: BLE001 - one bad request (ids out of the vocabulary, ...): find it
+                for number, request_feeds in feeds.items():
+                    try:
+                        answers[number] = self._run([request_feeds])[0]
+                    except Exception as exc:  # noqa: BLE001 - reported to this request's sender
+                        errors[number] = f"the encoder failed on this request: {type(exc).__name__}: {exc}"
+        return [self._response(answers.get(n), errors.get(n)) for n in range(len(requests))]

@@ -1,0 +1,111 @@
+"""The OpenVINO encoder target and the padding trim every exported graph carries."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from nexus_sli.exporter import triton_config
+from nexus_sli.exporter.cpu import supports_bf16
+from nexus_sli.exporter.errors import NexusError
+from nexus_sli.exporter.export import ExportOptions, run_export
+from nexus_sli.exporter.openvino_target import OpenVINOSession, calibration_texts
+from nexus_sli.exporter.optimize import session
+from nexus_sli.exporter.padding_trim import trimmed_length
+from nexus_sli.exporter.python_models.batching import plan, real_lengths
+from nexus_sli.exporter.python_models.openvino_properties import compile_properties
+from nexus_sli.exporter.validate import STATIC_INT8_THRESHOLDS, validation_texts
+
+
+def _feeds(lengths, width, vocab=100):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, vocab, size=(len(lengths), width), dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1
+        ids[row, n:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ov")
+    model = str(tiny_checkpoint("bert"))
+    run_export(ExportOptions(model=model, task="embedding", name="ort", out=out))
+    run_export(ExportOptions(model=model, task="embedding", name="ov", out=out, backend="openvino", precision="bf16"))
+    return out
+
+
+def test_graph_cuts_trailing_padding_and_keeps_real_tokens_exact(exported):
+    sess = session(exported / "ort_encoder" / "1" / "model.onnx")
+    padded = _feeds([9, 4, 2], 64)
+    (hidden,) = sess.run(None, padded)
+    assert hidden.shape[1] == trimmed_length(padded["attention_mask"]) == 9
+    (unpadded,) = sess.run(None, {k: v[:, :9] for k, v in padded.items()})
+    np.testing.assert_allclose(hidden, unpadded, atol=1e-6)
+    (empty,) = sess.run(None, {k: np.zeros_like(v) for k, v in padded.items()})  # all padding: one position
+    assert empty.shape[1] == 1
+
+
+def test_openvino_export_writes_the_openvino_backend_config(exported):
+    config = triton_config.read(exported / "ov_encoder" / "config.pbtxt")
+    assert config.backend == "openvino" and not config.platform
+    assert config.default_model_filename == "model.onnx"
+    bf16 = supports_bf16()
+    assert config.parameters["HINT_BF16"].string_value == ("YES" if bf16 else "NO")
+    report = json.loads((exported / "ov_encoder" / "validation.json").read_text())
+    assert report["backend"] == "openvino" and report["requested_precision"] == "bf16"
+    assert report["precision"] == ("bf16" if bf16 else "fp32") and report["passed"]
+    if bf16:
+        assert report["thresholds"]["cosine_min"] >= 0.999
+
+
+def test_openvino_session_matches_onnxruntime_at_fp32(exported):
+    feeds = _feeds([12, 3], 20)
+    (ov_hidden,) = OpenVINOSession(exported / "ov_encoder" / "1" / "model.onnx").run(None, feeds)
+    (ort_hidden,) = session(exported / "ort_encoder" / "1" / "model.onnx").run(None, feeds)
+    assert ov_hidden.shape == ort_hidden.shape == (2, 12, ort_hidden.shape[2])
+    np.testing.assert_allclose(ov_hidden, ort_hidden, atol=1e-4)
+
+
+def test_openvino_int8_is_an_nncf_ir_held_to_the_static_thresholds(tiny_checkpoint, tmp_path):
+    out = tmp_path / "repo"
+    result = run_export(ExportOptions(model=str(tiny_checkpoint("bert")), task="embedding", name="q", out=out,
+                                      backend="openvino", precision="int8", allow_degraded=True))
+    version = out / "q_encoder" / "1"
+    assert (version / "model.xml").is_file() and (version / "model.bin").is_file()
+    assert not (version / "model.onnx").exists()
+    assert triton_config.read(out / "q_encoder" / "config.pbtxt").default_model_filename == "model.xml"
+    assert result.report["thresholds"] == STATIC_INT8_THRESHOLDS
+    assert {c["graph"] for c in result.report["candidates"]} >= {"plain"}
+
+
+def test_precision_and_backend_combinations_are_checked(tmp_path):
+    with pytest.raises(NexusError, match="onnxruntime backend serves precision fp32, int8"):
+        run_export(ExportOptions(precision="bf16", out=tmp_path))
+    with pytest.raises(NexusError, match="unknown backend"):
+        run_export(ExportOptions(backend="tensorflow", out=tmp_path))
+    assert not any(tmp_path.iterdir())
+
+
+def test_compile_properties_follow_the_triton_openvino_parameters():
+    assert compile_properties({"HINT_BF16": "YES"})["INFERENCE_PRECISION_HINT"] == "bf16"
+    assert compile_properties({})["INFERENCE_PRECISION_HINT"] == "f32"  # never bf16 unless validated
+    assert compile_properties({"NUM_STREAMS": "2", "PERFORMANCE_HINT": "THROUGHPUT"})["NUM_STREAMS"] == "2"
+
+
+def test_calibration_texts_are_not_validation_texts():
+    calibration, validation = calibration_texts(), set(validation_texts())
+    assert len(calibration) >= 300 and not validation.intersection(calibration)
+
+
+def test_batching_plan_groups_by_length_and_covers_every_row():
+    lengths = np.array([5, 250, 6, 240, 7, 5, 8, 255])
+    groups = plan(lengths)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(len(lengths)))
+    assert len(groups) == 2 and {int(lengths[g].max()) for g in groups} == {8, 255}
+    assert len(plan(np.full(40, 30))) == 1  # equal lengths: one run
+    mask = np.array([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]])
+    assert real_lengths(mask).tolist() == [2, 3, 1]
