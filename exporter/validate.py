@@ -126,22 +126,39 @@ def _masked_max_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> float:
     return float(diff.max()) if diff.size else 0.0
 
 
-def _agreement(kind: str, got: list[np.ndarray], expected: list[np.ndarray], mask: np.ndarray) -> tuple[int, int]:
-    """(agreeing, total) decisions of ``got`` vs ``expected`` for one batch."""
-    agree = total = 0
+#: Two reference scores closer than the fp32 parity tolerance are a tie: the error fp32
+#: parity allows can order them either way, so they are no decision to agree on.
+TIE_MARGIN = THRESHOLDS["fp32"]["max_abs_diff"]
+
+
+def _top_two_gap(scores: np.ndarray) -> np.ndarray:
+    top = np.sort(scores, axis=-1)
+    return top[..., -1] - top[..., -2] if scores.shape[-1] > 1 else np.full(scores.shape[:-1], np.inf)
+
+
+def _agreement(kind: str, got: list[np.ndarray], expected: list[np.ndarray], mask: np.ndarray) -> tuple[int, int, int]:
+    """(agreeing, total, ties) decisions of ``got`` vs ``expected`` for one batch.
+
+    Decisions where the reference itself is a tie (:data:`TIE_MARGIN`) are counted
+    in ``ties`` and left out of the other two."""
+    agree = total = ties = 0
     for g, e in zip(got, expected):
         if kind == "rows":
-            same = g.argmax(-1) == e.argmax(-1)
+            same, decided = g.argmax(-1) == e.argmax(-1), _top_two_gap(e) > TIE_MARGIN
         elif kind == "tokens":
-            same = (g.argmax(-1) == e.argmax(-1))[mask.astype(bool)]
+            real = mask.astype(bool)
+            same, decided = (g.argmax(-1) == e.argmax(-1))[real], (_top_two_gap(e) > TIE_MARGIN)[real]
         elif kind == "span":
-            same = np.where(mask > 0, g, -np.inf).argmax(-1) == np.where(mask > 0, e, -np.inf).argmax(-1)
+            gm, em = np.where(mask > 0, g, -np.inf), np.where(mask > 0, e, -np.inf)
+            same, decided = gm.argmax(-1) == em.argmax(-1), _top_two_gap(em) > TIE_MARGIN
         else:  # "order": every pair of rows ranked the same way
             dg, de = g[:, 0][:, None] - g[:, 0][None, :], e[:, 0][:, None] - e[:, 0][None, :]
             upper = np.triu_indices(len(g), 1)
-            same = np.sign(dg[upper]) == np.sign(de[upper])
-        agree, total = agree + int(same.sum()), total + int(same.size)
-    return agree, total
+            same, decided = np.sign(dg[upper]) == np.sign(de[upper]), np.abs(de[upper]) > TIE_MARGIN
+        agree += int((same & decided).sum())
+        total += int(decided.sum())
+        ties += int((~decided).sum())
+    return agree, total, ties
 
 
 def compare(session: Any, reference: Reference, precision: str, embedder: Embedder | None,
@@ -159,7 +176,7 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
         failures.append(f"graph inputs {graph_inputs} != model inputs {reference.input_names}")
     if graph_outputs != reference.output_names:
         failures.append(f"graph outputs {graph_outputs} != expected {reference.output_names}")
-    max_diff, cosines, agree, decisions = 0.0, [], 0, 0
+    max_diff, cosines, agree, decisions, ties = 0.0, [], 0, 0, 0
     if not failures:
         for index, (feeds, expected) in enumerate(zip(reference.batches, reference.outputs)):
             try:
@@ -183,8 +200,8 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
                 b = embedder(expected[0], mask)
                 cosines.extend(np.sum(l2_normalize(a) * l2_normalize(b), axis=-1).tolist())
             if task is not None and task.agreement:
-                a, n = _agreement(task.agreement, got, expected, mask)
-                agree, decisions = agree + a, decisions + n
+                a, n, t = _agreement(task.agreement, got, expected, mask)
+                agree, decisions, ties = agree + a, decisions + n, ties + t
     limits = thresholds(task, precision, backend) if task is not None else THRESHOLDS[precision]
     report = {
         "precision": precision,
@@ -194,6 +211,8 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
         "cosine_min": float(min(cosines)) if cosines else None,
         "cosine_mean": float(np.mean(cosines)) if cosines else None,
         "agreement": agree / decisions if decisions else None,
+        "decisions": decisions,
+        "ties": ties,
         "thresholds": limits,
         "texts": sum(len(b["input_ids"]) for b in reference.batches[first_text:]),
     }

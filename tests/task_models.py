@@ -44,7 +44,10 @@ def reranker(tokenizer, directory: Path) -> Path:
     torch.manual_seed(3)
     config = DistilBertConfig(vocab_size=COMMON["vocab_size"], dim=32, n_layers=2, n_heads=4, hidden_dim=64,
                               max_position_embeddings=128, pad_token_id=0, num_labels=1)
-    return _save(transformers.DistilBertForSequenceClassification(config).eval(), tokenizer, directory)
+    model = transformers.DistilBertForSequenceClassification(config).eval()
+    with torch.no_grad():  # random scores sit within 1e-9 of each other: spread them so rankings are decisions
+        model.classifier.weight.mul_(1000)
+    return _save(model, tokenizer, directory)
 
 
 def reader(tokenizer, directory: Path) -> Path:

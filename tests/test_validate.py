@@ -1,0 +1,58 @@
+"""The validation report's decisions: what counts as agreeing with PyTorch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from nexus_sli.exporter.tasks import get_task
+from nexus_sli.exporter.validate import TIE_MARGIN, Reference, compare
+
+
+class FixedSession:
+    """A stand-in runtime that returns fixed outputs, so a test chooses the disagreement."""
+
+    def __init__(self, outputs: list[np.ndarray]):
+        self.outputs = outputs
+
+    def get_inputs(self):
+        return [SimpleNamespace(name="input_ids"), SimpleNamespace(name="attention_mask")]
+
+    def get_outputs(self):
+        return [SimpleNamespace(name="logits")]
+
+    def run(self, _names, _feeds):
+        return self.outputs
+
+
+def rerank_report(expected_scores: list[float], got_scores: list[float], precision: str = "int8") -> dict:
+    rows = len(expected_scores)
+    feeds = {"input_ids": np.ones((rows, 4), np.int64), "attention_mask": np.ones((rows, 4), np.int64)}
+    reference = Reference(["input_ids", "attention_mask"], ["logits"], [feeds],
+                          [[np.array(expected_scores, np.float32)[:, None]]], text_batches=1)
+    session = FixedSession([np.array(got_scores, np.float32)[:, None]])
+    return compare(session, reference, precision, None, get_task("rerank"))
+
+
+def test_rows_swapped_past_the_tie_margin_are_a_disagreement():
+    report = rerank_report([0.0, 1.0, 2.0], [1.5, 1.0, 2.0])
+    # the pair (0, 1) flips (1.5 > 1.0 where PyTorch had 0.0 < 1.0); (0, 2) and (1, 2) hold
+    assert report["decisions"] == 3 and report["ties"] == 0
+    assert report["agreement"] == 2 / 3
+    assert not report["passed"]
+
+
+def test_rows_closer_than_the_tie_margin_are_ties_not_decisions():
+    close = TIE_MARGIN / 10
+    report = rerank_report([0.0, close, 2.0], [close, 0.0, 2.0])
+    assert report["ties"] == 1 and report["decisions"] == 2
+    assert report["agreement"] == 1.0
+    assert report["passed"]
+
+
+def test_fp32_parity_still_bounds_the_scores_of_tied_rows():
+    close = TIE_MARGIN / 10
+    report = rerank_report([0.0, close, 2.0], [0.01, 0.0, 2.0], precision="fp32")
+    assert report["ties"] == 1 and report["agreement"] == 1.0
+    assert not report["passed"] and any("max_abs_diff" in f for f in report["failures"])
