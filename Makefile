@@ -7,8 +7,8 @@ BIN    := $(VENV)/bin
 
 MODEL     ?=
 TASK      ?= auto
-PRECISION ?= fp32
-BACKEND   ?= onnxruntime
+PRECISION ?= auto
+BACKEND   ?= auto
 NAME      ?=
 OUT       ?= model_repository
 HTTP_PORT ?= 8000

@@ -233,12 +233,19 @@ How it measures:
 """
 
 
+#: What was tried for the targets not met: hand-written from the experiments in
+#: ``bench/experiments/``, carried onto every BENCHMARKS.md the bench writes.
+TRIED = Path(__file__).with_name("data") / "tried.md"
+
+
 def benchmarks_page(results: dict, page: str) -> str:
     intro = BENCHMARKS_INTRO.format(machine=machine_line(results["machine"]), command=results["command"],
                                     repetitions=results["settings"]["repetitions"])
     body = page.split("\n", 1)[1].lstrip("\n")  # the latest.md content without its title
     body = "\n".join(line for line in body.split("\n") if not line.startswith(("Machine: ", "Command: ")))
-    return intro + "## Latest run\n\n" + re.sub(r"\n{3,}", "\n\n", body).replace("\n## ", "\n### ")
+    latest = "## Latest run\n\n" + re.sub(r"\n{3,}", "\n\n", body).replace("\n## ", "\n### ")
+    tried = "\n" + TRIED.read_text() if TRIED.is_file() else ""
+    return intro + latest.rstrip("\n") + "\n" + tried
 
 
 def write_all(results: dict, out: Path, benchmarks_md: Path | None = None) -> None:

@@ -96,10 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--task", default="auto",
                         help="embedding, classification, token-classification, question-answering, rerank "
                              "(default: inferred from the config's architectures)")
-    export.add_argument("--precision", default="fp32",
-                        help="fp32 or int8; with --backend openvino also bf16 (fp32 where the CPU has no bf16)")
-    export.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "openvino"],
-                        help="the Triton backend that serves the encoder (default onnxruntime)")
+    export.add_argument("--precision", default="auto",
+                        help="fp32 or int8; with --backend openvino also bf16 (fp32 where the CPU has no bf16); "
+                             "auto (default): this CPU's default, see the README's 'Choosing a backend'")
+    export.add_argument("--backend", default="auto", choices=["auto", "onnxruntime", "openvino"],
+                        help="the Triton backend that serves the encoder; auto (default): openvino with bf16 "
+                             "where the CPU has bf16 matmuls, else onnxruntime")
     export.add_argument("--name", default="", help="model name in the repository (default: from the model id)")
     export.add_argument("--out", default="model_repository", help="repository directory")
     export.add_argument("--allow-pickle", action="store_true", help="allow pytorch_model.bin (pickle) weights")

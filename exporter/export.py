@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .checkpoint import Checkpoint
@@ -23,7 +23,7 @@ from .model_source import (
 )
 from .onnx_export import export_onnx
 from . import openvino_target
-from .cpu import supports_bf16
+from .cpu import default_config, supports_bf16
 from .optimize import fuse, median_latency_ms, session, timing_feeds
 from .padding_trim import add_padding_trim
 from .python_models.encoding import load_tokenizer
@@ -39,14 +39,17 @@ log = logging.getLogger("nexus_sli.export")
 #: The encoder backends and the precisions each serves.
 BACKEND_PRECISIONS = {"onnxruntime": ("fp32", "int8"), "openvino": ("fp32", "bf16", "int8")}
 PRECISIONS = tuple(THRESHOLDS)
+#: backend or precision: this CPU's default (:func:`cpu.default_config`); what the CLI and `make export` ask for.
+AUTO = "auto"
 
 
 @dataclass
 class ExportOptions:
     model: str | None = None
     task: str = "auto"
+    #: fp32, bf16 (openvino), int8, or auto; the API's default is fixed, the CLI's is auto
     precision: str = "fp32"
-    #: the Triton backend serving the encoder: onnxruntime (platform onnxruntime_onnx) or openvino
+    #: the Triton backend serving the encoder: onnxruntime (platform onnxruntime_onnx), openvino, or auto
     backend: str = "onnxruntime"
     name: str | None = None
     out: Path = Path("model_repository")
@@ -155,6 +158,26 @@ def _post_params(task, config, embedder) -> dict[str, str]:
     return params
 
 
+def _resolve_auto(options: ExportOptions) -> ExportOptions:
+    """``auto`` backend or precision -> this CPU's default (:func:`cpu.default_config`).
+
+    Both auto: the default configuration.  One named: the other follows it
+    (bf16 needs OpenVINO; OpenVINO without a precision takes bf16 where the CPU
+    has it; everything else keeps ONNX Runtime fp32)."""
+    backend, precision = options.backend, options.precision
+    if backend != AUTO and precision != AUTO:
+        return options
+    default = default_config()
+    if backend == AUTO and precision == AUTO:
+        backend, precision = default.backend, default.precision
+        log.info("backend %s, precision %s: %s", backend, precision, default.reason)
+    elif backend == AUTO:
+        backend = "openvino" if precision == "bf16" else "onnxruntime"
+    else:
+        precision = "bf16" if backend == "openvino" and supports_bf16() else "fp32"
+    return replace(options, backend=backend, precision=precision)
+
+
 def _resolve_precision(options: ExportOptions) -> str:
     """The precision the export makes: as asked, except bf16 without CPU support (fp32, with a warning)."""
     if options.backend not in BACKEND_PRECISIONS:
@@ -185,6 +208,8 @@ def _session(candidate: Candidate, backend: str, params: dict[str, str]):
 
 
 def run_export(options: ExportOptions) -> ExportResult:
+    requested = {"requested_backend": options.backend, "requested_precision": options.precision}
+    options = _resolve_auto(options)
     precision = _resolve_precision(options)
     if options.task != "auto":
         get_task(options.task)  # an unknown task fails before any download
@@ -242,7 +267,7 @@ def run_export(options: ExportOptions) -> ExportResult:
             model_type=family.model_type,
             task=task.name,
             graph=chosen.graph,
-            requested_precision=options.precision,
+            **requested,
             allow_degraded=options.allow_degraded,
             candidates=[{"graph": c.graph, "passed": c.report["passed"], "latency_ms": round(c.latency_ms, 3),
                          "max_abs_diff": c.report["max_abs_diff"], "cosine_min": c.report["cosine_min"]}

@@ -96,3 +96,13 @@ def test_markdown_and_plot_are_written(quick):
     page = (out / "latest.md").read_text()
     assert "| path | precision | protocol | mode | texts/s" in page and "## Targets" in page
     assert (out / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_benchmarks_page_carries_the_latest_run_and_what_was_tried(quick):
+    from nexus_sli.bench.report import TRIED, benchmarks_page
+
+    results, out = quick
+    page = benchmarks_page(results, (out / "latest.md").read_text())
+    assert page.startswith("# Benchmarks") and "## Latest run" in page and "### Targets (issue 6)" in page
+    assert page.rstrip().endswith(TRIED.read_text().rstrip())
+    assert "## What was tried" in TRIED.read_text()

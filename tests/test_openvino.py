@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from nexus_sli.exporter import triton_config
-from nexus_sli.exporter.cpu import supports_bf16
+from nexus_sli.exporter.cpu import default_config, supports_bf16
 from nexus_sli.exporter.errors import NexusError
-from nexus_sli.exporter.export import ExportOptions, run_export
+from nexus_sli.exporter.export import ExportOptions, _resolve_auto, run_export
 from nexus_sli.exporter.openvino_target import OpenVINOSession, calibration_texts
 from nexus_sli.exporter.optimize import session
 from nexus_sli.exporter.padding_trim import trimmed_length
@@ -109,3 +109,40 @@ def test_batching_plan_groups_by_length_and_covers_every_row():
     assert len(plan(np.full(40, 30))) == 1  # equal lengths: one run
     mask = np.array([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]])
     assert real_lengths(mask).tolist() == [2, 3, 1]
+
+
+AVX2 = {"avx2", "fma"}
+AMX = {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"}
+
+
+def test_default_configuration_follows_the_cpu_flags():
+    assert (default_config(AVX2).backend, default_config(AVX2).precision) == ("onnxruntime", "fp32")
+    assert (default_config(AMX).backend, default_config(AMX).precision) == ("openvino", "bf16")
+    assert default_config({"avx512_bf16"}).precision == "bf16"  # Cooper Lake: bf16 without AMX
+    assert "bf16" in default_config(AVX2).reason and "0.99998" in default_config(AMX).reason
+
+
+@pytest.mark.parametrize("flags", [AVX2, AMX], ids=["avx2", "amx"])
+def test_auto_resolves_backend_and_precision_from_the_cpu(monkeypatch, flags):
+    monkeypatch.setattr("nexus_sli.exporter.cpu.cpu_flags", lambda: flags)
+    bf16 = "amx_bf16" in flags
+    resolve = lambda backend, precision: _resolve_auto(ExportOptions(backend=backend, precision=precision))  # noqa: E731
+    both = resolve("auto", "auto")
+    assert (both.backend, both.precision) == (("openvino", "bf16") if bf16 else ("onnxruntime", "fp32"))
+    assert resolve("openvino", "auto").precision == ("bf16" if bf16 else "fp32")
+    assert (resolve("auto", "bf16").backend, resolve("auto", "int8").backend) == ("openvino", "onnxruntime")
+    assert resolve("onnxruntime", "auto").precision == "fp32"
+    explicit = resolve("onnxruntime", "int8")
+    assert (explicit.backend, explicit.precision) == ("onnxruntime", "int8")
+
+
+def test_cli_export_defaults_to_auto_and_records_what_was_asked(tiny_checkpoint, tmp_path):
+    from nexus_sli.exporter.cli import main
+
+    out = tmp_path / "repo"
+    assert main(["export", "--model", str(tiny_checkpoint("bert")), "--name", "tiny", "--out", str(out)]) == 0
+    report = json.loads((out / "tiny_encoder" / "validation.json").read_text())
+    assert report["requested_backend"] == report["requested_precision"] == "auto"
+    expected = default_config()
+    assert report["backend"] == expected.backend
+    assert report["precision"] == expected.precision and report["passed"]

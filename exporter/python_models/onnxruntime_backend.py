@@ -20,7 +20,13 @@ from encoder_backend import EncoderBackend  # noqa: E402
 class TritonPythonModel(EncoderBackend):
     def load(self, path, params):
         options = ort.SessionOptions()
+        # Operator knobs, read from the server's environment: intra-op threads (0: one
+        # per core) and whether idle threads spin (1) or sleep (0) between runs.  Sleeping
+        # is the default: the tokenizer and pooling steps share the cores with this one,
+        # and spinning threads delay them (single-query p99/p50 1.32-1.43 sleeping against
+        # 1.50-1.73 spinning at equal throughput, nexus_sli.bench.experiments.ort_threads).
         options.intra_op_num_threads = int(os.environ.get("NEXUS_ORT_THREADS", "0"))
+        options.add_session_config_entry("session.intra_op.allow_spinning", os.environ.get("NEXUS_ORT_SPINNING", "0"))
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self.output_names = [o.name for o in self.session.get_outputs()]
 
