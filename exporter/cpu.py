@@ -49,11 +49,11 @@ def default_config(flags: set[str] | None = None) -> Default:
     with these flags, as measured with all-MiniLM-L6-v2 (BENCHMARKS.md, ../shared/ARCHITECTURE.md).
 
     int8 is never the default: ONNX Runtime's dynamic int8 measured min cosine 0.94
-    (AVX2) and 0.991 (AMX) against sentence-transformers, and NNCF static int8 0.97 at
+    (AVX2) and 0.991 (AMX) against sentence-transformers, and NNCF static int8 0.96 at
     best, short of the 0.98 the bench asks of a faster configuration."""
     flags = cpu_flags() if flags is None else flags
     if flags & {"avx512_bf16", "amx_bf16"}:
         return Default("openvino", "bf16", "the CPU has bf16 matmuls (avx512_bf16/amx_bf16): OpenVINO with "
-                       "the bf16 hint ran 3.1x PyTorch fp32 at min cosine 0.99998 on an AMX machine")
+                       "the bf16 hint ran 3.15x PyTorch fp32 at min cosine 0.99998 on an AMX machine")
     return Default("onnxruntime", "fp32", "no bf16 on this CPU: ONNX Runtime fp32 was the fastest full-fidelity "
                    "path measured (served 1.88-2.01x sentence-transformers, OpenVINO fp32 1.34-1.69x, on AVX2)")

@@ -207,9 +207,32 @@ def _session(candidate: Candidate, backend: str, params: dict[str, str]):
     return session(candidate.path)
 
 
+#: Where the CPU's default fails validation for a model, ``auto`` falls back to this:
+#: the configuration every model exports at exact parity.
+FALLBACK = ("onnxruntime", "fp32")
+
+
 def run_export(options: ExportOptions) -> ExportResult:
+    """Export, validate and publish one model; ``auto`` backend/precision resolved first.
+
+    With both ``auto``, the CPU's default was chosen on one model's measurements: a
+    model it fails validation for is exported as :data:`FALLBACK` instead, and the
+    report says why (``auto_fallback``)."""
     requested = {"requested_backend": options.backend, "requested_precision": options.precision}
-    options = _resolve_auto(options)
+    resolved = _resolve_auto(options)
+    try:
+        return _export(resolved, requested)
+    except ValidationError as exc:
+        fully_auto = options.backend == AUTO and options.precision == AUTO
+        if not fully_auto or (resolved.backend, resolved.precision) == FALLBACK:
+            raise
+        reason = f"{resolved.backend} {resolved.precision} failed validation: {exc}"
+        log.warning("%s; exporting %s %s instead", reason, *FALLBACK)
+        fallback = replace(resolved, backend=FALLBACK[0], precision=FALLBACK[1])
+        return _export(fallback, {**requested, "auto_fallback": reason})
+
+
+def _export(options: ExportOptions, requested: dict) -> ExportResult:
     precision = _resolve_precision(options)
     if options.task != "auto":
         get_task(options.task)  # an unknown task fails before any download

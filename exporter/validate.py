@@ -132,8 +132,12 @@ TIE_MARGIN = THRESHOLDS["fp32"]["max_abs_diff"]
 
 
 def _top_two_gap(scores: np.ndarray) -> np.ndarray:
+    """Best minus second-best score; inf for a single score, nan (a tie) where both are -inf (masked)."""
+    if scores.shape[-1] < 2:
+        return np.full(scores.shape[:-1], np.inf)
     top = np.sort(scores, axis=-1)
-    return top[..., -1] - top[..., -2] if scores.shape[-1] > 1 else np.full(scores.shape[:-1], np.inf)
+    with np.errstate(invalid="ignore"):
+        return top[..., -1] - top[..., -2]
 
 
 def _agreement(kind: str, got: list[np.ndarray], expected: list[np.ndarray], mask: np.ndarray) -> tuple[int, int, int]:
@@ -227,7 +231,10 @@ def _threshold_failures(report: dict, thresholds: dict[str, float]) -> list[str]
     failures = []
     for metric, limit in thresholds.items():
         value = report[metric]
-        if value is None:
+        if value is None and metric == "agreement" and report.get("ties"):
+            failures.append(f"agreement could not be measured: all {report['ties']} decisions were ties "
+                            f"(PyTorch's own scores within {TIE_MARGIN:g})")
+        elif value is None:
             failures.append(f"{metric} could not be measured")
         elif metric == "max_abs_diff" and value > limit:
             failures.append(f"max_abs_diff {value:.3g} > {limit:g}")

@@ -146,3 +146,18 @@ def test_cli_export_defaults_to_auto_and_records_what_was_asked(tiny_checkpoint,
     expected = default_config()
     assert report["backend"] == expected.backend
     assert report["precision"] == expected.precision and report["passed"]
+
+
+def test_auto_falls_back_to_onnxruntime_fp32_when_the_cpu_default_fails_validation(
+        monkeypatch, tiny_checkpoint, tmp_path):
+    from nexus_sli.exporter import validate
+    from nexus_sli.exporter.cpu import Default
+
+    monkeypatch.setattr("nexus_sli.exporter.export.default_config", lambda: Default("openvino", "int8", "a test"))
+    monkeypatch.setattr(validate, "STATIC_INT8_THRESHOLDS", {"cosine_mean": 1.5, "cosine_min": 1.5})  # unreachable
+    out = tmp_path / "repo"
+    result = run_export(ExportOptions(model=str(tiny_checkpoint("bert")), task="embedding", name="tiny", out=out,
+                                      backend="auto", precision="auto"))
+    assert (result.report["backend"], result.report["precision"]) == ("onnxruntime", "fp32")
+    assert result.report["passed"] and "openvino int8 failed validation" in result.report["auto_fallback"]
+    assert triton_config.read(out / "tiny_encoder" / "config.pbtxt").platform == "onnxruntime_onnx"

@@ -481,7 +481,8 @@ def test_killed_exports_while_serving_then_restart_on_the_same_ports(served):
     with EncoderClient(served["grpc"]) as client:
         reference = client.embed(TEXTS, model="embedder")
     command = [sys.executable, "-m", "nexus_sli.exporter.cli", "export", "--model", str(checkpoint),
-               "--name", "embedder", "--task", "embedding", "--out", str(repo)]
+               "--name", "embedder", "--task", "embedding", "--backend", "onnxruntime", "--precision", "fp32",
+               "--out", str(repo)]  # the served model's configuration, whatever this CPU's default is
     prober = _Prober(served["grpc"])
     prober.start()
     started = time.monotonic()

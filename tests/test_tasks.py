@@ -85,6 +85,10 @@ def test_tasks_are_inferred_and_validated(served):
         assert reports[name]["task"] == task and reports[name]["passed"], name
         assert reports[name]["agreement"] == 1.0 and reports[name]["max_abs_diff"] <= 1e-4
     assert reports["classifier_int8"]["passed"] and reports["classifier_int8"]["agreement"] >= 0.98
+    # the agreement above is over real decisions: few are ties PyTorch itself cannot order
+    # (the QA reader's flat logits on texts without its marker make 6 of 474 at the time of writing)
+    for name in expected:
+        assert reports[name]["ties"] < 0.05 * reports[name]["decisions"], (name, reports[name]["ties"])
 
 
 def test_classification_matches_pytorch(client, served):

@@ -56,3 +56,40 @@ def test_fp32_parity_still_bounds_the_scores_of_tied_rows():
     report = rerank_report([0.0, close, 2.0], [0.01, 0.0, 2.0], precision="fp32")
     assert report["ties"] == 1 and report["agreement"] == 1.0
     assert not report["passed"] and any("max_abs_diff" in f for f in report["failures"])
+
+
+def report_for(task: str, expected: np.ndarray, got: np.ndarray, mask: np.ndarray, output: str = "logits") -> dict:
+    feeds = {"input_ids": np.ones(mask.shape, np.int64), "attention_mask": mask.astype(np.int64)}
+    reference = Reference(["input_ids", "attention_mask"], [output], [feeds], [[expected.astype(np.float32)]],
+                          text_batches=1)
+    session = FixedSession([got.astype(np.float32)])
+    session.get_outputs = lambda: [SimpleNamespace(name=output)]
+    return compare(session, reference, "int8", None, get_task(task))
+
+
+def test_labels_per_text_count_ties_apart():
+    close = TIE_MARGIN / 10
+    expected = np.array([[0.0, 1.0], [0.5, 0.5 + close], [2.0, 0.0]])
+    got = np.array([[0.0, 1.0], [0.5 + close, 0.5], [0.0, 2.0]])  # row 1 is a tie; row 2 really flips
+    report = report_for("classification", expected, got, np.ones((3, 4)))
+    assert (report["decisions"], report["ties"], report["agreement"]) == (2, 1, 0.5)
+
+
+def test_labels_per_token_count_only_real_tokens():
+    expected = np.array([[[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]], [[0.0, 1.0], [1.0, 0.0], [1.0, 0.0]]])
+    got = np.array([[[0.0, 1.0], [0.0, 1.0], [0.0, 1.0]], [[0.0, 1.0], [0.0, 1.0], [0.0, 1.0]]])
+    # row 0: token 1 flips; row 1 has one real token, its two padding positions flip but do not count
+    report = report_for("token-classification", expected, got, np.array([[1, 1, 1], [1, 0, 0]]))
+    assert (report["decisions"], report["ties"], report["agreement"]) == (4, 0, 0.75)
+
+
+def test_span_positions_ignore_padding_and_all_ties_fail_clearly():
+    close = TIE_MARGIN / 10
+    expected = np.array([[0.0, 3.0, 2.0], [1.0, 1.0 + close, 9.0]])
+    got = np.array([[0.0, 3.0, 2.0], [1.0 + close, 1.0, -9.0]])  # row 1: position 2 is padding
+    mask = np.array([[1, 1, 1], [1, 1, 0]])
+    report = report_for("question-answering", expected, got, mask, "start_logits")
+    assert (report["decisions"], report["ties"], report["agreement"]) == (1, 1, 1.0)
+    tied = report_for("question-answering", expected[1:, :2], got[1:, :2], mask[1:, :2], "start_logits")
+    assert tied["agreement"] is None and not tied["passed"]
+    assert "all 1 decisions were ties" in tied["failures"][0]

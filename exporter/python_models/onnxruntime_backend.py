@@ -24,9 +24,12 @@ class TritonPythonModel(EncoderBackend):
         # per core) and whether idle threads spin (1) or sleep (0) between runs.  Sleeping
         # is the default: the tokenizer and pooling steps share the cores with this one,
         # and spinning threads delay them (single-query p99/p50 1.32-1.43 sleeping against
-        # 1.50-1.73 spinning at equal throughput, nexus_sli.bench.experiments.ort_threads).
+        # 1.57-1.73 spinning at equal throughput, nexus_sli.bench.experiments.ort_threads).
         options.intra_op_num_threads = int(os.environ.get("NEXUS_ORT_THREADS", "0"))
-        options.add_session_config_entry("session.intra_op.allow_spinning", os.environ.get("NEXUS_ORT_SPINNING", "0"))
+        spinning = os.environ.get("NEXUS_ORT_SPINNING", "0")
+        if spinning not in ("0", "1"):  # ONNX Runtime would read anything else as 0
+            raise ValueError(f"NEXUS_ORT_SPINNING must be 0 or 1, not {spinning!r}")
+        options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self.output_names = [o.name for o in self.session.get_outputs()]
 
