@@ -134,7 +134,7 @@ def export_skips(repository: Path) -> list[dict]:
             for label, reason in found.items()]
 
 
-def _queries(texts: list[str], tokens: list[int], n: int) -> list[str]:
+def short_queries(texts: list[str], tokens: list[int], n: int) -> list[str]:
     """Short queries from the set: the first ``n`` of at most 16 tokens, topped up with the shortest."""
     short = [t for t, k in zip(texts, tokens) if k <= SHORT_QUERY_TOKENS]
     if len(short) < n:
@@ -165,7 +165,7 @@ def prepare(options: BenchOptions, plan: Plan) -> Setup:
     texts = text_set.subset(text_set.bench_texts(), plan.texts or 10**9)
     tokens = token_counts(facts["fp32"], texts)
     setup = Setup(source.model_id, Path(source.path), Path(options.repository), names, facts, texts, tokens,
-                  _queries(texts, tokens, plan.latency_queries), {})
+                  short_queries(texts, tokens, plan.latency_queries), {})
     setup.skipped.extend(export_skips(options.repository))
     setup.sweep = _sweep(facts["fp32"], texts, plan, setup.skipped)
     return setup

@@ -21,9 +21,9 @@ from nexus_sli.exporter.quantize import get_int8_config, quantize_int8
 from nexus_sli.exporter.validate import validation_texts
 
 from ..runners import GraphEncoder, ServedFacts
-from ..texts import bench_texts, repository_root
+from ..texts import bench_texts
+from . import MODEL, bench_repository
 
-MODEL = "all_minilm_l6_v2"
 WORST = 40
 
 
@@ -32,7 +32,7 @@ def _unit(x: np.ndarray) -> np.ndarray:
 
 
 def main() -> None:
-    repo = repository_root() / "bench" / ".repo"
+    repo = bench_repository()
     facts = ServedFacts.read(repo, MODEL)
     source = repo / f"{MODEL}_encoder" / "1" / "model.onnx"
     calibration, held_out = calibration_texts(), validation_texts() + bench_texts()

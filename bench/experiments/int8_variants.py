@@ -21,9 +21,9 @@ from nexus_sli.exporter.quantize import Int8Config, ffn_output_matmuls, quantize
 from nexus_sli.exporter.validate import validation_texts
 
 from ..runners import GraphEncoder, ServedFacts
-from ..texts import bench_texts, repository_root
+from ..texts import bench_texts
+from . import MODEL, bench_repository
 
-MODEL = "all_minilm_l6_v2"
 VARIANTS = {  # name: (reduce_range, per_channel, keep feed-forward outputs fp32)
     "per-channel (the exporter's int8)": (False, True, False),
     "per-channel, 7-bit weights": (True, True, False),
@@ -44,7 +44,7 @@ def _seconds(encoder: GraphEncoder, texts: list[str]) -> float:
 
 
 def main() -> None:
-    repo = repository_root() / "bench" / ".repo"
+    repo = bench_repository()
     facts = ServedFacts.read(repo, MODEL)
     source = repo / f"{MODEL}_encoder" / "1" / "model.onnx"
     texts = bench_texts() + validation_texts()

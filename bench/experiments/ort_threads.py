@@ -14,11 +14,9 @@ import os
 
 import numpy as np
 
-from ..runners import ServedFacts, token_counts
 from ..served import Server, ServedEmbedder
-from ..texts import bench_texts, repository_root
+from . import MODEL, served_inputs
 
-MODEL = "all_minilm_l6_v2"
 SETTINGS = {
     "threads: one per core, idle threads spin": {"NEXUS_ORT_SPINNING": "1"},
     "threads: one per core, idle threads sleep (the default)": {"NEXUS_ORT_SPINNING": "0"},
@@ -28,10 +26,7 @@ KNOBS = ("NEXUS_ORT_THREADS", "NEXUS_ORT_SPINNING")
 
 
 def main(rounds: int = 2) -> None:
-    repo = repository_root() / "bench" / ".repo"
-    texts = bench_texts()
-    counts = token_counts(ServedFacts.read(repo, MODEL), texts)
-    short = [text for text, n in zip(texts, counts) if n <= 16][:150]
+    repo, texts, short = served_inputs()
     for round_ in range(rounds):
         for name, env in SETTINGS.items():
             for knob in KNOBS:

@@ -18,11 +18,9 @@ import numpy as np
 
 from nexus_sli.exporter import triton_config
 
-from ..runners import ServedFacts, token_counts
 from ..served import Server, ServedEmbedder
-from ..texts import bench_texts, repository_root
+from . import MODEL, served_inputs
 
-MODEL = "all_minilm_l6_v2"
 DELAYS_US = (0, 500, 2000, 5000)
 STEPS = ("_tokenizer", "_encoder", "_postprocess")
 
@@ -39,10 +37,7 @@ def _repository(source: Path, target: Path, delay_us: int) -> Path:
 
 
 def main(rounds: int = 2) -> None:
-    source = repository_root() / "bench" / ".repo"
-    texts = bench_texts()
-    counts = token_counts(ServedFacts.read(source, MODEL), texts)
-    short = [text for text, n in zip(texts, counts) if n <= 16][:150]
+    source, texts, short = served_inputs()
     for round_ in range(rounds):
         for delay in DELAYS_US:
             with tempfile.TemporaryDirectory() as work, Server(_repository(source, Path(work), delay)) as server:

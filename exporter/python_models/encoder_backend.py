@@ -17,6 +17,7 @@ into batches and the batches' outputs back into responses:
 """
 
 import json
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,10 @@ import triton_python_backend_utils as pb_utils
 from batching import plan, real_lengths
 
 
-class EncoderBackend:
+class EncoderBackend(ABC):
+    #: The model file when the config names none (``default_model_filename``).
+    default_filename = "model.onnx"
+
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
@@ -34,14 +38,13 @@ class EncoderBackend:
         # Outputs whose first non-batch dim is variable follow the sequence length.
         self.outputs = {o["name"]: o["dims"][0] == -1 for o in config["output"]}
 
-    default_filename = "model.onnx"
-
+    @abstractmethod
     def load(self, path: Path, params: dict) -> None:
-        raise NotImplementedError
+        """Open the model at ``path`` with the config's ``parameters``."""
 
+    @abstractmethod
     def infer(self, feeds: dict) -> dict:
         """Outputs by name for one batch of int64 arrays ``[rows, length]``."""
-        raise NotImplementedError
 
     def _feeds(self, request):
         """The request's inputs, checked to fit together: [rows, length] each, the same for all."""
