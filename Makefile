@@ -50,7 +50,7 @@ test-load: install
 
 # The bench serves its own repository: exported (fp32 + int8) again when the exporter changed.
 BENCH_REPO := bench/.repo
-$(BENCH_REPO)/.exported: $(VENV)/.installed $(wildcard exporter/*.py exporter/*/*.py)
+$(BENCH_REPO)/.exported: $(VENV)/.installed $(shell find exporter tasks -name "*.py")
 	$(BIN)/nexus-sli bench --repo '$(BENCH_REPO)' --export-only --reexport
 	touch $@
 

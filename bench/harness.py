@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nexus_sli.exporter.model_source import ModelSource, check_name, resolve_model
+from nexus_sli.exporter.export.source import ModelSource, check_name, resolve_model
 
 from . import machine, texts as text_set
 from .measure import BATCH32, CONCURRENT16, LATENCY1, SEQ_LEN, Measurement, cosines, one_by_one, timed
@@ -104,7 +104,7 @@ def ensure_exported(options: BenchOptions) -> dict[str, str]:
     holds exports of this model (or ``reexport`` asks for fresh ones).  A configuration
     whose export fails validation is left out, and the reason recorded."""
     from nexus_sli.exporter.errors import ValidationError
-    from nexus_sli.exporter.export import ExportOptions, run_export
+    from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 
     source, names = model_names(options.model)
     skipped_file = Path(options.repository) / SKIPPED_FILE
@@ -382,7 +382,7 @@ def _padding(setup: Setup, facts) -> dict:
     batches of 32 (each batch planned into length groups, as the served encoder does)."""
     import numpy as np
 
-    from nexus_sli.exporter.python_models.batching import plan as group_rows
+    from nexus_sli.exporter.serving.backends.batching import plan as group_rows
 
     real = computed = 0
     for i in range(0, len(setup.tokens), 32):

@@ -6,8 +6,8 @@ import os
 import platform
 from pathlib import Path
 
-from nexus_sli.exporter.cpu import RELEVANT_FLAGS, cpu_flags, supports_bf16  # noqa: F401 - re-exported
-from nexus_sli.exporter.cpu import cpuinfo as _cpuinfo
+from nexus_sli.exporter.targets.cpu import RELEVANT_FLAGS, cpu_flags, supports_bf16  # noqa: F401 - re-exported
+from nexus_sli.exporter.targets.cpu import cpuinfo as _cpuinfo
 
 
 def machine_info() -> dict:

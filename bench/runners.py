@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from nexus_sli.exporter import triton_config
-from nexus_sli.exporter.python_models.encoding import load_tokenizer, to_arrays
-from nexus_sli.exporter.validate import Embedder
+from nexus_sli.exporter.triton import config as triton_config
+from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer, to_arrays
+from nexus_sli.exporter.export.validate import Embedder
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +173,8 @@ class GraphEncoder:
 
     @classmethod
     def for_model(cls, repository: Path, facts: ServedFacts) -> "GraphEncoder":
-        from nexus_sli.exporter.openvino_target import OpenVINOSession
-        from nexus_sli.exporter.optimize import session
+        from nexus_sli.exporter.targets.openvino import OpenVINOSession
+        from nexus_sli.exporter.export.optimize import session
 
         config = triton_config.read(repository / f"{facts.name}_encoder" / "config.pbtxt")
         model = repository / f"{facts.name}_encoder" / "1" / (config.default_model_filename or "model.onnx")

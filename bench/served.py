@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from nexus_sli.client import EncoderClient
-from nexus_sli.exporter import serve
+from nexus_sli.exporter.serving import server as serve
 
 from .machine import tree_rss_bytes
 from .measure import Sample, one_at_a_time

@@ -65,7 +65,7 @@ def generate(validation: list[str], topics: list[tuple[str, str]]) -> list[str]:
 
 
 def generate_from_sources(root: Path | None = None) -> list[str]:
-    from nexus_sli.exporter.validate import validation_texts
+    from nexus_sli.exporter.export.validate import validation_texts
 
     root = root or repository_root()
     return generate(validation_texts(), read_topics(root / "tests" / "data" / "topics.tsv"))

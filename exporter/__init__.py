@@ -1,6 +1,6 @@
 """nexus-sli exporter: BERT-family checkpoints to a Triton model repository."""
 
 from .errors import NexusError
-from .handler import ArchitectureRegistry, BERTFamilyHandler, get_registry
+from .export.handler import ArchitectureRegistry, BERTFamilyHandler, get_registry
 
 __all__ = ["ArchitectureRegistry", "BERTFamilyHandler", "NexusError", "get_registry"]

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from nexus_sli.exporter.layer_cache import CACHE_DIR_ENV
-from nexus_sli.exporter.validate import validation_texts
+from nexus_sli.exporter.export.layer_cache import CACHE_DIR_ENV
+from nexus_sli.exporter.export.validate import validation_texts
 from tiny_models import build_tiny, train_tokenizer
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from nexus_sli.bench.harness import variants
 from nexus_sli.bench.texts import bench_texts, generate_from_sources, length_stats
-from nexus_sli.exporter.cli import main
-from nexus_sli.exporter.cpu import supports_bf16
+from nexus_sli.cli.main import main
+from nexus_sli.exporter.targets.cpu import supports_bf16
 
 ROW_TYPES = {
     "path": str, "precision": str, "protocol": str, "mode": str,

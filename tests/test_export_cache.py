@@ -13,14 +13,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
-from nexus_sli.exporter import export
-from nexus_sli.exporter.checkpoint import Checkpoint
-from nexus_sli.exporter.cli import main
-from nexus_sli.exporter.export import ExportOptions, run_export
-from nexus_sli.exporter.layer_cache import LayerCache
-from nexus_sli.exporter.model_source import load_config, resolve_model
-from nexus_sli.exporter.tasks import get_task
-from nexus_sli.exporter.walk import open_layer_cache, walk
+from nexus_sli.exporter.export import pipeline as export
+from nexus_sli.exporter.export.checkpoint import Checkpoint
+from nexus_sli.cli.main import main
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.export.layer_cache import LayerCache
+from nexus_sli.exporter.export.source import load_config, resolve_model
+from nexus_sli.tasks.spec import get_task
+from nexus_sli.exporter.export.walk import open_layer_cache, walk
 
 CHANGED = "encoder.layer.1.attention.output.dense.weight"
 

@@ -10,10 +10,10 @@ import time
 import onnx
 import pytest
 
-from nexus_sli.exporter import validate
-from nexus_sli.exporter.cli import main
+from nexus_sli.exporter.export import validate
+from nexus_sli.cli.main import main
 from nexus_sli.exporter.errors import ValidationError
-from nexus_sli.exporter.export import ExportOptions, run_export
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_cli_reports_bad_input_clearly(tmp_path, capsys):
 def test_hub_id_without_network_fails_fast_with_guidance(tmp_path):
     start = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "nexus_sli.exporter.cli", "export", "--model", "nexus-sli-test/no-such-model",
+        [sys.executable, "-m", "nexus_sli.cli.main", "export", "--model", "nexus-sli-test/no-such-model",
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=120,
     )
@@ -93,7 +93,7 @@ def test_killed_export_leaves_the_repository_as_it_was(repo):
     import signal
 
     before = {p: p.stat().st_mtime_ns for p in repo.rglob("*")}
-    process = subprocess.Popen([sys.executable, "-m", "nexus_sli.exporter.cli", "export", "--out", str(repo)],
+    process = subprocess.Popen([sys.executable, "-m", "nexus_sli.cli.main", "export", "--out", str(repo)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for line in process.stderr:  # kill it mid-export, after the walk has started writing to staging
         if "graph:" in line:

@@ -7,8 +7,8 @@ import json
 import onnx
 import pytest
 
-from nexus_sli.exporter.export import ExportOptions, run_export
-from nexus_sli.exporter.families import FAMILIES, normalize_model_type
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.export.families import FAMILIES, normalize_model_type
 from tiny_models import NO_TINY_MODEL, TINY_CONFIGS
 from tiny_remote_models import REMOTE_TINY
 

@@ -26,10 +26,10 @@ import tritonclient.grpc as grpcclient
 from sentence_transformers import SentenceTransformer
 
 from nexus_sli.client import EncoderClient
-from nexus_sli.exporter import serve
-from nexus_sli.exporter.export import ExportOptions, run_export
-from nexus_sli.exporter.model_source import resolve_model
-from nexus_sli.exporter.validate import validation_texts
+from nexus_sli.exporter.serving import server as serve
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.export.source import resolve_model
+from nexus_sli.exporter.export.validate import validation_texts
 from test_serving import _free_ports
 
 pytestmark = pytest.mark.load

@@ -7,16 +7,16 @@ import json
 import numpy as np
 import pytest
 
-from nexus_sli.exporter import triton_config
-from nexus_sli.exporter.cpu import default_config, supports_bf16
+from nexus_sli.exporter.triton import config as triton_config
+from nexus_sli.exporter.targets.cpu import default_config, supports_bf16
 from nexus_sli.exporter.errors import NexusError
-from nexus_sli.exporter.export import ExportOptions, _resolve_auto, run_export
-from nexus_sli.exporter.openvino_target import OpenVINOSession, calibration_texts
-from nexus_sli.exporter.optimize import session
-from nexus_sli.exporter.padding_trim import trimmed_length
-from nexus_sli.exporter.python_models.batching import plan, real_lengths
-from nexus_sli.exporter.python_models.openvino_properties import compile_properties
-from nexus_sli.exporter.validate import STATIC_INT8_THRESHOLDS, validation_texts
+from nexus_sli.exporter.export.pipeline import ExportOptions, _resolve_auto, run_export
+from nexus_sli.exporter.targets.openvino import OpenVINOSession, calibration_texts
+from nexus_sli.exporter.export.optimize import session
+from nexus_sli.exporter.export.padding_trim import trimmed_length
+from nexus_sli.exporter.serving.backends.batching import plan, real_lengths
+from nexus_sli.exporter.serving.backends.openvino_properties import compile_properties
+from nexus_sli.exporter.export.validate import STATIC_INT8_THRESHOLDS, validation_texts
 
 
 def _feeds(lengths, width, vocab=100):
@@ -124,7 +124,7 @@ def test_default_configuration_follows_the_cpu_flags():
 
 @pytest.mark.parametrize("flags", [AVX2, AMX], ids=["avx2", "amx"])
 def test_auto_resolves_backend_and_precision_from_the_cpu(monkeypatch, flags):
-    monkeypatch.setattr("nexus_sli.exporter.cpu.cpu_flags", lambda: flags)
+    monkeypatch.setattr("nexus_sli.exporter.targets.cpu.cpu_flags", lambda: flags)
     bf16 = "amx_bf16" in flags
     resolve = lambda backend, precision: _resolve_auto(ExportOptions(backend=backend, precision=precision))  # noqa: E731
     both = resolve("auto", "auto")
@@ -137,7 +137,7 @@ def test_auto_resolves_backend_and_precision_from_the_cpu(monkeypatch, flags):
 
 
 def test_cli_export_defaults_to_auto_and_records_what_was_asked(tiny_checkpoint, tmp_path):
-    from nexus_sli.exporter.cli import main
+    from nexus_sli.cli.main import main
 
     out = tmp_path / "repo"
     assert main(["export", "--model", str(tiny_checkpoint("bert")), "--name", "tiny", "--out", str(out)]) == 0
@@ -150,10 +150,10 @@ def test_cli_export_defaults_to_auto_and_records_what_was_asked(tiny_checkpoint,
 
 def test_auto_falls_back_to_onnxruntime_fp32_when_the_cpu_default_fails_validation(
         monkeypatch, tiny_checkpoint, tmp_path):
-    from nexus_sli.exporter import validate
-    from nexus_sli.exporter.cpu import Default
+    from nexus_sli.exporter.export import validate
+    from nexus_sli.exporter.targets.cpu import Default
 
-    monkeypatch.setattr("nexus_sli.exporter.export.default_config", lambda: Default("openvino", "int8", "a test"))
+    monkeypatch.setattr("nexus_sli.exporter.export.pipeline.default_config", lambda: Default("openvino", "int8", "a test"))
     monkeypatch.setattr(validate, "STATIC_INT8_THRESHOLDS", {"cosine_mean": 1.5, "cosine_min": 1.5})  # unreachable
     out = tmp_path / "repo"
     result = run_export(ExportOptions(model=str(tiny_checkpoint("bert")), task="embedding", name="tiny", out=out,

@@ -42,12 +42,13 @@ from nexus_sli.client import (
     RetryableError,
     ServerUnavailableError,
 )
-from nexus_sli.exporter import serve, triton_config
-from nexus_sli.exporter.cli import build_parser
+from nexus_sli.exporter.serving import server as serve
+from nexus_sli.exporter.triton import config as triton_config
+from nexus_sli.cli.main import build_parser
 from nexus_sli.exporter.errors import CheckpointError, NexusError
-from nexus_sli.exporter.export import ExportOptions, run_export
-from nexus_sli.exporter.model_source import check_name
-from nexus_sli.exporter.triton_config import MAX_BATCH_SIZE
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.export.source import check_name
+from nexus_sli.exporter.triton.config import MAX_BATCH_SIZE
 from test_serving import _free_ports
 from test_walk import _copy, _edit
 
@@ -480,7 +481,7 @@ def test_killed_exports_while_serving_then_restart_on_the_same_ports(served):
     repo, checkpoint = served["repo"], served["checkpoints"]["embedder"]
     with EncoderClient(served["grpc"]) as client:
         reference = client.embed(TEXTS, model="embedder")
-    command = [sys.executable, "-m", "nexus_sli.exporter.cli", "export", "--model", str(checkpoint),
+    command = [sys.executable, "-m", "nexus_sli.cli.main", "export", "--model", str(checkpoint),
                "--name", "embedder", "--task", "embedding", "--backend", "onnxruntime", "--precision", "fp32",
                "--out", str(repo)]  # the served model's configuration, whatever this CPU's default is
     prober = _Prober(served["grpc"])
@@ -675,7 +676,7 @@ def test_remote_code_in_a_checkpoint_is_never_run(served, tmp_path):
 def test_hub_token_never_reaches_the_output(tmp_path):
     token = "hf_nexusSliTestToken0123456789abcdef"
     result = subprocess.run(
-        [sys.executable, "-m", "nexus_sli.exporter.cli", "export", "--model", "nexus-sli-test/no-such-model",
+        [sys.executable, "-m", "nexus_sli.cli.main", "export", "--model", "nexus-sli-test/no-such-model",
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=120, env={**os.environ, "HF_TOKEN": token})
     assert result.returncode == 2 and "nexus-sli: error" in result.stderr

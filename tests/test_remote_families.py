@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from nexus_sli.exporter.checkpoint import Checkpoint
+from nexus_sli.exporter.export.checkpoint import Checkpoint
 from nexus_sli.exporter.errors import CheckpointError, NexusError, UnsupportedModelError
-from nexus_sli.exporter.export import ExportOptions, run_export
-from nexus_sli.exporter.families import FAMILIES
-from nexus_sli.exporter.families.jinabert_model import JinaBertLayer, alibi_slopes
-from nexus_sli.exporter.model_source import load_config
-from nexus_sli.exporter.tasks import get_task
-from nexus_sli.exporter.walk import walk
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.export.families import FAMILIES
+from nexus_sli.exporter.export.families.jinabert_model import JinaBertLayer, alibi_slopes
+from nexus_sli.exporter.export.source import load_config
+from nexus_sli.tasks.spec import get_task
+from nexus_sli.exporter.export.walk import walk
 from tiny_remote_models import MAX_LENGTH, NUM_LABELS, REMOTE_TINY, TASKS, build_tiny_remote, neobert_ffn_size
 
 EXPORTS = [(family, "embedding", "fp32") for family in REMOTE_TINY] + \

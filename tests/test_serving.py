@@ -12,10 +12,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from sentence_transformers import SentenceTransformer
 
-from nexus_sli.exporter import serve, triton_config
-from nexus_sli.exporter.export import ExportOptions, run_export
-from nexus_sli.exporter.model_source import resolve_model
-from nexus_sli.exporter.validate import validation_texts
+from nexus_sli.exporter.serving import server as serve
+from nexus_sli.exporter.triton import config as triton_config
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.export.source import resolve_model
+from nexus_sli.exporter.export.validate import validation_texts
 
 NAME = "all_minilm_l6_v2"
 

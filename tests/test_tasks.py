@@ -20,11 +20,11 @@ from nexus_sli.client import (
     ServerUnavailableError,
     WrongTaskError,
 )
-from nexus_sli.exporter import serve
-from nexus_sli.exporter.export import ExportOptions, run_export
-from nexus_sli.exporter.python_models.encoding import load_tokenizer, to_arrays, windows
-from nexus_sli.exporter.python_models.heads import answer_spans, class_scores, entities, sigmoid
-from nexus_sli.exporter.validate import validation_texts
+from nexus_sli.exporter.serving import server as serve
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer, to_arrays, windows
+from nexus_sli.exporter.triton.python_models.heads import answer_spans, class_scores, entities, sigmoid
+from nexus_sli.exporter.export.validate import validation_texts
 from test_serving import _free_ports
 
 TOPICS = Path(__file__).parent / "data" / "topics.tsv"

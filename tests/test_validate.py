@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from nexus_sli.exporter.tasks import get_task
-from nexus_sli.exporter.validate import TIE_MARGIN, Reference, compare
+from nexus_sli.tasks.spec import get_task
+from nexus_sli.exporter.export.validate import TIE_MARGIN, Reference, compare
 
 
 class FixedSession:

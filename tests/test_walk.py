@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
-from nexus_sli.exporter.checkpoint import Checkpoint
+from nexus_sli.exporter.export.checkpoint import Checkpoint
 from nexus_sli.exporter.errors import CheckpointError, UnsafeCheckpointError
-from nexus_sli.exporter.model_source import load_config
-from nexus_sli.exporter.tasks import get_task
-from nexus_sli.exporter.walk import walk
+from nexus_sli.exporter.export.source import load_config
+from nexus_sli.tasks.spec import get_task
+from nexus_sli.exporter.export.walk import walk
 from tiny_models import build_tiny
 
 

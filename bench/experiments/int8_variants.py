@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from nexus_sli.exporter.optimize import session
-from nexus_sli.exporter.quantize import Int8Config, ffn_output_matmuls, quantize_int8
-from nexus_sli.exporter.validate import validation_texts
+from nexus_sli.exporter.export.optimize import session
+from nexus_sli.exporter.export.quantize import Int8Config, ffn_output_matmuls, quantize_int8
+from nexus_sli.exporter.export.validate import validation_texts
 
 from ..runners import GraphEncoder, ServedFacts
 from ..texts import bench_texts

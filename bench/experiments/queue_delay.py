@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nexus_sli.exporter import triton_config
+from nexus_sli.exporter.triton import config as triton_config
 
 from ..served import Server, ServedEmbedder
 from . import MODEL, served_inputs

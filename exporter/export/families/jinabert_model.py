@@ -28,7 +28,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import BaseModelOutputWithPooling, SequenceClassifierOutput
 
-from ..errors import UnsupportedModelError
+from nexus_sli.exporter.errors import UnsupportedModelError
 from .base import config_value
 
 #: ``feed_forward_type`` values of the published code: two gated forms and plain BERT.

@@ -45,7 +45,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import nn
 
-from .errors import LayerCacheError, LayerIndexError
+from nexus_sli.exporter.errors import LayerCacheError, LayerIndexError
 from .quantize import get_int8_config
 
 log = logging.getLogger(__name__)

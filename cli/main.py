@@ -8,11 +8,11 @@ import logging
 import sys
 from pathlib import Path
 
-from .errors import NexusError
+from nexus_sli.exporter.errors import NexusError
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .export import ExportOptions, run_export
+    from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 
     result = run_export(ExportOptions(
         model=args.model or None, task=args.task, precision=args.precision, backend=args.backend,
@@ -27,7 +27,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .serve import serve_forever
+    from nexus_sli.exporter.serving.server import serve_forever
 
     return serve_forever(Path(args.model_repository), args.http_port, args.grpc_port, args.metrics_port, args.host)
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Iterator
 
 from torch import nn
 
-from ..errors import (
+from nexus_sli.exporter.errors import (
     LayerIndexError,
     LayerTypeError,
     NotYetImplementedError,

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from . import triton_config as tc
+from nexus_sli.exporter.triton import config as tc
 
-_PYTHON_MODELS = "nexus_sli.exporter.python_models"
+_PYTHON_MODELS = "nexus_sli.exporter.triton.python_models"
 
 REPOSITORY_README = """\
 # Triton model repository written by nexus-sli

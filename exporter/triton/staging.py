@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import RepositoryError
+from nexus_sli.exporter.errors import RepositoryError
 
 _STAGING = ".staging-"
 

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from .padding_trim import trimmed_length
-from .python_models.encoding import encode, l2_normalize, pool
-from .tasks import Task
+from nexus_sli.exporter.triton.python_models.encoding import encode, l2_normalize, pool
+from nexus_sli.tasks.spec import Task
 
 REFERENCE = "pytorch-fp32"
 #: Embeddings: token states within 1e-4 (fp32); sentence-embedding cosine (bf16, int8).
@@ -49,7 +49,7 @@ TEXT_BATCH = 16
 
 
 def validation_texts() -> list[str]:
-    text = resources.files("nexus_sli.exporter").joinpath("data/validation_texts.txt").read_text("utf-8")
+    text = resources.files("nexus_sli.exporter.export").joinpath("data/validation_texts.txt").read_text("utf-8")
     return [line for line in text.splitlines() if line.strip()]
 
 

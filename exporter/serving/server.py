@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from .errors import NexusError
+from nexus_sli.exporter.errors import NexusError
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def prepare_backends(target: Path) -> Path:
     if not stub.is_file():
         raise ServerError(f"nvidia-pytriton ships no python backend stub for Python {version}")
     shutil.copy2(stub, python_dir / STUB_EXECUTABLE)
-    package = resources.files("nexus_sli.exporter.python_models")
+    package = resources.files("nexus_sli.exporter.serving.backends")
     for backend in SHIM_BACKENDS:
         shim = target / backend
         shim.mkdir(exist_ok=True)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutput, SequenceClassifierOutput
 
-from ..errors import UnsupportedModelError
+from nexus_sli.exporter.errors import UnsupportedModelError
 from .base import config_value
 
 #: Default of the published ``NeoBERTConfig``.

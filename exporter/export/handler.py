@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from .errors import CheckpointError, UnsupportedModelError
+from nexus_sli.exporter.errors import CheckpointError, UnsupportedModelError
 from .families import FAMILIES, EncoderFamily, family_for, supported_types
 from .families.base import ENCODER
 

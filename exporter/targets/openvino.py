@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .python_models.encoding import encode
-from .python_models.openvino_properties import compile_properties
+from nexus_sli.exporter.triton.python_models.encoding import encode
+from nexus_sli.exporter.serving.backends.openvino_properties import compile_properties
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ CALIBRATION_BATCH = 16
 
 
 def calibration_texts() -> list[str]:
-    text = resources.files("nexus_sli.exporter").joinpath("data/calibration_texts.txt").read_text("utf-8")
+    text = resources.files("nexus_sli.exporter.export").joinpath("data/calibration_texts.txt").read_text("utf-8")
     return [line for line in text.splitlines() if line.strip()]
 
 

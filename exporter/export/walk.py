@@ -32,10 +32,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .checkpoint import Checkpoint
-from .errors import CheckpointError
+from nexus_sli.exporter.errors import CheckpointError
 from .handler import BERTFamilyHandler
 from .layer_cache import LayerCache
-from .tasks import Task
+from nexus_sli.tasks.spec import Task
 
 log = logging.getLogger(__name__)
 

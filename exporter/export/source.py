@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ModelSourceError, NexusError
+from nexus_sli.exporter.errors import ModelSourceError, NexusError
 from .families import EncoderFamily
 
 log = logging.getLogger(__name__)

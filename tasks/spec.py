@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import NexusError
+from nexus_sli.exporter.errors import NexusError
 
 
 @dataclass(frozen=True)

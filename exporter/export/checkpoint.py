@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .errors import CheckpointError, UnsafeCheckpointError
+from nexus_sli.exporter.errors import CheckpointError, UnsafeCheckpointError
 
 # TF-era BERT checkpoints name LayerNorm parameters gamma/beta; torch names them weight/bias.
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}

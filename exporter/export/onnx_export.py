@@ -11,8 +11,8 @@ import onnx
 import torch
 from torch import nn
 
-from .errors import ExportError
-from .tasks import Task
+from nexus_sli.exporter.errors import ExportError
+from nexus_sli.tasks.spec import Task
 
 OPSET = 17
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")

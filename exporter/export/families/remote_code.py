@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from ..errors import NexusError
+from nexus_sli.exporter.errors import NexusError
 from .base import EncoderFamily, config_value, normalize_model_type, register
 
 log = logging.getLogger(__name__)

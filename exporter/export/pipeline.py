@@ -9,10 +9,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .checkpoint import Checkpoint
-from .errors import NexusError, ValidationError
+from nexus_sli.exporter.errors import NexusError, ValidationError
 from .families import EncoderFamily
 from .handler import get_registry
-from .model_source import (
+from .source import (
     check_name,
     load_config,
     max_sequence_length,
@@ -22,15 +22,15 @@ from .model_source import (
     tokenizer_file,
 )
 from .onnx_export import export_onnx
-from . import openvino_target
-from .cpu import default_config, supports_bf16
+from nexus_sli.exporter.targets import openvino as openvino_target
+from nexus_sli.exporter.targets.cpu import default_config, supports_bf16
 from .optimize import fuse, median_latency_ms, session, timing_feeds
 from .padding_trim import add_padding_trim
-from .python_models.encoding import load_tokenizer
+from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
 from .quantize import ffn_output_matmuls, quantize_int8
-from .repository import Staging
-from .tasks import get_task, infer_task
-from .triton_repository import ServingFacts, write_models, write_readme
+from nexus_sli.exporter.triton.staging import Staging
+from nexus_sli.tasks.spec import get_task, infer_task
+from nexus_sli.exporter.triton.models import ServingFacts, write_models, write_readme
 from .validate import THRESHOLDS, Embedder, build_reference, compare, parity_cases, text_batches
 from .walk import open_layer_cache, walk
 
