@@ -173,7 +173,7 @@ class GraphEncoder:
 
     @classmethod
     def for_model(cls, repository: Path, facts: ServedFacts) -> "GraphEncoder":
-        from nexus_sli.exporter.targets.openvino import OpenVINOSession
+        from nexus_sli.exporter.targets.openvino_cpu import OpenVINOSession
         from nexus_sli.exporter.export.optimize import session
 
         config = triton_config.read(repository / f"{facts.name}_encoder" / "config.pbtxt")

@@ -48,11 +48,15 @@ class ExportError(NexusError):
 
 
 class ValidationError(NexusError):
-    """The exported graph does not match PyTorch within the thresholds."""
+    """The exported graph does not match PyTorch within the thresholds.
 
-    def __init__(self, message: str, report: dict | None = None):
+    ``failures`` holds every typed failure (:mod:`nexus_sli.exporter.export.report`)
+    of the graph closest to passing; ``report`` its validation report as written."""
+
+    def __init__(self, message: str, report: dict | None = None, failures: list | None = None):
         super().__init__(message)
         self.report = report
+        self.failures = list(failures or [])
 
 
 class RepositoryError(NexusError):

@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 
 from nexus_sli.exporter.triton import config as triton_config
-from nexus_sli.exporter.targets.cpu import default_config, supports_bf16
+from nexus_sli.exporter.targets import plan as plan_configurations
+from nexus_sli.exporter.targets.cpu import supports_bf16
 from nexus_sli.exporter.errors import NexusError
-from nexus_sli.exporter.export.pipeline import ExportOptions, _resolve_auto, run_export
-from nexus_sli.exporter.targets.openvino import OpenVINOSession, calibration_texts
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.targets.openvino_cpu import STATIC_INT8_THRESHOLDS, OpenVINOSession, calibration_texts
 from nexus_sli.exporter.export.optimize import session
 from nexus_sli.exporter.export.padding_trim import trimmed_length
 from nexus_sli.exporter.serving.backends.batching import plan, real_lengths
 from nexus_sli.exporter.serving.backends.openvino_properties import compile_properties
-from nexus_sli.exporter.export.validate import STATIC_INT8_THRESHOLDS, validation_texts
+from nexus_sli.exporter.export.validate import validation_texts
 
 
 def _feeds(lengths, width, vocab=100):
@@ -115,49 +116,54 @@ AVX2 = {"avx2", "fma"}
 AMX = {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"}
 
 
-def test_default_configuration_follows_the_cpu_flags():
-    assert (default_config(AVX2).backend, default_config(AVX2).precision) == ("onnxruntime", "fp32")
-    assert (default_config(AMX).backend, default_config(AMX).precision) == ("openvino", "bf16")
-    assert default_config({"avx512_bf16"}).precision == "bf16"  # Cooper Lake: bf16 without AMX
-    assert "bf16" in default_config(AVX2).reason and "0.99998" in default_config(AMX).reason
+def tried(backend: str, precision: str, flags: set[str]) -> list[tuple[str, str]]:
+    return [(c.target.name, c.precision) for c in plan_configurations(backend, precision, flags)]
 
 
-@pytest.mark.parametrize("flags", [AVX2, AMX], ids=["avx2", "amx"])
-def test_auto_resolves_backend_and_precision_from_the_cpu(monkeypatch, flags):
-    monkeypatch.setattr("nexus_sli.exporter.targets.cpu.cpu_flags", lambda: flags)
-    bf16 = "amx_bf16" in flags
-    resolve = lambda backend, precision: _resolve_auto(ExportOptions(backend=backend, precision=precision))  # noqa: E731
-    both = resolve("auto", "auto")
-    assert (both.backend, both.precision) == (("openvino", "bf16") if bf16 else ("onnxruntime", "fp32"))
-    assert resolve("openvino", "auto").precision == ("bf16" if bf16 else "fp32")
-    assert (resolve("auto", "bf16").backend, resolve("auto", "int8").backend) == ("openvino", "onnxruntime")
-    assert resolve("onnxruntime", "auto").precision == "fp32"
-    explicit = resolve("onnxruntime", "int8")
-    assert (explicit.backend, explicit.precision) == ("onnxruntime", "int8")
+def test_auto_tries_bf16_first_only_where_the_cpu_has_bf16_matmuls():
+    assert tried("auto", "auto", AVX2) == [("onnxruntime", "fp32")]
+    assert tried("auto", "auto", AMX) == [("openvino", "bf16"), ("onnxruntime", "fp32")]
+    # Cooper Lake: bf16 without AMX
+    assert tried("auto", "auto", {"avx512_bf16"}) == [("openvino", "bf16"), ("onnxruntime", "fp32")]
 
 
-def test_cli_export_defaults_to_auto_and_records_what_was_asked(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("flags, openvino_default", [(AVX2, "fp32"), (AMX, "bf16")], ids=["avx2", "amx"])
+def test_one_named_half_of_the_configuration_fixes_the_other(flags, openvino_default):
+    assert tried("openvino", "auto", flags) == [("openvino", openvino_default)]
+    assert tried("auto", "int8", flags) == [("onnxruntime", "int8")]
+    assert tried("onnxruntime", "auto", flags) == [("onnxruntime", "fp32")]
+    assert tried("onnxruntime", "int8", flags) == [("onnxruntime", "int8")]
+
+
+def test_bf16_asked_of_a_cpu_without_it_exports_fp32():
+    assert tried("auto", "bf16", AVX2) == [("openvino", "fp32")]
+    assert tried("openvino", "bf16", AVX2) == [("openvino", "fp32")]
+    assert tried("openvino", "bf16", AMX) == [("openvino", "bf16")]
+
+
+def test_cli_export_defaults_to_auto_and_records_what_was_asked(monkeypatch, tiny_checkpoint, tmp_path):
     from nexus_sli.cli.main import main
 
+    monkeypatch.setattr("nexus_sli.exporter.targets.registry.cpu_flags", lambda: AVX2)
     out = tmp_path / "repo"
     assert main(["export", "--model", str(tiny_checkpoint("bert")), "--name", "tiny", "--out", str(out)]) == 0
     report = json.loads((out / "tiny_encoder" / "validation.json").read_text())
     assert report["requested_backend"] == report["requested_precision"] == "auto"
-    expected = default_config()
-    assert report["backend"] == expected.backend
-    assert report["precision"] == expected.precision and report["passed"]
+    assert (report["backend"], report["precision"], report["passed"]) == ("onnxruntime", "fp32", True)
+    assert [(a["backend"], a["precision"], a["passed"]) for a in report["attempts"]] == [("onnxruntime", "fp32", True)]
 
 
-def test_auto_falls_back_to_onnxruntime_fp32_when_the_cpu_default_fails_validation(
-        monkeypatch, tiny_checkpoint, tmp_path):
-    from nexus_sli.exporter.export import validate
-    from nexus_sli.exporter.targets.cpu import Default
+def test_auto_tries_the_next_configuration_when_one_fails_validation(monkeypatch, tiny_checkpoint, tmp_path):
+    from nexus_sli.exporter.targets import openvino_cpu, registry
 
-    monkeypatch.setattr("nexus_sli.exporter.export.pipeline.default_config", lambda: Default("openvino", "int8", "a test"))
-    monkeypatch.setattr(validate, "STATIC_INT8_THRESHOLDS", {"cosine_mean": 1.5, "cosine_min": 1.5})  # unreachable
+    monkeypatch.setattr(registry, "AUTO_ORDER", (("openvino", "int8"), ("onnxruntime", "fp32")))
+    monkeypatch.setattr(openvino_cpu, "STATIC_INT8_THRESHOLDS", {"cosine_mean": 1.5, "cosine_min": 1.5})  # unreachable
     out = tmp_path / "repo"
     result = run_export(ExportOptions(model=str(tiny_checkpoint("bert")), task="embedding", name="tiny", out=out,
                                       backend="auto", precision="auto"))
     assert (result.report["backend"], result.report["precision"]) == ("onnxruntime", "fp32")
-    assert result.report["passed"] and "openvino int8 failed validation" in result.report["auto_fallback"]
+    attempts = result.report["attempts"]
+    assert [(a["backend"], a["precision"], a["passed"]) for a in attempts] == [
+        ("openvino", "int8", False), ("onnxruntime", "fp32", True)]
+    assert "cosine_mean" in attempts[0]["failures"][0] and result.report["passed"]
     assert triton_config.read(out / "tiny_encoder" / "config.pbtxt").platform == "onnxruntime_onnx"

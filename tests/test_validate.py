@@ -7,7 +7,16 @@ from types import SimpleNamespace
 import numpy as np
 
 from nexus_sli.tasks.spec import get_task
-from nexus_sli.exporter.export.validate import TIE_MARGIN, Reference, compare
+from nexus_sli.exporter.export.report import (
+    AgreementShortfall,
+    FidelityShortfall,
+    NameMismatch,
+    RuntimeFailure,
+    ShapeMismatch,
+    ValidationReport,
+    ValueMismatch,
+)
+from nexus_sli.exporter.export.validate import TIE_MARGIN, Embedder, Reference, compare
 
 
 class FixedSession:
@@ -26,7 +35,7 @@ class FixedSession:
         return self.outputs
 
 
-def rerank_report(expected_scores: list[float], got_scores: list[float], precision: str = "int8") -> dict:
+def rerank_report(expected_scores: list[float], got_scores: list[float], precision: str = "int8") -> ValidationReport:
     rows = len(expected_scores)
     feeds = {"input_ids": np.ones((rows, 4), np.int64), "attention_mask": np.ones((rows, 4), np.int64)}
     reference = Reference(["input_ids", "attention_mask"], ["logits"], [feeds],
@@ -38,27 +47,27 @@ def rerank_report(expected_scores: list[float], got_scores: list[float], precisi
 def test_rows_swapped_past_the_tie_margin_are_a_disagreement():
     report = rerank_report([0.0, 1.0, 2.0], [1.5, 1.0, 2.0])
     # the pair (0, 1) flips (1.5 > 1.0 where PyTorch had 0.0 < 1.0); (0, 2) and (1, 2) hold
-    assert report["decisions"] == 3 and report["ties"] == 0
-    assert report["agreement"] == 2 / 3
-    assert not report["passed"]
+    assert report.decisions == 3 and report.ties == 0
+    assert report.agreement == 2 / 3
+    assert not report.passed and [type(f) for f in report.failures] == [AgreementShortfall]
 
 
 def test_rows_closer_than_the_tie_margin_are_ties_not_decisions():
     close = TIE_MARGIN / 10
     report = rerank_report([0.0, close, 2.0], [close, 0.0, 2.0])
-    assert report["ties"] == 1 and report["decisions"] == 2
-    assert report["agreement"] == 1.0
-    assert report["passed"]
+    assert report.ties == 1 and report.decisions == 2
+    assert report.agreement == 1.0
+    assert report.passed
 
 
 def test_fp32_parity_still_bounds_the_scores_of_tied_rows():
     close = TIE_MARGIN / 10
     report = rerank_report([0.0, close, 2.0], [0.01, 0.0, 2.0], precision="fp32")
-    assert report["ties"] == 1 and report["agreement"] == 1.0
-    assert not report["passed"] and any("max_abs_diff" in f for f in report["failures"])
+    assert report.ties == 1 and report.agreement == 1.0
+    assert not report.passed and [type(f) for f in report.failures] == [ValueMismatch]
 
 
-def report_for(task: str, expected: np.ndarray, got: np.ndarray, mask: np.ndarray, output: str = "logits") -> dict:
+def report_for(task: str, expected: np.ndarray, got: np.ndarray, mask: np.ndarray, output: str = "logits") -> ValidationReport:
     feeds = {"input_ids": np.ones(mask.shape, np.int64), "attention_mask": mask.astype(np.int64)}
     reference = Reference(["input_ids", "attention_mask"], [output], [feeds], [[expected.astype(np.float32)]],
                           text_batches=1)
@@ -72,7 +81,7 @@ def test_labels_per_text_count_ties_apart():
     expected = np.array([[0.0, 1.0], [0.5, 0.5 + close], [2.0, 0.0]])
     got = np.array([[0.0, 1.0], [0.5 + close, 0.5], [0.0, 2.0]])  # row 1 is a tie; row 2 really flips
     report = report_for("classification", expected, got, np.ones((3, 4)))
-    assert (report["decisions"], report["ties"], report["agreement"]) == (2, 1, 0.5)
+    assert (report.decisions, report.ties, report.agreement) == (2, 1, 0.5)
 
 
 def test_labels_per_token_count_only_real_tokens():
@@ -80,7 +89,7 @@ def test_labels_per_token_count_only_real_tokens():
     got = np.array([[[0.0, 1.0], [0.0, 1.0], [0.0, 1.0]], [[0.0, 1.0], [0.0, 1.0], [0.0, 1.0]]])
     # row 0: token 1 flips; row 1 has one real token, its two padding positions flip but do not count
     report = report_for("token-classification", expected, got, np.array([[1, 1, 1], [1, 0, 0]]))
-    assert (report["decisions"], report["ties"], report["agreement"]) == (4, 0, 0.75)
+    assert (report.decisions, report.ties, report.agreement) == (4, 0, 0.75)
 
 
 def test_span_positions_ignore_padding_and_all_ties_fail_clearly():
@@ -89,7 +98,43 @@ def test_span_positions_ignore_padding_and_all_ties_fail_clearly():
     got = np.array([[0.0, 3.0, 2.0], [1.0 + close, 1.0, -9.0]])  # row 1: position 2 is padding
     mask = np.array([[1, 1, 1], [1, 1, 0]])
     report = report_for("question-answering", expected, got, mask, "start_logits")
-    assert (report["decisions"], report["ties"], report["agreement"]) == (1, 1, 1.0)
+    assert (report.decisions, report.ties, report.agreement) == (1, 1, 1.0)
     tied = report_for("question-answering", expected[1:, :2], got[1:, :2], mask[1:, :2], "start_logits")
-    assert tied["agreement"] is None and not tied["passed"]
-    assert "all 1 decisions were ties" in tied["failures"][0]
+    assert tied.agreement is None and not tied.passed
+    assert isinstance(tied.failures[0], AgreementShortfall)
+    assert "all 1 decisions were ties" in tied.failures[0].message
+
+
+def embedding_report(got: np.ndarray, expected: np.ndarray, precision: str = "int8", session=None) -> ValidationReport:
+    mask = np.ones(expected.shape[:2], np.int64)
+    feeds = {"input_ids": np.ones(mask.shape, np.int64), "attention_mask": mask}
+    reference = Reference(["input_ids", "attention_mask"], ["last_hidden_state"], [feeds],
+                          [[expected.astype(np.float32)]], text_batches=1)
+    session = session or FixedSession([got.astype(np.float32)])
+    session.get_outputs = lambda: [SimpleNamespace(name="last_hidden_state")]
+    return compare(session, reference, precision, Embedder("mean", True), get_task("embedding"))
+
+
+def test_each_check_reports_its_own_failure_type():
+    hidden = np.random.default_rng(0).normal(size=(2, 3, 4))
+    assert embedding_report(hidden, hidden, "fp32").passed
+    assert [type(f) for f in embedding_report(hidden + 1e-2, hidden, "fp32").failures] == [ValueMismatch]
+    # a sign flip of every vector: cosine -1, far below the int8 limits
+    assert {type(f) for f in embedding_report(-hidden, hidden).failures} == {FidelityShortfall}
+    assert [type(f) for f in embedding_report(hidden[:, :2], hidden).failures] == [ShapeMismatch]
+
+
+def test_names_are_checked_before_any_run_and_runtime_errors_are_typed():
+    hidden = np.zeros((1, 2, 4))
+
+    class Refusing(FixedSession):
+        def run(self, _names, _feeds):
+            raise RuntimeError("baked shape")
+
+    refused = embedding_report(hidden, hidden, session=Refusing([]))
+    assert [type(f) for f in refused.failures] == [RuntimeFailure] and "baked shape" in refused.failures[0].message
+    renamed = FixedSession([hidden])
+    renamed.get_inputs = lambda: [SimpleNamespace(name="ids")]
+    report = embedding_report(hidden, hidden, session=renamed)
+    assert [type(f) for f in report.failures] == [NameMismatch]
+    assert report.to_dict()["failures"] == [{"kind": "names", "message": report.failures[0].message}]

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from nexus_sli.exporter.targets.openvino import calibration_texts
+from nexus_sli.exporter.targets.openvino_cpu import calibration_texts
 from nexus_sli.exporter.export.optimize import session
 from nexus_sli.exporter.export.quantize import get_int8_config, quantize_int8
 from nexus_sli.exporter.export.validate import validation_texts

@@ -1,46 +1,40 @@
-"""The export pipeline: checkpoint -> walk -> ONNX -> quantize -> validate -> repository."""
+"""The export pipeline, the only orchestrator of an export.
+
+    model source -> layer walk -> plain ONNX -> PyTorch reference (once)
+      -> for each configuration of :func:`targets.plan`, in turn: the target's
+         candidate graphs, each validated and timed; stop at the first that passes
+      -> the Triton repository (staged, then published)
+
+Every other module does one step and knows nothing of the others.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from .checkpoint import Checkpoint
-from nexus_sli.exporter.errors import NexusError, ValidationError
-from .families import EncoderFamily
-from .handler import get_registry
-from .source import (
-    check_name,
-    load_config,
-    max_sequence_length,
-    normalizes,
-    pooling_mode,
-    resolve_model,
-    tokenizer_file,
-)
-from .onnx_export import export_onnx
-from nexus_sli.exporter.targets import openvino as openvino_target
-from nexus_sli.exporter.targets.cpu import default_config, supports_bf16
-from .optimize import fuse, median_latency_ms, session, timing_feeds
-from .padding_trim import add_padding_trim
+from nexus_sli.exporter.errors import ValidationError
+from nexus_sli.exporter.targets import Candidate, Configuration, ExportedGraph, plan
+from nexus_sli.exporter.targets.openvino_cpu import calibration_feeds
+from nexus_sli.exporter.triton.models import ServingFacts, write_models, write_readme
 from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
-from .quantize import ffn_output_matmuls, quantize_int8
 from nexus_sli.exporter.triton.staging import Staging
 from nexus_sli.tasks.spec import get_task, infer_task
-from nexus_sli.exporter.triton.models import ServingFacts, write_models, write_readme
-from .validate import THRESHOLDS, Embedder, build_reference, compare, parity_cases, text_batches
+
+from .checkpoint import Checkpoint
+from .handler import get_registry
+from .onnx_export import export_onnx, model_input_names
+from .optimize import median_latency_ms, timing_feeds
+from .report import ValidationReport
+from .source import check_name, load_config, max_sequence_length, normalizes, pooling_mode, resolve_model, tokenizer_file
+from .validate import Embedder, Reference, build_reference, compare, parity_cases, text_batches
 from .walk import open_layer_cache, walk
 
 log = logging.getLogger("nexus_sli.export")
-
-#: The encoder backends and the precisions each serves.
-BACKEND_PRECISIONS = {"onnxruntime": ("fp32", "int8"), "openvino": ("fp32", "bf16", "int8")}
-PRECISIONS = tuple(THRESHOLDS)
-#: backend or precision: this CPU's default (:func:`cpu.default_config`); what the CLI and `make export` ask for.
-AUTO = "auto"
 
 
 @dataclass
@@ -49,7 +43,7 @@ class ExportOptions:
     task: str = "auto"
     #: fp32, bf16 (openvino), int8, or auto; the API's default is fixed, the CLI's is auto
     precision: str = "fp32"
-    #: the Triton backend serving the encoder: onnxruntime (platform onnxruntime_onnx), openvino, or auto
+    #: the runtime target serving the encoder (:data:`targets.TARGETS`: onnxruntime, openvino), or auto
     backend: str = "onnxruntime"
     name: str | None = None
     out: Path = Path("model_repository")
@@ -63,22 +57,110 @@ class ExportOptions:
 
 
 @dataclass
-class Candidate:
-    graph: str
-    path: Path
-    report: dict = field(default_factory=dict)
-    latency_ms: float | None = None
-
-    def files(self) -> list[Path]:
-        """The model file and, for an OpenVINO IR, its weights."""
-        return [self.path, self.path.with_suffix(".bin")] if self.path.suffix == ".xml" else [self.path]
-
-
-@dataclass
 class ExportResult:
     name: str
     models: list[Path]
+    #: what was written to the encoder's validation.json
     report: dict
+
+
+@dataclass
+class Prepared:
+    """What every configuration shares, made once per export."""
+
+    source: Any
+    config: Any
+    task: Any
+    family: Any
+    max_length: int
+    pad_id: int
+    tokenizer: Any
+    tokenizer_path: Path
+    graph: ExportedGraph
+    reference: Reference
+    embedder: Embedder | None
+    walk: dict
+
+
+@dataclass
+class Attempt:
+    """One configuration's candidates after validation and timing."""
+
+    configuration: Configuration
+    candidates: list[Candidate]
+
+    @property
+    def best(self) -> Candidate | None:
+        """The fastest candidate that passed, if any."""
+        passed = [c for c in self.candidates if c.report.passed]
+        return min(passed, key=lambda c: c.latency_ms) if passed else None
+
+    def summary(self) -> str:
+        return "; ".join(f"{c.graph}: {c.report.summary()}" for c in self.candidates)
+
+    def record(self) -> dict:
+        return {"backend": self.configuration.target.name, "precision": self.configuration.precision,
+                "reason": self.configuration.reason, "passed": self.best is not None,
+                "failures": [] if self.best else [self.summary()]}
+
+
+def run_export(options: ExportOptions) -> ExportResult:
+    """Export, validate and publish one model; see the module docstring for the steps."""
+    configurations = plan(options.backend, options.precision)
+    if options.task != "auto":
+        get_task(options.task)  # an unknown task fails before any download
+    source = resolve_model(options.model, options.allow_pickle)
+    name = check_name(options.name or source.default_name)
+    with Staging(Path(options.out)) as stage:
+        prepared = _prepare(options, source, stage.work)
+        log.info("exporting %s (%s, %d layers) as %s, task %s; trying %s", source.model_id,
+                 prepared.family.model_type, prepared.family.num_layers(prepared.config), name,
+                 prepared.task.name, ", then ".join(c.describe() for c in configurations))
+        attempts = _try_in_turn(configurations, prepared)
+        attempt, chosen = _choose(attempts, options.allow_degraded)
+        report = _report(options, prepared, attempts, attempt, chosen)
+        _write(stage.root, name, prepared, attempt, chosen, report)
+        models = stage.publish()
+        write_readme(Path(options.out))
+    log.info("wrote %s", ", ".join(str(m) for m in models))
+    return ExportResult(name, models, report)
+
+
+def _prepare(options: ExportOptions, source, work: Path) -> Prepared:
+    """Walk the checkpoint into a PyTorch model, export the plain graph and compute the reference."""
+    config = load_config(source.path)
+    task = infer_task(config) if options.task == "auto" else get_task(options.task)
+    handler = get_registry().detect_family(config)
+    model, walked = _walk(options, source, config, task, handler)
+    family = handler.family
+    max_length = max_sequence_length(source.path, family, config)
+    tokenizer_path = tokenizer_file(source.path, work)
+    tokenizer = load_tokenizer(tokenizer_path, max_length)
+    pad_id = _pad_id(config, tokenizer)
+    input_names = export_onnx(model, task, model_input_names(model, config), family.vocab_size(config),
+                              work / "plain.onnx")
+    reference = build_reference(
+        model, task, input_names,
+        parity_cases(input_names, family.vocab_size(config), pad_id, family.max_positions(config)),
+        text_batches(tokenizer, input_names, pad_id, max_length, pairs=task.pair),
+    )
+    embedder = Embedder(pooling_mode(source.path), normalizes(source.path)) if task.name == "embedding" else None
+    graph = ExportedGraph(work / "plain.onnx", work, family, config, task, input_names)
+    return Prepared(source, config, task, family, max_length, pad_id, tokenizer, tokenizer_path, graph,
+                    reference, embedder, walked)
+
+
+def _walk(options: ExportOptions, source, config, task, handler):
+    """The task model rebuilt layer by layer (from the layer cache where it has them)."""
+    cache = open_layer_cache(options.cache_dir) if options.cache else None
+    with Checkpoint(source.path, allow_pickle=options.allow_pickle) as checkpoint:
+        model, handler, report = walk(config, checkpoint, task, handler, cache=cache)
+    if cache is not None:
+        log.info("reused %d of %d layers from the layer cache at %s",
+                 report.layers_from_cache, report.layers_loaded, cache.cache_dir)
+    return model, {"layers": report.layers_loaded, "from_cache": report.layers_from_cache,
+                   "tensors": report.tensors_loaded, "skipped": report.skipped,
+                   "absent_optional": report.absent_optional}
 
 
 def _pad_id(config, tokenizer) -> int:
@@ -90,62 +172,67 @@ def _pad_id(config, tokenizer) -> int:
     return 0
 
 
-def _onnxruntime_candidates(plain: Path, work: Path, family: EncoderFamily, config, precision: str) -> list[Candidate]:
-    """The plain graph and, where the ORT optimizer fuses anything, the fused one;
-    quantized when int8 was asked for."""
-    candidates = [Candidate("plain", plain)]
-    fused_counts = fuse(plain, work / "fused.onnx", family.num_heads(config), family.hidden_size(config))
-    if fused_counts:
-        log.info("transformer optimizer fused %s", ", ".join(f"{n} {op}" for op, n in fused_counts.items()))
-        candidates.append(Candidate("fused", work / "fused.onnx"))
-    if precision == "int8":
-        quantized = []
-        width = family.ffn_width(config)
-        for candidate in candidates:
-            quantized.append(Candidate(candidate.graph, quantize_int8(candidate.path, work / f"{candidate.graph}.int8.onnx")))
-            keep = ffn_output_matmuls(candidate.path, int(width), family.hidden_size(config)) if width else []
-            if keep:
-                path = quantize_int8(candidate.path, work / f"{candidate.graph}.int8-ffn-fp32.onnx", exclude=keep)
-                quantized.append(Candidate(f"{candidate.graph}+ffn-out-fp32", path))
-        candidates = quantized
-    return candidates
+def _try_in_turn(configurations: list[Configuration], prepared: Prepared) -> list[Attempt]:
+    """Each configuration in turn until one has a candidate that passes validation."""
+    attempts: list[Attempt] = []
+    for configuration in configurations:
+        attempts.append(_attempt(configuration, prepared))
+        if attempts[-1].best is not None:
+            break
+        if len(attempts) < len(configurations):
+            log.warning("%s failed validation (%s); trying the next configuration",
+                        configuration.describe(), attempts[-1].summary())
+    return attempts
 
 
-def _openvino_candidates(plain: Path, work: Path, family: EncoderFamily, config, precision: str,
-                         calibration) -> list[Candidate]:
-    """The plain graph (fp32, bf16: a precision hint), or its NNCF int8 IRs."""
-    if precision != "int8":
-        return [Candidate("plain", plain)]
-    log.info("quantizing with NNCF on %d calibration texts", sum(len(f["input_ids"]) for f in calibration))
-    candidates = [Candidate("plain", openvino_target.quantize_int8(plain, work / "plain.ov-int8.xml", calibration))]
-    width = family.ffn_width(config)
-    keep = ffn_output_matmuls(plain, int(width), family.hidden_size(config)) if width else []
-    if keep:
-        path = openvino_target.quantize_int8(plain, work / "plain.ov-int8-ffn-fp32.xml", calibration, keep)
-        candidates.append(Candidate("plain+ffn-out-fp32", path))
-    return candidates
+def _attempt(configuration: Configuration, prepared: Prepared) -> Attempt:
+    """The configuration's candidate graphs, each validated against the reference and timed."""
+    target, precision = configuration.target, configuration.precision
+    work = prepared.graph.work / f"{target.name}-{precision}"
+    work.mkdir(exist_ok=True)
+    graph = replace(prepared.graph, work=work, calibration=_calibration(prepared) if
+                    target.needs_calibration(precision) else None)
+    limits = target.thresholds(prepared.task, precision)
+    feeds = timing_feeds(graph.input_names, prepared.family.vocab_size(prepared.config),
+                         min(128, prepared.max_length))
+    candidates = target.candidates(graph, precision)
+    for candidate in candidates:
+        runner = target.runner(candidate, precision)
+        candidate.report = compare(runner, prepared.reference, precision, prepared.embedder, prepared.task,
+                                   target.name, limits)
+        candidate.latency_ms = median_latency_ms(runner, feeds)
+        log.info("%s %s, %s graph: %s, %.1f ms per batch of %d x %d", target.name, precision, candidate.graph,
+                 candidate.report.summary(), candidate.latency_ms, *next(iter(feeds.values())).shape)
+    return Attempt(configuration, candidates)
 
 
-def _trimmed(candidates: list[Candidate], work: Path, task) -> list[Candidate]:
-    """Each ONNX candidate with the padding trim in front (see :mod:`padding_trim`)."""
-    per_token = task.output_names() if task.per_token else []
-    return [Candidate(c.graph, add_padding_trim(c.path, work / f"{c.path.stem}.trim.onnx", per_token))
-            for c in candidates]
+def _calibration(prepared: Prepared) -> list:
+    graph = prepared.graph
+    return calibration_feeds(prepared.tokenizer, graph.input_names, prepared.pad_id, prepared.max_length,
+                             prepared.task.pair)
 
 
-def _choose(candidates: list[Candidate], allow_degraded: bool) -> Candidate:
-    passed = [c for c in candidates if c.report["passed"]]
-    if passed:
-        return min(passed, key=lambda c: c.latency_ms)
-    summary = "; ".join(f"{c.graph}: {', '.join(c.report['failures'])}" for c in candidates)
+def _choose(attempts: list[Attempt], allow_degraded: bool) -> tuple[Attempt, Candidate]:
+    """The first attempt with a passing candidate, and its fastest; else, with
+    ``allow_degraded``, the last attempt's candidate closest to PyTorch."""
+    for attempt in attempts:
+        if attempt.best is not None:
+            return attempt, attempt.best
+    summary = " | ".join(f"{a.configuration.describe()}: {a.summary()}" for a in attempts)
+    last = attempts[-1]
     if not allow_degraded:
+        failures = [f for c in last.candidates for f in c.report.failures]
         raise ValidationError(
             f"exported graph does not match PyTorch ({summary}); nothing was written. "
             "Pass --allow-degraded to write it anyway (the report records it).",
-            report=candidates[0].report,
+            report=last.candidates[0].report.to_dict(), failures=failures,
         )
     log.warning("validation failed but --allow-degraded was given: %s", summary)
-    return max(candidates, key=lambda c: c.report["cosine_mean"] or c.report["agreement"] or -c.report["max_abs_diff"])
+    return last, max(last.candidates, key=lambda c: _closeness(c.report))
+
+
+def _closeness(report: ValidationReport) -> float:
+    return report.cosine_mean or report.agreement or -report.max_abs_diff
 
 
 def _post_params(task, config, embedder) -> dict[str, str]:
@@ -158,167 +245,42 @@ def _post_params(task, config, embedder) -> dict[str, str]:
     return params
 
 
-def _resolve_auto(options: ExportOptions) -> ExportOptions:
-    """``auto`` backend or precision -> this CPU's default (:func:`cpu.default_config`).
-
-    Both auto: the default configuration.  One named: the other follows it
-    (bf16 needs OpenVINO; OpenVINO without a precision takes bf16 where the CPU
-    has it; everything else keeps ONNX Runtime fp32)."""
-    backend, precision = options.backend, options.precision
-    if backend != AUTO and precision != AUTO:
-        return options
-    default = default_config()
-    if backend == AUTO and precision == AUTO:
-        backend, precision = default.backend, default.precision
-        log.info("backend %s, precision %s: %s", backend, precision, default.reason)
-    elif backend == AUTO:
-        backend = "openvino" if precision == "bf16" else "onnxruntime"
-    else:
-        precision = "bf16" if backend == "openvino" and supports_bf16() else "fp32"
-    return replace(options, backend=backend, precision=precision)
-
-
-def _resolve_precision(options: ExportOptions) -> str:
-    """The precision the export makes: as asked, except bf16 without CPU support (fp32, with a warning)."""
-    if options.backend not in BACKEND_PRECISIONS:
-        raise NexusError(f"unknown backend {options.backend!r}; choose one of {', '.join(BACKEND_PRECISIONS)}")
-    if options.precision not in PRECISIONS:
-        raise NexusError(f"unknown precision {options.precision!r}; choose one of {', '.join(PRECISIONS)}")
-    allowed = BACKEND_PRECISIONS[options.backend]
-    if options.precision not in allowed:
-        raise NexusError(f"the {options.backend} backend serves precision {', '.join(allowed)}, "
-                         f"not {options.precision!r}")
-    if options.precision == "bf16" and not supports_bf16():
-        log.warning("this CPU has no bf16 instructions (avx512_bf16 or amx_bf16): exporting fp32 instead of bf16")
-        return "fp32"
-    return options.precision
+def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt], attempt: Attempt,
+            chosen: Candidate) -> dict:
+    """validation.json: the chosen graph's validation, every configuration tried, and the export's facts."""
+    embedder = prepared.embedder
+    return {
+        **chosen.report.to_dict(),
+        "model": prepared.source.model_id,
+        "model_type": prepared.family.model_type,
+        "task": prepared.task.name,
+        "graph": chosen.graph,
+        "requested_backend": options.backend,
+        "requested_precision": options.precision,
+        "attempts": [a.record() for a in attempts],
+        "allow_degraded": options.allow_degraded,
+        "candidates": [{"graph": c.graph, "passed": c.report.passed, "latency_ms": round(c.latency_ms, 3),
+                        "max_abs_diff": c.report.max_abs_diff, "cosine_min": c.report.cosine_min}
+                       for c in attempt.candidates],
+        "inputs": prepared.graph.input_names,
+        "truncate": options.truncate,
+        "max_length": prepared.max_length,
+        "pooling": embedder.pooling if embedder else None,
+        "normalize": embedder.normalize if embedder else None,
+        "walk": prepared.walk,
+    }
 
 
-def _encoder_params(backend: str, precision: str) -> dict[str, str]:
-    """Parameters of the encoder's Triton config (Triton's OpenVINO backend reads these names)."""
-    if backend != "openvino":
-        return {}
-    return {"HINT_BF16": "YES" if precision == "bf16" else "NO", "PERFORMANCE_HINT": "LATENCY"}
-
-
-def _session(candidate: Candidate, backend: str, params: dict[str, str]):
-    if backend == "openvino":
-        return openvino_target.OpenVINOSession(candidate.path, params)
-    return session(candidate.path)
-
-
-#: Where the CPU's default fails validation for a model, ``auto`` falls back to this:
-#: the configuration every model exports at exact parity.
-FALLBACK = ("onnxruntime", "fp32")
-
-
-def run_export(options: ExportOptions) -> ExportResult:
-    """Export, validate and publish one model; ``auto`` backend/precision resolved first.
-
-    With both ``auto``, the CPU's default was chosen on one model's measurements: a
-    model it fails validation for is exported as :data:`FALLBACK` instead, and the
-    report says why (``auto_fallback``)."""
-    requested = {"requested_backend": options.backend, "requested_precision": options.precision}
-    resolved = _resolve_auto(options)
-    try:
-        return _export(resolved, requested)
-    except ValidationError as exc:
-        fully_auto = options.backend == AUTO and options.precision == AUTO
-        if not fully_auto or (resolved.backend, resolved.precision) == FALLBACK:
-            raise
-        reason = f"{resolved.backend} {resolved.precision} failed validation: {exc}"
-        log.warning("%s; exporting %s %s instead", reason, *FALLBACK)
-        fallback = replace(resolved, backend=FALLBACK[0], precision=FALLBACK[1])
-        return _export(fallback, {**requested, "auto_fallback": reason})
-
-
-def _export(options: ExportOptions, requested: dict) -> ExportResult:
-    precision = _resolve_precision(options)
-    if options.task != "auto":
-        get_task(options.task)  # an unknown task fails before any download
-    source = resolve_model(options.model, options.allow_pickle)
-    name = check_name(options.name or source.default_name)
-    config = load_config(source.path)
-    task = infer_task(config) if options.task == "auto" else get_task(options.task)
-    handler = get_registry().detect_family(config)
-    family = handler.family
-    log.info("exporting %s (%s, %s) as %s, task %s, %s on %s", source.model_id, family.model_type,
-             f"{family.num_layers(config)} layers", name, task.name, precision, options.backend)
-
-    with Staging(Path(options.out)) as stage:
-        cache = open_layer_cache(options.cache_dir) if options.cache else None
-        with Checkpoint(source.path, allow_pickle=options.allow_pickle) as checkpoint:
-            model, handler, walk_report = walk(config, checkpoint, task, handler, cache=cache)
-        if cache is not None:
-            log.info("reused %d of %d layers from the layer cache at %s",
-                     walk_report.layers_from_cache, walk_report.layers_loaded, cache.cache_dir)
-        max_length = max_sequence_length(source.path, family, config)
-        tokenizer_path = tokenizer_file(source.path, stage.work)
-        tokenizer = load_tokenizer(tokenizer_path, max_length)
-        pad_id = _pad_id(config, tokenizer)
-
-        plain = stage.work / "plain.onnx"
-        input_names = export_onnx(model, task, _inputs(model, config), family.vocab_size(config), plain)
-        reference = build_reference(
-            model, task, input_names,
-            parity_cases(input_names, family.vocab_size(config), pad_id, family.max_positions(config)),
-            text_batches(tokenizer, input_names, pad_id, max_length, pairs=task.pair),
-        )
-        embedder = Embedder(pooling_mode(source.path), normalizes(source.path)) if task.name == "embedding" else None
-        feeds = timing_feeds(input_names, family.vocab_size(config), min(128, max_length))
-        if options.backend == "openvino":
-            calibration = (openvino_target.calibration_feeds(tokenizer, input_names, pad_id, max_length, task.pair)
-                           if precision == "int8" else None)
-            trimmed = _trimmed([Candidate("plain", plain)], stage.work, task)[0].path
-            candidates = _openvino_candidates(trimmed, stage.work, family, config, precision, calibration)
-        else:
-            candidates = _trimmed(_onnxruntime_candidates(plain, stage.work, family, config, precision),
-                                  stage.work, task)
-        params = _encoder_params(options.backend, precision)
-        for candidate in candidates:
-            runner = _session(candidate, options.backend, params)
-            candidate.report = compare(runner, reference, precision, embedder, task, options.backend)
-            candidate.latency_ms = median_latency_ms(runner, feeds)
-            log.info("%s graph: %s, %.1f ms per batch of %d x %d", candidate.graph,
-                     "passed" if candidate.report["passed"] else "FAILED " + "; ".join(candidate.report["failures"]),
-                     candidate.latency_ms, *next(iter(feeds.values())).shape)
-        chosen = _choose(candidates, options.allow_degraded)
-
-        report = dict(chosen.report)
-        report.update(
-            model=source.model_id,
-            model_type=family.model_type,
-            task=task.name,
-            graph=chosen.graph,
-            **requested,
-            allow_degraded=options.allow_degraded,
-            candidates=[{"graph": c.graph, "passed": c.report["passed"], "latency_ms": round(c.latency_ms, 3),
-                         "max_abs_diff": c.report["max_abs_diff"], "cosine_min": c.report["cosine_min"]}
-                        for c in candidates],
-            inputs=input_names,
-            truncate=options.truncate,
-            max_length=max_length,
-            pooling=embedder.pooling if embedder else None,
-            normalize=embedder.normalize if embedder else None,
-            walk={"layers": walk_report.layers_loaded, "from_cache": walk_report.layers_from_cache,
-                  "tensors": walk_report.tensors_loaded,
-                  "skipped": walk_report.skipped, "absent_optional": walk_report.absent_optional},
-        )
-        facts = ServingFacts(input_names, family.hidden_size(config), int(getattr(config, "num_labels", 0) or 0),
-                             max_length, pad_id, options.truncate, _post_params(task, config, embedder),
-                             options.backend, f"model{chosen.path.suffix}", params)
-        write_models(stage.root, name, task.name, facts, tokenizer_path)
-        encoder_dir = stage.root / f"{name}_encoder"
-        for file in chosen.files():
-            shutil.copyfile(file, encoder_dir / "1" / f"model{file.suffix}")
-        (encoder_dir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
-        models = stage.publish()
-        write_readme(Path(options.out))
-    log.info("wrote %s", ", ".join(str(m) for m in models))
-    return ExportResult(name, models, report)
-
-
-def _inputs(model, config) -> list[str]:
-    from .onnx_export import model_input_names
-
-    return model_input_names(model, config)
+def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: Candidate, report: dict) -> None:
+    """The four models into the staging root, the chosen graph as the encoder's model file."""
+    task, config, embedder = prepared.task, prepared.config, prepared.embedder
+    configuration = attempt.configuration
+    facts = ServingFacts(prepared.graph.input_names, prepared.family.hidden_size(config),
+                         int(getattr(config, "num_labels", 0) or 0), prepared.max_length, prepared.pad_id,
+                         report["truncate"], _post_params(task, config, embedder),
+                         configuration.target.serving(configuration.precision), f"model{chosen.path.suffix}")
+    write_models(root, name, task.name, facts, prepared.tokenizer_path)
+    encoder_dir = root / f"{name}_encoder"
+    for file in chosen.files():
+        shutil.copyfile(file, encoder_dir / "1" / f"model{file.suffix}")
+    (encoder_dir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")

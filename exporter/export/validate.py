@@ -16,10 +16,20 @@ import numpy as np
 import torch
 
 from .padding_trim import trimmed_length
+from .report import (
+    AgreementShortfall,
+    Failure,
+    FidelityShortfall,
+    Measures,
+    NameMismatch,
+    RuntimeFailure,
+    ShapeMismatch,
+    ValidationReport,
+    ValueMismatch,
+)
 from nexus_sli.exporter.triton.python_models.encoding import encode, l2_normalize, pool
 from nexus_sli.tasks.spec import Task
 
-REFERENCE = "pytorch-fp32"
 #: Embeddings: token states within 1e-4 (fp32); sentence-embedding cosine (bf16, int8).
 THRESHOLDS: dict[str, dict[str, float]] = {
     "fp32": {"max_abs_diff": 1e-4},
@@ -32,15 +42,11 @@ LABEL_THRESHOLDS: dict[str, dict[str, float]] = {
     "bf16": {"agreement": 0.99},
     "int8": {"agreement": 0.98},
 }
-#: OpenVINO int8 (NNCF static quantization, calibrated) is held to a higher bar than
-#: ONNX Runtime's dynamic int8: the fidelity the speed targets of the bench require.
-STATIC_INT8_THRESHOLDS = {"cosine_mean": 0.995, "cosine_min": 0.98}
 
 
-def thresholds(task: Task, precision: str, backend: str = "onnxruntime") -> dict[str, float]:
-    if backend == "openvino" and precision == "int8" and not task.agreement:
-        return STATIC_INT8_THRESHOLDS
-    return (LABEL_THRESHOLDS if task.agreement else THRESHOLDS)[precision]
+def thresholds(task: Task | None, precision: str) -> dict[str, float]:
+    """The default limits for ``precision``: argmax agreement for tasks that decide, else values."""
+    return (LABEL_THRESHOLDS if task is not None and task.agreement else THRESHOLDS)[precision]
 
 
 #: Longest sequence the parity check runs (attention cost grows with its square).
@@ -91,6 +97,11 @@ class Reference:
     batches: list[dict[str, np.ndarray]] = field(default_factory=list)
     outputs: list[list[np.ndarray]] = field(default_factory=list)
     text_batches: int = 0
+
+    @property
+    def first_text(self) -> int:
+        """Index of the first text batch (the parity cases come first)."""
+        return len(self.batches) - self.text_batches
 
     def add(self, feeds: dict[str, np.ndarray], outputs: list[np.ndarray]) -> None:
         self.batches.append(feeds)
@@ -166,78 +177,94 @@ def _agreement(kind: str, got: list[np.ndarray], expected: list[np.ndarray], mas
 
 
 def compare(session: Any, reference: Reference, precision: str, embedder: Embedder | None,
-            task: Task | None = None, backend: str = "onnxruntime") -> dict:
-    """Run ``session`` on the reference inputs; the validation report.
+            task: Task | None = None, backend: str = "onnxruntime",
+            limits: dict[str, float] | None = None) -> ValidationReport:
+    """Run ``session`` on the reference inputs: names, then shapes and values, then
+    fidelity against ``limits`` (default: :func:`thresholds`), every failure collected.
 
     Per-token outputs (``task.per_token``) must come back cut to the batch's
     longest real token (:func:`trimmed_length`), as the exported graph's padding
     trim cuts them, and are compared with PyTorch's over that length."""
-    failures: list[str] = []
-    first_text = len(reference.batches) - reference.text_batches
-    graph_inputs = [i.name for i in session.get_inputs()]
-    graph_outputs = [o.name for o in session.get_outputs()]
-    if graph_inputs != reference.input_names:
-        failures.append(f"graph inputs {graph_inputs} != model inputs {reference.input_names}")
-    if graph_outputs != reference.output_names:
-        failures.append(f"graph outputs {graph_outputs} != expected {reference.output_names}")
-    max_diff, cosines, agree, decisions, ties = 0.0, [], 0, 0, 0
+    limits = limits or thresholds(task, precision)
+    measures = Measures()
+    failures = _name_failures(session, reference)
     if not failures:
-        for index, (feeds, expected) in enumerate(zip(reference.batches, reference.outputs)):
-            try:
-                got = session.run(None, feeds)
-            except Exception as exc:  # runtimes report graph errors (baked shapes, bad indices) this way
-                failures.append(f"{backend} failed on input shape {feeds['input_ids'].shape}: {str(exc)[:300]}")
-                break
-            mask = feeds["attention_mask"]
-            if task is not None and task.per_token:
-                length = trimmed_length(mask)
-                expected, mask = [e[:, :length] for e in expected], mask[:, :length]
-            for name, g, e in zip(reference.output_names, got, expected):
-                if g.shape != e.shape:
-                    failures.append(f"{name}: shape {g.shape} != {e.shape} for input shape {feeds['input_ids'].shape}")
-                    continue
-                max_diff = max(max_diff, _masked_max_diff(g, e, mask))
-            if index < first_text or failures:
-                continue
-            if embedder is not None:
-                a = embedder(got[0], mask)
-                b = embedder(expected[0], mask)
-                cosines.extend(np.sum(l2_normalize(a) * l2_normalize(b), axis=-1).tolist())
-            if task is not None and task.agreement:
-                a, n, t = _agreement(task.agreement, got, expected, mask)
-                agree, decisions, ties = agree + a, decisions + n, ties + t
-    limits = thresholds(task, precision, backend) if task is not None else THRESHOLDS[precision]
-    report = {
-        "precision": precision,
-        "backend": backend,
-        "reference": REFERENCE,
-        "max_abs_diff": max_diff,
-        "cosine_min": float(min(cosines)) if cosines else None,
-        "cosine_mean": float(np.mean(cosines)) if cosines else None,
-        "agreement": agree / decisions if decisions else None,
-        "decisions": decisions,
-        "ties": ties,
-        "thresholds": limits,
-        "texts": sum(len(b["input_ids"]) for b in reference.batches[first_text:]),
-    }
+        failures = _run_batches(session, reference, embedder, task, backend, measures)
+    texts = sum(len(b["input_ids"]) for b in reference.batches[reference.first_text:])
+    report = ValidationReport.from_measures(precision, backend, limits, texts, measures, failures)
     if not failures:
-        failures.extend(_threshold_failures(report, limits))
-    report["failures"] = failures
-    report["passed"] = not failures
+        report.failures.extend(_threshold_failures(report))
     return report
 
 
-def _threshold_failures(report: dict, thresholds: dict[str, float]) -> list[str]:
-    failures = []
-    for metric, limit in thresholds.items():
-        value = report[metric]
-        if value is None and metric == "agreement" and report.get("ties"):
-            failures.append(f"agreement could not be measured: all {report['ties']} decisions were ties "
-                            f"(PyTorch's own scores within {TIE_MARGIN:g})")
+def _name_failures(session: Any, reference: Reference) -> list[Failure]:
+    graph_inputs = [i.name for i in session.get_inputs()]
+    graph_outputs = [o.name for o in session.get_outputs()]
+    failures: list[Failure] = []
+    if graph_inputs != reference.input_names:
+        failures.append(NameMismatch(f"graph inputs {graph_inputs} != model inputs {reference.input_names}"))
+    if graph_outputs != reference.output_names:
+        failures.append(NameMismatch(f"graph outputs {graph_outputs} != expected {reference.output_names}"))
+    return failures
+
+
+def _run_batches(session: Any, reference: Reference, embedder: Embedder | None, task: Task | None,
+                 backend: str, measures: Measures) -> list[Failure]:
+    """Every reference batch through ``session``: shapes and values always, fidelity on
+    the text batches while nothing has failed."""
+    failures: list[Failure] = []
+    for index, (feeds, expected) in enumerate(zip(reference.batches, reference.outputs)):
+        try:
+            got = session.run(None, feeds)
+        except Exception as exc:  # runtimes report graph errors (baked shapes, bad indices) this way
+            return [*failures, RuntimeFailure(f"{backend} failed on input shape {feeds['input_ids'].shape}: "
+                                              f"{str(exc)[:300]}")]
+        expected, mask = _aligned(task, expected, feeds["attention_mask"])
+        failures.extend(_compare_outputs(reference.output_names, got, expected, mask, measures))
+        if index >= reference.first_text and not failures:
+            _measure_fidelity(got, expected, mask, embedder, task, measures)
+    return failures
+
+
+def _aligned(task: Task | None, expected: list[np.ndarray], mask: np.ndarray):
+    """PyTorch's outputs and the mask cut as the graph's padding trim cuts per-token outputs."""
+    if task is None or not task.per_token:
+        return expected, mask
+    length = trimmed_length(mask)
+    return [e[:, :length] for e in expected], mask[:, :length]
+
+
+def _compare_outputs(names: list[str], got, expected, mask: np.ndarray, measures: Measures) -> list[Failure]:
+    failures: list[Failure] = []
+    for name, g, e in zip(names, got, expected):
+        if g.shape != e.shape:
+            failures.append(ShapeMismatch(f"{name}: shape {g.shape} != {e.shape} for mask shape {mask.shape}"))
+            continue
+        measures.max_abs_diff = max(measures.max_abs_diff, _masked_max_diff(g, e, mask))
+    return failures
+
+
+def _measure_fidelity(got, expected, mask: np.ndarray, embedder: Embedder | None, task: Task | None,
+                      measures: Measures) -> None:
+    if embedder is not None:
+        a, b = l2_normalize(embedder(got[0], mask)), l2_normalize(embedder(expected[0], mask))
+        measures.cosines.extend(np.sum(a * b, axis=-1).tolist())
+    if task is not None and task.agreement:
+        measures.count(*_agreement(task.agreement, got, expected, mask))
+
+
+def _threshold_failures(report: ValidationReport) -> list[Failure]:
+    failures: list[Failure] = []
+    for metric, limit in report.thresholds.items():
+        value = getattr(report, metric)
+        kind = {"max_abs_diff": ValueMismatch, "agreement": AgreementShortfall}.get(metric, FidelityShortfall)
+        if value is None and metric == "agreement" and report.ties:
+            failures.append(kind(f"agreement could not be measured: all {report.ties} decisions were ties "
+                                 f"(PyTorch's own scores within {TIE_MARGIN:g})"))
         elif value is None:
-            failures.append(f"{metric} could not be measured")
+            failures.append(kind(f"{metric} could not be measured"))
         elif metric == "max_abs_diff" and value > limit:
-            failures.append(f"max_abs_diff {value:.3g} > {limit:g}")
+            failures.append(kind(f"max_abs_diff {value:.3g} > {limit:g}"))
         elif metric != "max_abs_diff" and value < limit:
-            failures.append(f"{metric} {value:.5f} < {limit:g}")
+            failures.append(kind(f"{metric} {value:.5f} < {limit:g}"))
     return failures

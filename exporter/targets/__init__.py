@@ -1,0 +1,9 @@
+"""Runtime targets: one registered module per runtime that can serve the encoder."""
+
+from nexus_sli.exporter.triton.config import EncoderServing
+
+from .base import Candidate, ExportedGraph, Target
+from .registry import AUTO, AUTO_ORDER, TARGETS, Configuration, get_target, plan, precisions, register
+
+__all__ = ["AUTO", "AUTO_ORDER", "TARGETS", "Candidate", "Configuration", "EncoderServing", "ExportedGraph",
+           "Target", "get_target", "plan", "precisions", "register"]

@@ -8,7 +8,7 @@ four models exchange.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from google.protobuf import text_format
@@ -28,6 +28,18 @@ TOKENIZER_QUEUE_DELAY_US = 500
 PAD_WIDTH = 512
 #: Overlap, in tokens, between consecutive windows of a long QA context.
 QA_STRIDE = 32
+
+
+@dataclass(frozen=True)
+class EncoderServing:
+    """What a runtime target puts into the encoder's ``config.pbtxt``: exactly one of
+    ``platform`` (Triton's name for an ONNX Runtime model) or ``backend``."""
+
+    platform: str = ""
+    backend: str = ""
+    parameters: dict[str, str] = field(default_factory=dict)
+    #: the instance group's kind (``ModelInstanceGroup.Kind`` name)
+    device: str = "KIND_CPU"
 
 
 @dataclass(frozen=True)
@@ -119,14 +131,15 @@ def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, trunc
     return config
 
 
-def encoder_config(name: str, lay: Layout, input_names: list[str], backend: str = "onnxruntime",
-                   model_filename: str = "model.onnx", params: dict | None = None) -> pb.ModelConfig:
+def encoder_config(name: str, lay: Layout, input_names: list[str], serving: EncoderServing,
+                   model_filename: str = "model.onnx") -> pb.ModelConfig:
     inputs = [t for t in lay.tokens if t.name in input_names]
-    config = _model(name, inputs, lay.encoder_outputs, batched=True, params=params)
-    if backend == "onnxruntime":
-        config.platform = "onnxruntime_onnx"
+    config = _model(name, inputs, lay.encoder_outputs, batched=True, params=serving.parameters)
+    if serving.platform:
+        config.platform = serving.platform
     else:
-        config.backend = backend
+        config.backend = serving.backend
+    config.instance_group[0].kind = pb.ModelInstanceGroup.Kind.Value(serving.device)
     config.default_model_filename = model_filename
     warmup = config.model_warmup.add(name="warmup", batch_size=1)
     for tensor in inputs:

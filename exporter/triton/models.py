@@ -54,10 +54,9 @@ class ServingFacts:
     truncate: bool
     #: postprocess parameters (pooling, normalize, id2label, multi_label ...)
     post_params: dict = field(default_factory=dict)
-    #: the encoder's Triton backend, its model file, and its config parameters
-    backend: str = "onnxruntime"
+    #: how the encoder is served (the runtime target's platform or backend, parameters, device)
+    encoder: tc.EncoderServing = field(default_factory=lambda: tc.EncoderServing(platform="onnxruntime_onnx"))
     model_filename: str = "model.onnx"
-    encoder_params: dict = field(default_factory=dict)
 
 
 def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None = None) -> None:
@@ -79,8 +78,7 @@ def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenize
     _copy_python_model("tokenizer_model", root / tokenizer, {"tokenizer.json": tokenizer_json})
     tc.write(tc.tokenizer_config(tokenizer, lay, facts.max_length, facts.pad_id, facts.truncate), root / tokenizer)
     (root / encoder / "1").mkdir(parents=True, exist_ok=True)
-    tc.write(tc.encoder_config(encoder, lay, facts.input_names, facts.backend, facts.model_filename,
-                              facts.encoder_params), root / encoder)
+    tc.write(tc.encoder_config(encoder, lay, facts.input_names, facts.encoder, facts.model_filename), root / encoder)
     _copy_python_model("postprocess_model", root / postprocess)
     tc.write(tc.postprocess_config(postprocess, lay, {"task": task, **facts.post_params}), root / postprocess)
     (root / name / "1").mkdir(parents=True, exist_ok=True)  # Triton wants a version folder, even for ensembles

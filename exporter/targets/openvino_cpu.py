@@ -1,18 +1,19 @@
-"""The OpenVINO encoder target (``--backend openvino``).
+"""OpenVINO on the CPU (``--backend openvino``; Triton's ``openvino`` backend).
 
 - fp32 and bf16 serve the padding-trimmed plain ONNX graph as it is; bf16 is
   OpenVINO's inference-precision hint (``HINT_BF16`` in the Triton config), so
   the graph stays one file and the CPU decides nothing by itself.  Where the
   CPU has no bf16 (:func:`cpu.supports_bf16`) the export falls back to fp32
-  and says so.
+  and says so.  ``auto`` picks bf16 only where the CPU has it.
 - int8 is NNCF post-training static quantization of the OpenVINO model,
   calibrated on ``data/calibration_texts.txt`` (the project's 330 topic
   sentences and 42 paragraphs joined from them; none of them is a validation
-  text), written as an IR (``model.xml`` + ``model.bin``).  Measured on
-  all-MiniLM-L6-v2: quantizing every MatMul gave min cosine 0.948; keeping the
-  feed-forward output projections in higher precision passed (the same layers
-  ONNX Runtime's int8 keeps in fp32, :func:`quantize.ffn_output_matmuls`).
-  Both variants are made and validated; the exporter keeps the fastest that passes.
+  text), written as an IR (``model.xml`` + ``model.bin``).  Quantizing every
+  MatMul costs fidelity on real models (docs/export.md has the measurement), so
+  a second variant keeps the feed-forward output projections in higher
+  precision (the layers ONNX Runtime's int8 keeps in fp32,
+  :func:`quantize.ffn_output_matmuls`).  Both are validated; the fastest that
+  passes is kept.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from nexus_sli.exporter.triton.python_models.encoding import encode
 from nexus_sli.exporter.serving.backends.openvino_properties import compile_properties
+from nexus_sli.exporter.triton.config import EncoderServing
+from nexus_sli.exporter.triton.python_models.encoding import encode
+
+from .base import Candidate, ExportedGraph, Target
+from .cpu import BF16_FLAGS
 
 log = logging.getLogger(__name__)
 
@@ -89,3 +94,49 @@ def quantize_int8(source: Path, target: Path, calibration: list[dict[str, np.nda
                               subset_size=len(calibration), ignored_scope=scope)
     ov.save_model(quantized, str(target), compress_to_fp16=False)
     return target
+
+
+#: OpenVINO int8 (NNCF static quantization, calibrated) is held to a higher bar than
+#: ONNX Runtime's dynamic int8 for embeddings: the fidelity the bench asks of a faster path.
+STATIC_INT8_THRESHOLDS = {"cosine_mean": 0.995, "cosine_min": 0.98}
+
+
+class OpenVINOCPU(Target):
+    name = "openvino"
+    precisions = ("fp32", "bf16", "int8")
+
+    def runnable(self, precision: str, flags: set[str]) -> str:
+        if precision == "bf16" and not flags & BF16_FLAGS:
+            log.warning("this CPU has no bf16 instructions (%s): exporting fp32 instead of bf16",
+                        " or ".join(sorted(BF16_FLAGS)))
+            return "fp32"
+        return precision
+
+    def suits(self, precision: str, flags: set[str]) -> bool:
+        return precision != "bf16" or bool(flags & BF16_FLAGS)
+
+    def thresholds(self, task, precision: str) -> dict[str, float] | None:
+        return STATIC_INT8_THRESHOLDS if precision == "int8" and not task.agreement else None
+
+    def needs_calibration(self, precision: str) -> bool:
+        return precision == "int8"
+
+    def candidates(self, graph: ExportedGraph, precision: str) -> list[Candidate]:
+        trimmed = graph.trimmed(graph.plain)
+        if precision != "int8":
+            return [Candidate("plain", trimmed)]
+        log.info("quantizing with NNCF on %d calibration texts", sum(len(f["input_ids"]) for f in graph.calibration))
+        candidates = [Candidate("plain", quantize_int8(trimmed, graph.work / "plain.ov-int8.xml", graph.calibration))]
+        keep = graph.ffn_outputs(graph.plain)
+        if keep:
+            path = quantize_int8(trimmed, graph.work / "plain.ov-int8-ffn-fp32.xml", graph.calibration, keep)
+            candidates.append(Candidate("plain+ffn-out-fp32", path))
+        return candidates
+
+    def runner(self, candidate: Candidate, precision: str):
+        return OpenVINOSession(candidate.path, self.serving(precision).parameters)
+
+    def serving(self, precision: str) -> EncoderServing:
+        # Triton's OpenVINO backend reads these parameter names.
+        params = {"HINT_BF16": "YES" if precision == "bf16" else "NO", "PERFORMANCE_HINT": "LATENCY"}
+        return EncoderServing(backend="openvino", parameters=params)

@@ -1,0 +1,118 @@
+"""What validation found: typed failures, and the report each candidate graph gets.
+
+A failure says which check it failed (names, shapes, values, fidelity,
+agreement, or the runtime refusing the inputs), so callers and tests branch on
+its type, never on its wording.  The report is serialised once, into the
+encoder's ``validation.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+REFERENCE = "pytorch-fp32"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One check an exported graph failed."""
+
+    kind: ClassVar[str] = "failure"
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "message": self.message}
+
+
+class NameMismatch(Failure):
+    """The graph's inputs or outputs are not the model's."""
+
+    kind = "names"
+
+
+class ShapeMismatch(Failure):
+    """An output's shape differs from PyTorch's for the same input."""
+
+    kind = "shapes"
+
+
+class ValueMismatch(Failure):
+    """fp32 outputs further from PyTorch's than the parity tolerance."""
+
+    kind = "values"
+
+
+class FidelityShortfall(Failure):
+    """Embeddings of a reduced precision below the cosine limits."""
+
+    kind = "fidelity"
+
+
+class AgreementShortfall(Failure):
+    """Labels, tokens, spans or orders that differ from PyTorch's decisions too often."""
+
+    kind = "agreement"
+
+
+class RuntimeFailure(Failure):
+    """The runtime refused an input shape (baked shapes, bad indices)."""
+
+    kind = "runtime"
+
+
+@dataclass
+class Measures:
+    """What running the reference inputs measured, accumulated batch by batch."""
+
+    max_abs_diff: float = 0.0
+    cosines: list[float] = field(default_factory=list)
+    agree: int = 0
+    decisions: int = 0
+    ties: int = 0
+
+    def count(self, agree: int, decisions: int, ties: int) -> None:
+        self.agree, self.decisions, self.ties = self.agree + agree, self.decisions + decisions, self.ties + ties
+
+
+@dataclass
+class ValidationReport:
+    """One graph against PyTorch fp32: measured values, the limits, and every failure."""
+
+    precision: str
+    backend: str
+    thresholds: dict[str, float]
+    texts: int
+    max_abs_diff: float
+    cosine_min: float | None
+    cosine_mean: float | None
+    agreement: float | None
+    decisions: int
+    ties: int
+    failures: list[Failure] = field(default_factory=list)
+    reference: str = REFERENCE
+
+    @classmethod
+    def from_measures(cls, precision: str, backend: str, thresholds: dict[str, float], texts: int,
+                      measures: Measures, failures: list[Failure]) -> "ValidationReport":
+        cosines = measures.cosines
+        return cls(precision, backend, dict(thresholds), texts, measures.max_abs_diff,
+                   float(min(cosines)) if cosines else None, float(np.mean(cosines)) if cosines else None,
+                   measures.agree / measures.decisions if measures.decisions else None,
+                   measures.decisions, measures.ties, list(failures))
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        return "passed" if self.passed else "; ".join(map(str, self.failures))
+
+    def to_dict(self) -> dict:
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "failures"}
+        return {**values, "failures": [f.to_dict() for f in self.failures], "passed": self.passed}

@@ -1,0 +1,100 @@
+"""What every runtime target provides, and the values the pipeline passes to it.
+
+A target is one runtime that can serve the encoder (ONNX Runtime on the CPU,
+OpenVINO, ...).  It says which precisions it offers, turns the exported plain
+graph into candidate graphs for one precision, runs a candidate for validation
+and timing, and says what the encoder's ``config.pbtxt`` needs to serve it.
+The pipeline never asks which target it holds.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from nexus_sli.exporter.errors import NexusError
+from nexus_sli.exporter.export.padding_trim import add_padding_trim
+from nexus_sli.exporter.export.quantize import ffn_output_matmuls
+from nexus_sli.exporter.triton.config import EncoderServing
+
+
+@dataclass(frozen=True)
+class ExportedGraph:
+    """The plain ONNX export and the facts a target needs to derive its graphs from it."""
+
+    plain: Path
+    work: Path
+    family: Any
+    config: Any
+    task: Any
+    input_names: list[str]
+    #: batches of tokenized calibration texts (static int8); made only when a target asks
+    calibration: Any = None
+
+    def trimmed(self, path: Path) -> Path:
+        """``path`` with the padding trim in front (see :mod:`padding_trim`)."""
+        per_token = self.task.output_names() if self.task.per_token else []
+        return add_padding_trim(path, self.work / f"{path.stem}.trim.onnx", per_token)
+
+    def ffn_outputs(self, path: Path) -> list[str]:
+        """The feed-forward output MatMuls of ``path``: int8 variants keep them in fp32."""
+        width = self.family.ffn_width(self.config)
+        return ffn_output_matmuls(path, int(width), self.family.hidden_size(self.config)) if width else []
+
+
+@dataclass
+class Candidate:
+    """One graph a target offers for a precision; validated and timed before one is chosen."""
+
+    graph: str
+    path: Path
+    report: Any = None
+    latency_ms: float | None = None
+
+    def files(self) -> list[Path]:
+        """The model file and, for an OpenVINO IR, its weights."""
+        return [self.path, self.path.with_suffix(".bin")] if self.path.suffix == ".xml" else [self.path]
+
+
+class Target(ABC):
+    """One runtime that can serve the encoder; registered in :mod:`targets.registry`."""
+
+    #: the name users pass (``--backend``) and the report records
+    name: ClassVar[str]
+    #: the precisions it serves, first the one it prefers
+    precisions: ClassVar[tuple[str, ...]]
+
+    def check(self, precision: str) -> None:
+        """Refuse a precision this target does not serve, naming the ones it does."""
+        if precision not in self.precisions:
+            raise NexusError(f"the {self.name} backend serves precision {', '.join(self.precisions)}, "
+                             f"not {precision!r}")
+
+    def runnable(self, precision: str, flags: set[str]) -> str:
+        """The precision this machine can run of ``precision`` (a target may fall back, and warn)."""
+        return precision
+
+    def suits(self, precision: str, flags: set[str]) -> bool:
+        """Whether ``auto`` may pick this configuration on a CPU with these flags."""
+        return True
+
+    def thresholds(self, task: Any, precision: str) -> dict[str, float] | None:
+        """Fidelity limits other than the default ones for this precision, or None."""
+        return None
+
+    def needs_calibration(self, precision: str) -> bool:
+        return False
+
+    @abstractmethod
+    def candidates(self, graph: ExportedGraph, precision: str) -> list[Candidate]:
+        """The graphs to validate and time for ``precision``, padding trim included."""
+
+    @abstractmethod
+    def runner(self, candidate: Candidate, precision: str) -> Any:
+        """Something with ``get_inputs()``, ``get_outputs()`` and ``run(None, feeds)`` for the candidate."""
+
+    @abstractmethod
+    def serving(self, precision: str) -> EncoderServing:
+        """The encoder config's platform or backend, parameters and device."""

@@ -1,0 +1,86 @@
+"""The registered runtime targets, and the configurations ``auto`` tries in turn.
+
+Adding a runtime is one module with a :class:`Target` subclass, registered
+below; ``auto`` learns of it only where :data:`AUTO_ORDER` names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nexus_sli.exporter.errors import NexusError
+
+from .base import Target
+from .cpu import cpu_flags
+from .onnxruntime_cpu import OnnxRuntimeCPU
+from .openvino_cpu import OpenVINOCPU
+
+#: backend or precision: let the registry choose (:func:`plan`).
+AUTO = "auto"
+
+TARGETS: dict[str, Target] = {}
+
+
+def register(target: Target) -> Target:
+    """Add ``target`` under its name; a second target of the same name is an error, never skipped."""
+    if target.name in TARGETS:
+        raise ValueError(f"runtime target {target.name!r} is registered twice")
+    TARGETS[target.name] = target
+    return target
+
+
+register(OnnxRuntimeCPU())
+register(OpenVINOCPU())
+
+#: What ``auto`` tries, in order, where the target suits the CPU: the first
+#: configuration whose graph passes validation is exported.  OpenVINO bf16 leads
+#: where the CPU has bf16 matmuls (it was the fastest full-fidelity path on an AMX
+#: machine, docs/export.md); ONNX Runtime fp32, which every supported family
+#: exports at exact parity, closes the list so ``auto`` always has an answer.
+AUTO_ORDER: tuple[tuple[str, str], ...] = (("openvino", "bf16"), ("onnxruntime", "fp32"))
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One (target, precision) an export tries, and why it is on the list."""
+
+    target: Target
+    precision: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.target.name} {self.precision}"
+
+
+def precisions() -> tuple[str, ...]:
+    return tuple(dict.fromkeys(p for t in TARGETS.values() for p in t.precisions))
+
+
+def get_target(name: str) -> Target:
+    if name not in TARGETS:
+        raise NexusError(f"unknown backend {name!r}; choose one of {', '.join([AUTO, *TARGETS])}")
+    return TARGETS[name]
+
+
+def plan(backend: str, precision: str, flags: set[str] | None = None) -> list[Configuration]:
+    """The configurations to try, in order, for a requested backend and precision (either may be ``auto``)."""
+    flags = cpu_flags() if flags is None else flags
+    if precision != AUTO and precision not in precisions():
+        raise NexusError(f"unknown precision {precision!r}; choose one of {', '.join([AUTO, *precisions()])}")
+    if backend != AUTO and precision != AUTO:
+        target = get_target(backend)
+        target.check(precision)
+        return [Configuration(target, target.runnable(precision, flags), "as requested")]
+    tried = [Configuration(TARGETS[name], p, "auto: first that suits this CPU and passes validation")
+             for name, p in AUTO_ORDER
+             if backend in (AUTO, name) and precision in (AUTO, p) and TARGETS[name].suits(p, flags)]
+    return tried or [_first_offering(backend, precision, flags)]
+
+
+def _first_offering(backend: str, precision: str, flags: set[str]) -> Configuration:
+    """A named backend with its preferred precision, or the first target serving a named precision."""
+    if backend != AUTO:
+        target = get_target(backend)
+        return Configuration(target, target.precisions[0], f"{backend}'s preferred precision")
+    target = next(t for t in TARGETS.values() if precision in t.precisions)
+    return Configuration(target, target.runnable(precision, flags), f"the first backend serving {precision}")
