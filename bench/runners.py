@@ -173,15 +173,13 @@ class GraphEncoder:
 
     @classmethod
     def for_model(cls, repository: Path, facts: ServedFacts) -> "GraphEncoder":
-        from nexus_sli.exporter.targets.openvino_cpu import OpenVINOSession
-        from nexus_sli.exporter.export.optimize import session
+        from nexus_sli.exporter.targets import serving_target
 
         config = triton_config.read(repository / f"{facts.name}_encoder" / "config.pbtxt")
         model = repository / f"{facts.name}_encoder" / "1" / (config.default_model_filename or "model.onnx")
-        if config.backend == "openvino":
-            params = {k: v.string_value for k, v in config.parameters.items()}
-            return cls(OpenVINOSession(model, params), facts, "openvino")
-        return cls(session(model), facts, "onnxruntime")
+        target = serving_target(config.platform, config.backend)
+        params = {k: v.string_value for k, v in config.parameters.items()}
+        return cls(target.open(model, params), facts, target.name)
 
     def __call__(self, texts: list[str]) -> np.ndarray:
         encodings = self.tokenizer.encode_batch(list(texts))

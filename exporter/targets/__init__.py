@@ -3,7 +3,7 @@
 from nexus_sli.exporter.triton.config import EncoderServing
 
 from .base import Candidate, ExportedGraph, Target
-from .registry import AUTO, AUTO_ORDER, TARGETS, Configuration, get_target, plan, precisions, register
+from .registry import AUTO, AUTO_ORDER, TARGETS, Configuration, get_target, plan, precisions, register, serving_target
 
 __all__ = ["AUTO", "AUTO_ORDER", "TARGETS", "Candidate", "Configuration", "EncoderServing", "ExportedGraph",
-           "Target", "get_target", "plan", "precisions", "register"]
+           "Target", "get_target", "plan", "precisions", "register", "serving_target"]

@@ -92,8 +92,13 @@ class Target(ABC):
         """The graphs to validate and time for ``precision``, padding trim included."""
 
     @abstractmethod
+    def open(self, path: Path, parameters: dict[str, str]) -> Any:
+        """A graph as this runtime serves it with these encoder config parameters: something
+        with ``get_inputs()``, ``get_outputs()`` and ``run(None, feeds)``, like an ORT session."""
+
     def runner(self, candidate: Candidate, precision: str) -> Any:
-        """Something with ``get_inputs()``, ``get_outputs()`` and ``run(None, feeds)`` for the candidate."""
+        """The candidate as it would be served at ``precision``: what validation and timing run."""
+        return self.open(candidate.path, self.serving(precision).parameters)
 
     @abstractmethod
     def serving(self, precision: str) -> EncoderServing:

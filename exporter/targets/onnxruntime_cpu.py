@@ -9,6 +9,7 @@ feed-forward output projections kept in fp32 (:mod:`quantize`).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from nexus_sli.exporter.export.optimize import fuse, session
 from nexus_sli.exporter.export.quantize import quantize_int8
@@ -47,8 +48,8 @@ class OnnxRuntimeCPU(Target):
             variants.append(Candidate(f"{source.graph}+ffn-out-fp32", path))
         return variants
 
-    def runner(self, candidate: Candidate, precision: str):
-        return session(candidate.path)
+    def open(self, path: Path, parameters: dict[str, str]):
+        return session(path)
 
     def serving(self, precision: str) -> EncoderServing:
         return EncoderServing(platform="onnxruntime_onnx")

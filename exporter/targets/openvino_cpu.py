@@ -133,8 +133,8 @@ class OpenVINOCPU(Target):
             candidates.append(Candidate("plain+ffn-out-fp32", path))
         return candidates
 
-    def runner(self, candidate: Candidate, precision: str):
-        return OpenVINOSession(candidate.path, self.serving(precision).parameters)
+    def open(self, path: Path, parameters: dict[str, str]):
+        return OpenVINOSession(path, parameters)
 
     def serving(self, precision: str) -> EncoderServing:
         # Triton's OpenVINO backend reads these parameter names.

@@ -62,6 +62,16 @@ def get_target(name: str) -> Target:
     return TARGETS[name]
 
 
+def serving_target(platform: str, backend: str) -> Target:
+    """The registered target whose encoder configs say this platform or backend."""
+    for target in TARGETS.values():
+        serving = target.serving(target.precisions[0])
+        if (serving.platform, serving.backend) == (platform, backend):
+            return target
+    raise NexusError(f"no runtime target serves platform {platform!r} / backend {backend!r}; "
+                     f"registered: {', '.join(TARGETS)}")
+
+
 def plan(backend: str, precision: str, flags: set[str] | None = None) -> list[Configuration]:
     """The configurations to try, in order, for a requested backend and precision (either may be ``auto``)."""
     flags = cpu_flags() if flags is None else flags

@@ -1,0 +1,64 @@
+"""The runtime-target registry: every registered target keeps the contract the pipeline relies on."""
+
+from __future__ import annotations
+
+import pytest
+from tritonclient.grpc import model_config_pb2 as pb
+
+from nexus_sli.exporter.errors import NexusError
+from nexus_sli.exporter.export.validate import LABEL_THRESHOLDS, THRESHOLDS
+from nexus_sli.exporter.targets import AUTO_ORDER, TARGETS, get_target, plan, register, serving_target
+from nexus_sli.exporter.triton import config as tc
+
+TARGET_NAMES = sorted(TARGETS)
+
+
+def test_the_cpu_targets_are_registered():
+    assert {"onnxruntime", "openvino"} <= set(TARGETS)
+
+
+@pytest.mark.parametrize("name", TARGET_NAMES)
+def test_every_precision_of_a_target_has_default_thresholds(name):
+    target = TARGETS[name]
+    assert target.precisions, f"{name} offers no precision"
+    for precision in target.precisions:
+        assert precision in THRESHOLDS and precision in LABEL_THRESHOLDS
+
+
+@pytest.mark.parametrize("name", TARGET_NAMES)
+def test_a_target_writes_a_servable_encoder_config(name):
+    target = TARGETS[name]
+    lay = tc.layout("embedding", ["input_ids", "attention_mask"], 8, 0)
+    for precision in target.precisions:
+        serving = target.serving(precision)
+        assert bool(serving.platform) != bool(serving.backend), "exactly one of platform or backend"
+        config = tc.encoder_config(f"{name}_encoder", lay, ["input_ids", "attention_mask"], serving)
+        assert (config.platform, config.backend) == (serving.platform, serving.backend)
+        assert config.instance_group[0].kind == pb.ModelInstanceGroup.Kind.Value(serving.device)
+        assert dict((k, v.string_value) for k, v in config.parameters.items()) == serving.parameters
+        assert serving_target(config.platform, config.backend) is target
+
+
+def test_auto_order_names_registered_configurations_and_ends_with_one_every_cpu_runs():
+    for name, precision in AUTO_ORDER:
+        assert precision in get_target(name).precisions
+    last_name, last_precision = AUTO_ORDER[-1]
+    assert TARGETS[last_name].suits(last_precision, set())
+    assert [(c.target.name, c.precision) for c in plan("auto", "auto", set())][-1] == AUTO_ORDER[-1]
+
+
+def test_a_second_registration_under_one_name_is_refused():
+    with pytest.raises(ValueError, match="registered twice"):
+        register(TARGETS["onnxruntime"])
+    assert TARGETS["onnxruntime"].name == "onnxruntime"
+
+
+def test_unknown_backend_and_precision_errors_list_the_choices():
+    with pytest.raises(NexusError, match="onnxruntime, openvino"):
+        plan("tensorflow", "fp32")
+    with pytest.raises(NexusError, match="fp32, int8, bf16"):
+        plan("auto", "fp8")
+    with pytest.raises(NexusError, match="serves precision fp32, int8, not 'bf16'"):
+        plan("onnxruntime", "bf16")
+    with pytest.raises(NexusError, match="no runtime target serves"):
+        serving_target("tensorflow_savedmodel", "")
