@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from nexus_sli.exporter.errors import NexusError
+from nexus_sli.tasks import TaskError
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("nexus_sli").setLevel(logging.INFO)
     try:
         return args.run(args)
-    except NexusError as exc:
+    except (NexusError, TaskError) as exc:
         print(f"nexus-sli: error: {exc}", file=sys.stderr)
         return 2
 

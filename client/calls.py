@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from nexus_sli.tasks import get_task
+
 from . import protocol as p
 from .errors import InvalidInputError
 
@@ -25,31 +27,28 @@ class Plan:
     finish: Callable[[list[np.ndarray]], Any]
 
 
-def _texts_plan(task: str, texts, info: p.ModelInfo, finish) -> Plan:
+def _texts_plan(task: str, texts, info: p.ModelInfo, parse) -> Plan:
+    """One request per chunk of texts; ``parse`` reads every chunk's outputs at once."""
     items, single = p.as_list(texts)
     requests = [{"TEXT": p.strings(chunk).reshape(-1, 1)} for chunk in p.chunks(items, info.max_batch_size)]
-    return Plan(task, requests, p.OUTPUTS[task], lambda outs: finish(outs, single))
+
+    def finish(outs):
+        found = parse(outs)
+        return found[0] if single else found
+    return Plan(task, requests, get_task(task).client_output, finish)
 
 
 def embed(texts, info: p.ModelInfo) -> Plan:
-    def finish(outs, single):
-        vectors = np.concatenate(outs) if outs else np.zeros((0, 0), np.float32)
-        return vectors[0] if single else vectors
-    return _texts_plan("embedding", texts, info, finish)
+    return _texts_plan("embedding", texts, info, get_task("embedding").parse)
 
 
 def classify(texts, info: p.ModelInfo, top_k: int = 1) -> Plan:
-    def finish(outs, single):
-        found = [row for out in outs for row in p.labels(out, info, top_k)]
-        return found[0] if single else found
-    return _texts_plan("classification", texts, info, finish)
+    spec = get_task("classification")
+    return _texts_plan(spec.name, texts, info, lambda outs: spec.parse(outs, info.id2label, top_k))
 
 
 def ner(texts, info: p.ModelInfo) -> Plan:
-    def finish(outs, single):
-        found = [row for out in outs for row in p.entity_lists(out)]
-        return found[0] if single else found
-    return _texts_plan("token-classification", texts, info, finish)
+    return _texts_plan("token-classification", texts, info, get_task("token-classification").parse)
 
 
 def answer(question: str, context: str, info: p.ModelInfo, top_k: int = 1) -> Plan:
@@ -57,16 +56,14 @@ def answer(question: str, context: str, info: p.ModelInfo, top_k: int = 1) -> Pl
         p.check_text(value, name)
     if not context.strip():
         raise InvalidInputError("context is empty: there is nothing to find an answer in")
+    spec = get_task("question-answering")
     request = {"QUESTION": p.strings([question]), "CONTEXT": p.strings([context])}
-    return Plan("question-answering", [request], "ANSWERS", lambda outs: p.answers(outs[0], top_k))
+    return Plan(spec.name, [request], spec.client_output, lambda outs: spec.parse(outs, top_k))
 
 
 def rerank(query: str, documents, info: p.ModelInfo, top_k: int | None = None, chunk: int = 64) -> Plan:
     p.check_text(query, "query")
     items, _ = p.as_list(documents, "documents")
+    spec = get_task("rerank")
     requests = [{"QUERY": p.strings([query]), "DOCUMENTS": p.strings(c)} for c in p.chunks(items, chunk)]
-
-    def finish(outs):
-        scores = np.concatenate(outs) if outs else np.zeros((0,), np.float32)
-        return p.ranking(scores, items, top_k)
-    return Plan("rerank", requests, "SCORES", finish)
+    return Plan(spec.name, requests, spec.client_output, lambda outs: spec.parse(outs, items, top_k))

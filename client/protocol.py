@@ -21,11 +21,6 @@ from .errors import (
     ServerUnavailableError,
     WrongTaskError,
 )
-from .results import Answer, Entity, Label, Ranked
-
-OUTPUTS = {"embedding": "EMBEDDING", "classification": "SCORES", "token-classification": "ENTITIES",
-           "question-answering": "ANSWERS", "rerank": "SCORES"}
-
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -105,25 +100,3 @@ def not_ready(model: str) -> ModelUnavailableError:
     """A model the server knows (its config answers) that is not ready: loading, or loading again."""
     return ModelUnavailableError(f"model {model!r} is not ready yet (loading, or being reloaded); "
                                  "retry in a few seconds")
-
-
-def labels(scores: np.ndarray, info: ModelInfo, top_k: int) -> list[list[Label]]:
-    names = info.id2label
-    result = []
-    for row in scores:
-        order = np.argsort(-row)[:top_k]
-        result.append([Label(names.get(int(i), str(int(i))), float(row[i])) for i in order])
-    return result
-
-
-def entity_lists(raw: np.ndarray) -> list[list[Entity]]:
-    return [[Entity(**e) for e in json.loads(item)] for item in raw.reshape(-1)]
-
-
-def answers(raw: np.ndarray, top_k: int) -> list[Answer]:
-    return [Answer(**a) for a in json.loads(raw.reshape(-1)[0])][:top_k]
-
-
-def ranking(scores: np.ndarray, documents: list[str], top_k: int | None) -> list[Ranked]:
-    ranked = sorted((Ranked(i, float(s), documents[i]) for i, s in enumerate(scores)), key=lambda r: -r.score)
-    return ranked if top_k is None else ranked[:top_k]

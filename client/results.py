@@ -1,35 +1,5 @@
-"""Small typed results returned by the client."""
+"""The client's result types: each task's spec defines its own (:mod:`nexus_sli.tasks.results`)."""
 
-from __future__ import annotations
+from nexus_sli.tasks.results import Answer, Entity, Label, Ranked
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Label:
-    label: str
-    score: float
-
-
-@dataclass(frozen=True)
-class Entity:
-    text: str
-    label: str
-    start: int
-    end: int
-    score: float
-
-
-@dataclass(frozen=True)
-class Answer:
-    text: str
-    start: int
-    end: int
-    score: float
-
-
-@dataclass(frozen=True)
-class Ranked:
-    index: int
-    score: float
-    document: str
+__all__ = ["Answer", "Entity", "Label", "Ranked"]

@@ -1,27 +1,79 @@
-"""What each served task needs from the model: its transformers class and outputs."""
+"""A task spec: every fact about one served task, read by every layer.
+
+The exporter builds the model and names the graph's outputs from it, the
+Triton config writer lays out the ensemble's tensors, the post-processing
+model picks its head by the spec's ``head``, validation judges reduced
+precisions with its agreement metric, and the client reads its output name
+and parses the answer with it.  Adding a task is one module of this package
+(see :mod:`nexus_sli.tasks`) plus a head in the python models' ``heads.py``.
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from nexus_sli.exporter.errors import NexusError
+#: Symbolic dims, resolved against the model when the Triton config is written.
+HIDDEN, LABELS = "hidden", "labels"
+
+
+class TaskError(ValueError):
+    """An unknown task name, or a second spec registered under one name."""
 
 
 @dataclass(frozen=True)
-class Task:
+class Tensor:
+    """One tensor of the ensemble.  ``dtype`` is Triton's type name without ``TYPE_``;
+    dims exclude the batch dimension and may name :data:`HIDDEN` or :data:`LABELS`."""
+
     name: str
-    #: transformers auto class that builds the model for this task.
+    dtype: str
+    dims: tuple[int | str, ...]
+
+    def resolved(self, hidden_size: int, num_labels: int) -> "Tensor":
+        sizes = {HIDDEN: hidden_size, LABELS: num_labels}
+        return Tensor(self.name, self.dtype, tuple(sizes.get(d, d) for d in self.dims))
+
+
+def text(name: str, dims: tuple[int, ...] = (1,)) -> Tensor:
+    return Tensor(name, "STRING", dims)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    #: transformers auto class that builds the model for this task
     auto_class: str
-    #: Names of the encoder graph's outputs, in order, and the model output attribute of each.
+    #: the encoder graph's outputs, in order: (graph output name, model output attribute)
     outputs: tuple[tuple[str, str], ...]
-    #: How int8 is judged against fp32: None (embeddings use cosine), "rows"
-    #: (argmax per text), "tokens" (argmax per real token), "span" (argmax
-    #: position of each output), "order" (pairwise order of scores).
-    agreement: str | None = None
-    #: Inputs are (first, second) text pairs: (query, document), (question, context).
+    #: the ensemble's raw string inputs, and its (the post-processing's) outputs
+    inputs: tuple[Tensor, ...]
+    results: tuple[Tensor, ...]
+    #: the encoder outputs as Triton sees them (per row)
+    encoder_outputs: tuple[Tensor, ...]
+    #: the inputs of the post-processing head, by name (ensemble inputs, tokens, encoder outputs)
+    post_inputs: tuple[str, ...]
+    #: the tokenizer model's ``mode`` (single, pair, qa)
+    tokenizer_mode: str
+    #: the post-processing function's key in the python models' ``heads.HEADS``
+    head: str
+    #: how a reduced precision is judged against fp32: a :data:`tasks.agreement.METRICS` key,
+    #: or None where embeddings are compared by cosine
+    agreement: str | None
+    #: reads the client's output array(s) into the task's result type
+    parse: Callable[..., Any]
+    #: whether a config's architecture says the checkpoint was trained for this task
+    inferred_from: Callable[[str, Any], bool] | None = None
+    #: the post-processing parameters (also on the ensemble, for clients): (config, embedder) -> dict
+    post_params: Callable[[Any, Any], dict[str, str]] = lambda config, embedder: {}
+    #: tokenizer outputs besides the graph's own inputs (offsets, context_mask)
+    token_extras: tuple[Tensor, ...] = ()
+    #: one request is one item of a batch (False: a request is one query, rows explicit)
+    batched: bool = True
+    #: inputs are (first, second) text pairs: (query, document), (question, context)
     pair: bool = False
-    #: The outputs have a sequence axis (one value per token), cut to the batch's real tokens.
+    #: the outputs have a sequence axis (one value per token), cut to the batch's real tokens
     per_token: bool = False
 
     def build(self, config: Any):
@@ -35,36 +87,44 @@ class Task:
     def select_outputs(self, model_output: Any) -> tuple:
         return tuple(getattr(model_output, attribute) for _, attribute in self.outputs)
 
-
-TASKS: dict[str, Task] = {
-    task.name: task
-    for task in (
-        Task("embedding", "AutoModel", (("last_hidden_state", "last_hidden_state"),), per_token=True),
-        Task("classification", "AutoModelForSequenceClassification", (("logits", "logits"),), "rows"),
-        Task("rerank", "AutoModelForSequenceClassification", (("logits", "logits"),), "order", pair=True),
-        Task("token-classification", "AutoModelForTokenClassification", (("logits", "logits"),), "tokens",
-             per_token=True),
-        Task("question-answering", "AutoModelForQuestionAnswering",
-             (("start_logits", "start_logits"), ("end_logits", "end_logits")), "span", pair=True, per_token=True),
-    )
-}
+    @property
+    def client_output(self) -> str:
+        """The ensemble output the client asks for."""
+        return self.results[0].name
 
 
-def infer_task(config: Any) -> Task:
-    """The task a checkpoint was trained for, from its architectures: a
-    sequence classifier with one label is a cross-encoder (rerank)."""
-    architectures = list(getattr(config, "architectures", None) or [])
-    for architecture in architectures:
-        if architecture.endswith("ForSequenceClassification"):
-            return TASKS["rerank" if getattr(config, "num_labels", 2) == 1 else "classification"]
-        if architecture.endswith("ForTokenClassification"):
-            return TASKS["token-classification"]
-        if architecture.endswith("ForQuestionAnswering"):
-            return TASKS["question-answering"]
-    return TASKS["embedding"]
+def label_params(config: Any) -> dict[str, str]:
+    """The label names a checkpoint's config carries, as the post-processing and clients read them."""
+    labels = getattr(config, "id2label", None) or {}
+    return {"id2label": json.dumps({str(k): v for k, v in labels.items()})}
 
 
-def get_task(name: str) -> Task:
+def sequence_classifier(architecture: str) -> bool:
+    return architecture.endswith("ForSequenceClassification")
+
+
+TASKS: dict[str, TaskSpec] = {}
+
+
+def register(spec: TaskSpec) -> TaskSpec:
+    """Add ``spec``; a second spec under one name is an error, never skipped."""
+    if spec.name in TASKS:
+        raise TaskError(f"task {spec.name!r} is registered twice")
+    TASKS[spec.name] = spec
+    return spec
+
+
+def get_task(name: str) -> TaskSpec:
     if name not in TASKS:
-        raise NexusError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
+        raise TaskError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
     return TASKS[name]
+
+
+def infer_task(config: Any) -> TaskSpec:
+    """The task a checkpoint was trained for, from its architectures; the spec with
+    no ``inferred_from`` (embedding) when none says."""
+    for architecture in getattr(config, "architectures", None) or []:
+        for spec in TASKS.values():
+            if spec.inferred_from is not None and spec.inferred_from(architecture, config):
+                return spec
+    return next(spec for spec in TASKS.values() if spec.inferred_from is None)

@@ -19,7 +19,7 @@ from nexus_sli.cli.main import main
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.layer_cache import LayerCache
 from nexus_sli.exporter.export.source import load_config, resolve_model
-from nexus_sli.tasks.spec import get_task
+from nexus_sli.tasks import get_task
 from nexus_sli.exporter.export.walk import open_layer_cache, walk
 
 CHANGED = "encoder.layer.1.attention.output.dense.weight"

@@ -28,7 +28,7 @@ from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.families import FAMILIES
 from nexus_sli.exporter.export.families.jinabert_model import JinaBertLayer, alibi_slopes
 from nexus_sli.exporter.export.source import load_config
-from nexus_sli.tasks.spec import get_task
+from nexus_sli.tasks import get_task
 from nexus_sli.exporter.export.walk import walk
 from tiny_remote_models import MAX_LENGTH, NUM_LABELS, REMOTE_TINY, TASKS, build_tiny_remote, neobert_ffn_size
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from nexus_sli.tasks.spec import get_task
+from nexus_sli.tasks import get_task
 from nexus_sli.exporter.export.report import (
     AgreementShortfall,
     FidelityShortfall,

@@ -12,7 +12,7 @@ from transformers import AutoModel
 from nexus_sli.exporter.export.checkpoint import Checkpoint
 from nexus_sli.exporter.errors import CheckpointError, UnsafeCheckpointError
 from nexus_sli.exporter.export.source import load_config
-from nexus_sli.tasks.spec import get_task
+from nexus_sli.tasks import get_task
 from nexus_sli.exporter.export.walk import walk
 from tiny_models import build_tiny
 

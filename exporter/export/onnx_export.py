@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from nexus_sli.exporter.errors import ExportError
-from nexus_sli.tasks.spec import Task
+from nexus_sli.tasks import TaskSpec
 
 OPSET = 17
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -33,7 +33,7 @@ class _KeywordCall(nn.Module):
     """Positional graph inputs -> keyword call: transformers 5 models take
     ``use_cache`` and friends positionally, so a positional export misbinds."""
 
-    def __init__(self, model: nn.Module, task: Task, input_names: list[str]):
+    def __init__(self, model: nn.Module, task: TaskSpec, input_names: list[str]):
         super().__init__()
         self.model, self.task, self.input_names = model, task, input_names
 
@@ -42,7 +42,7 @@ class _KeywordCall(nn.Module):
         return self.task.select_outputs(output)
 
 
-def export_onnx(model: nn.Module, task: Task, input_names: list[str], vocab_size: int, path: Path) -> list[str]:
+def export_onnx(model: nn.Module, task: TaskSpec, input_names: list[str], vocab_size: int, path: Path) -> list[str]:
     """Write the graph; return its input names as read back from the file."""
     wrapper = _KeywordCall(model, task, input_names).eval()  # a new Module starts in train mode
     generator = torch.Generator().manual_seed(0)

@@ -19,11 +19,10 @@ from typing import Any
 
 from nexus_sli.exporter.errors import ValidationError
 from nexus_sli.exporter.targets import Candidate, Configuration, ExportedGraph, plan
-from nexus_sli.exporter.targets.openvino_cpu import calibration_feeds
 from nexus_sli.exporter.triton.models import ServingFacts, write_models, write_readme
 from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
 from nexus_sli.exporter.triton.staging import Staging
-from nexus_sli.tasks.spec import get_task, infer_task
+from nexus_sli.tasks import get_task, infer_task
 
 from .checkpoint import Checkpoint
 from .handler import get_registry
@@ -72,9 +71,6 @@ class Prepared:
     config: Any
     task: Any
     family: Any
-    max_length: int
-    pad_id: int
-    tokenizer: Any
     tokenizer_path: Path
     graph: ExportedGraph
     reference: Reference
@@ -145,9 +141,9 @@ def _prepare(options: ExportOptions, source, work: Path) -> Prepared:
         text_batches(tokenizer, input_names, pad_id, max_length, pairs=task.pair),
     )
     embedder = Embedder(pooling_mode(source.path), normalizes(source.path)) if task.name == "embedding" else None
-    graph = ExportedGraph(work / "plain.onnx", work, family, config, task, input_names)
-    return Prepared(source, config, task, family, max_length, pad_id, tokenizer, tokenizer_path, graph,
-                    reference, embedder, walked)
+    graph = ExportedGraph(work / "plain.onnx", work, family, config, task, input_names, tokenizer, pad_id,
+                          max_length)
+    return Prepared(source, config, task, family, tokenizer_path, graph, reference, embedder, walked)
 
 
 def _walk(options: ExportOptions, source, config, task, handler):
@@ -190,11 +186,10 @@ def _attempt(configuration: Configuration, prepared: Prepared) -> Attempt:
     target, precision = configuration.target, configuration.precision
     work = prepared.graph.work / f"{target.name}-{precision}"
     work.mkdir(exist_ok=True)
-    graph = replace(prepared.graph, work=work, calibration=_calibration(prepared) if
-                    target.needs_calibration(precision) else None)
+    graph = replace(prepared.graph, work=work)
     limits = target.thresholds(prepared.task, precision)
     feeds = timing_feeds(graph.input_names, prepared.family.vocab_size(prepared.config),
-                         min(128, prepared.max_length))
+                         min(128, prepared.graph.max_length))
     candidates = target.candidates(graph, precision)
     for candidate in candidates:
         runner = target.runner(candidate, precision)
@@ -204,12 +199,6 @@ def _attempt(configuration: Configuration, prepared: Prepared) -> Attempt:
         log.info("%s %s, %s graph: %s, %.1f ms per batch of %d x %d", target.name, precision, candidate.graph,
                  candidate.report.summary(), candidate.latency_ms, *next(iter(feeds.values())).shape)
     return Attempt(configuration, candidates)
-
-
-def _calibration(prepared: Prepared) -> list:
-    graph = prepared.graph
-    return calibration_feeds(prepared.tokenizer, graph.input_names, prepared.pad_id, prepared.max_length,
-                             prepared.task.pair)
 
 
 def _choose(attempts: list[Attempt], allow_degraded: bool) -> tuple[Attempt, Candidate]:
@@ -235,16 +224,6 @@ def _closeness(report: ValidationReport) -> float:
     return report.cosine_mean or report.agreement or -report.max_abs_diff
 
 
-def _post_params(task, config, embedder) -> dict[str, str]:
-    """What the postprocess model (and a client reading the ensemble config) needs."""
-    if task.name == "embedding":
-        return {"pooling": embedder.pooling, "normalize": str(embedder.normalize).lower()}
-    params = {"id2label": json.dumps({str(k): v for k, v in (getattr(config, "id2label", None) or {}).items()})}
-    if task.name == "classification":
-        params["multi_label"] = str(getattr(config, "problem_type", None) == "multi_label_classification").lower()
-    return params
-
-
 def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt], attempt: Attempt,
             chosen: Candidate) -> dict:
     """validation.json: the chosen graph's validation, every configuration tried, and the export's facts."""
@@ -264,7 +243,7 @@ def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt],
                        for c in attempt.candidates],
         "inputs": prepared.graph.input_names,
         "truncate": options.truncate,
-        "max_length": prepared.max_length,
+        "max_length": prepared.graph.max_length,
         "pooling": embedder.pooling if embedder else None,
         "normalize": embedder.normalize if embedder else None,
         "walk": prepared.walk,
@@ -276,8 +255,8 @@ def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: 
     task, config, embedder = prepared.task, prepared.config, prepared.embedder
     configuration = attempt.configuration
     facts = ServingFacts(prepared.graph.input_names, prepared.family.hidden_size(config),
-                         int(getattr(config, "num_labels", 0) or 0), prepared.max_length, prepared.pad_id,
-                         report["truncate"], _post_params(task, config, embedder),
+                         int(getattr(config, "num_labels", 0) or 0), prepared.graph.max_length, prepared.graph.pad_id,
+                         report["truncate"], task.post_params(config, embedder),
                          configuration.target.serving(configuration.precision), f"model{chosen.path.suffix}")
     write_models(root, name, task.name, facts, prepared.tokenizer_path)
     encoder_dir = root / f"{name}_encoder"

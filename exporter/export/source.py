@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from nexus_sli.exporter.errors import ModelSourceError, NexusError
+# the served pooling code's modes: what the export accepts is what the server can do
+from nexus_sli.exporter.triton.python_models.encoding import POOLING_MODES
+
 from .families import EncoderFamily
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
-POOLING_MODES = ("mean", "cls", "max")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,99}$")
 # Files an export needs; weights as safetensors unless pickle was allowed.
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "1_Pooling/*"]

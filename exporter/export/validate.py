@@ -28,23 +28,26 @@ from .report import (
     ValueMismatch,
 )
 from nexus_sli.exporter.triton.python_models.encoding import encode, l2_normalize, pool
-from nexus_sli.tasks.spec import Task
+from nexus_sli.tasks import TaskSpec
+from nexus_sli.tasks.agreement import TIE_MARGIN, agreement
 
 #: Embeddings: token states within 1e-4 (fp32); sentence-embedding cosine (bf16, int8).
+#: fp32's tolerance is also the margin under which two reference scores are a tie
+#: (:data:`tasks.agreement.TIE_MARGIN`): parity allows either order of such scores.
 THRESHOLDS: dict[str, dict[str, float]] = {
-    "fp32": {"max_abs_diff": 1e-4},
+    "fp32": {"max_abs_diff": TIE_MARGIN},
     "bf16": {"cosine_mean": 0.9999, "cosine_min": 0.999},
     "int8": {"cosine_mean": 0.99, "cosine_min": 0.95},
 }
 #: Tasks with labels or spans: the same argmax as PyTorch fp32.
 LABEL_THRESHOLDS: dict[str, dict[str, float]] = {
-    "fp32": {"max_abs_diff": 1e-4, "agreement": 1.0},
+    "fp32": {"max_abs_diff": TIE_MARGIN, "agreement": 1.0},
     "bf16": {"agreement": 0.99},
     "int8": {"agreement": 0.98},
 }
 
 
-def thresholds(task: Task | None, precision: str) -> dict[str, float]:
+def thresholds(task: TaskSpec | None, precision: str) -> dict[str, float]:
     """The default limits for ``precision``: argmax agreement for tasks that decide, else values."""
     return (LABEL_THRESHOLDS if task is not None and task.agreement else THRESHOLDS)[precision]
 
@@ -108,7 +111,7 @@ class Reference:
         self.outputs.append(outputs)
 
 
-def build_reference(model: torch.nn.Module, task: Task, input_names: list[str], cases, text_batches) -> Reference:
+def build_reference(model: torch.nn.Module, task: TaskSpec, input_names: list[str], cases, text_batches) -> Reference:
     """PyTorch fp32 outputs for the parity cases and the text batches, computed once."""
     reference = Reference(input_names, task.output_names())
     with torch.no_grad():
@@ -137,47 +140,8 @@ def _masked_max_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> float:
     return float(diff.max()) if diff.size else 0.0
 
 
-#: Two reference scores closer than the fp32 parity tolerance are a tie: the error fp32
-#: parity allows can order them either way, so they are no decision to agree on.
-TIE_MARGIN = THRESHOLDS["fp32"]["max_abs_diff"]
-
-
-def _top_two_gap(scores: np.ndarray) -> np.ndarray:
-    """Best minus second-best score; inf for a single score, nan (a tie) where both are -inf (masked)."""
-    if scores.shape[-1] < 2:
-        return np.full(scores.shape[:-1], np.inf)
-    top = np.sort(scores, axis=-1)
-    with np.errstate(invalid="ignore"):
-        return top[..., -1] - top[..., -2]
-
-
-def _agreement(kind: str, got: list[np.ndarray], expected: list[np.ndarray], mask: np.ndarray) -> tuple[int, int, int]:
-    """(agreeing, total, ties) decisions of ``got`` vs ``expected`` for one batch.
-
-    Decisions where the reference itself is a tie (:data:`TIE_MARGIN`) are counted
-    in ``ties`` and left out of the other two."""
-    agree = total = ties = 0
-    for g, e in zip(got, expected):
-        if kind == "rows":
-            same, decided = g.argmax(-1) == e.argmax(-1), _top_two_gap(e) > TIE_MARGIN
-        elif kind == "tokens":
-            real = mask.astype(bool)
-            same, decided = (g.argmax(-1) == e.argmax(-1))[real], (_top_two_gap(e) > TIE_MARGIN)[real]
-        elif kind == "span":
-            gm, em = np.where(mask > 0, g, -np.inf), np.where(mask > 0, e, -np.inf)
-            same, decided = gm.argmax(-1) == em.argmax(-1), _top_two_gap(em) > TIE_MARGIN
-        else:  # "order": every pair of rows ranked the same way
-            dg, de = g[:, 0][:, None] - g[:, 0][None, :], e[:, 0][:, None] - e[:, 0][None, :]
-            upper = np.triu_indices(len(g), 1)
-            same, decided = np.sign(dg[upper]) == np.sign(de[upper]), np.abs(de[upper]) > TIE_MARGIN
-        agree += int((same & decided).sum())
-        total += int(decided.sum())
-        ties += int((~decided).sum())
-    return agree, total, ties
-
-
 def compare(session: Any, reference: Reference, precision: str, embedder: Embedder | None,
-            task: Task | None = None, backend: str = "onnxruntime",
+            task: TaskSpec | None = None, backend: str = "onnxruntime",
             limits: dict[str, float] | None = None) -> ValidationReport:
     """Run ``session`` on the reference inputs: names, then shapes and values, then
     fidelity against ``limits`` (default: :func:`thresholds`), every failure collected.
@@ -208,7 +172,7 @@ def _name_failures(session: Any, reference: Reference) -> list[Failure]:
     return failures
 
 
-def _run_batches(session: Any, reference: Reference, embedder: Embedder | None, task: Task | None,
+def _run_batches(session: Any, reference: Reference, embedder: Embedder | None, task: TaskSpec | None,
                  backend: str, measures: Measures) -> list[Failure]:
     """Every reference batch through ``session``: shapes and values always, fidelity on
     the text batches while nothing has failed."""
@@ -226,7 +190,7 @@ def _run_batches(session: Any, reference: Reference, embedder: Embedder | None, 
     return failures
 
 
-def _aligned(task: Task | None, expected: list[np.ndarray], mask: np.ndarray):
+def _aligned(task: TaskSpec | None, expected: list[np.ndarray], mask: np.ndarray):
     """PyTorch's outputs and the mask cut as the graph's padding trim cuts per-token outputs."""
     if task is None or not task.per_token:
         return expected, mask
@@ -244,13 +208,13 @@ def _compare_outputs(names: list[str], got, expected, mask: np.ndarray, measures
     return failures
 
 
-def _measure_fidelity(got, expected, mask: np.ndarray, embedder: Embedder | None, task: Task | None,
+def _measure_fidelity(got, expected, mask: np.ndarray, embedder: Embedder | None, task: TaskSpec | None,
                       measures: Measures) -> None:
     if embedder is not None:
         a, b = l2_normalize(embedder(got[0], mask)), l2_normalize(embedder(expected[0], mask))
         measures.cosines.extend(np.sum(a * b, axis=-1).tolist())
     if task is not None and task.agreement:
-        measures.count(*_agreement(task.agreement, got, expected, mask))
+        measures.count(*agreement(task.agreement, got, expected, mask))
 
 
 def _threshold_failures(report: ValidationReport) -> list[Failure]:

@@ -35,7 +35,7 @@ from .checkpoint import Checkpoint
 from nexus_sli.exporter.errors import CheckpointError
 from .handler import BERTFamilyHandler
 from .layer_cache import LayerCache
-from nexus_sli.tasks.spec import Task
+from nexus_sli.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def _fill_layer(layer, idx, prefix, keys, checkpoint, family, cached: _CachedLay
     return False
 
 
-def walk(config: Any, checkpoint: Checkpoint, task: Task, handler: BERTFamilyHandler | None = None,
+def walk(config: Any, checkpoint: Checkpoint, task: TaskSpec, handler: BERTFamilyHandler | None = None,
          cache: LayerCache | None = None):
     """Build ``task``'s model for ``config`` from ``checkpoint``; return (model, handler, report).
 

@@ -30,8 +30,10 @@ class ExportedGraph:
     config: Any
     task: Any
     input_names: list[str]
-    #: batches of tokenized calibration texts (static int8); made only when a target asks
-    calibration: Any = None
+    #: how texts become the graph's inputs (for targets that calibrate on real texts)
+    tokenizer: Any
+    pad_id: int
+    max_length: int
 
     def trimmed(self, path: Path) -> Path:
         """``path`` with the padding trim in front (see :mod:`padding_trim`)."""
@@ -83,9 +85,6 @@ class Target(ABC):
     def thresholds(self, task: Any, precision: str) -> dict[str, float] | None:
         """Fidelity limits other than the default ones for this precision, or None."""
         return None
-
-    def needs_calibration(self, precision: str) -> bool:
-        return False
 
     @abstractmethod
     def candidates(self, graph: ExportedGraph, precision: str) -> list[Candidate]:

@@ -118,18 +118,17 @@ class OpenVINOCPU(Target):
     def thresholds(self, task, precision: str) -> dict[str, float] | None:
         return STATIC_INT8_THRESHOLDS if precision == "int8" and not task.agreement else None
 
-    def needs_calibration(self, precision: str) -> bool:
-        return precision == "int8"
-
     def candidates(self, graph: ExportedGraph, precision: str) -> list[Candidate]:
         trimmed = graph.trimmed(graph.plain)
         if precision != "int8":
             return [Candidate("plain", trimmed)]
-        log.info("quantizing with NNCF on %d calibration texts", sum(len(f["input_ids"]) for f in graph.calibration))
-        candidates = [Candidate("plain", quantize_int8(trimmed, graph.work / "plain.ov-int8.xml", graph.calibration))]
+        calibration = calibration_feeds(graph.tokenizer, graph.input_names, graph.pad_id, graph.max_length,
+                                        graph.task.pair)
+        log.info("quantizing with NNCF on %d calibration texts", sum(len(f["input_ids"]) for f in calibration))
+        candidates = [Candidate("plain", quantize_int8(trimmed, graph.work / "plain.ov-int8.xml", calibration))]
         keep = graph.ffn_outputs(graph.plain)
         if keep:
-            path = quantize_int8(trimmed, graph.work / "plain.ov-int8-ffn-fp32.xml", graph.calibration, keep)
+            path = quantize_int8(trimmed, graph.work / "plain.ov-int8-ffn-fp32.xml", calibration, keep)
             candidates.append(Candidate("plain+ffn-out-fp32", path))
         return candidates
 

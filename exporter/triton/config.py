@@ -2,8 +2,8 @@
 
 Never from string templates: each config is a typed ``ModelConfig`` message
 serialised with ``text_format``, so a misspelt field fails here, not in the
-server.  :func:`layout` is the one place that says which tensors each task's
-four models exchange.
+server.  :func:`layout` turns a task spec's tensors into the four models' inputs
+and outputs.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from pathlib import Path
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
+
+from nexus_sli.tasks import get_task, spec
 
 #: Requests Triton may merge into one execution of each step.
 MAX_BATCH_SIZE = 64
@@ -73,32 +75,19 @@ class Layout:
         return self.rows(next(t for t in (*self.tokens, *self.encoder_outputs) if t.name == name))
 
 
-def _string(name: str, dims=(1,)) -> Tensor:
-    return Tensor(name, pb.TYPE_STRING, dims)
+def _tensor(tensor: spec.Tensor, hidden_size: int, num_labels: int) -> Tensor:
+    resolved = tensor.resolved(hidden_size, num_labels)
+    return Tensor(resolved.name, pb.DataType.Value(f"TYPE_{resolved.dtype}"), resolved.dims)
 
 
 def layout(task: str, input_names: list[str], hidden_size: int, num_labels: int) -> Layout:
+    """The ensemble's tensors for ``task``, read from its spec (:mod:`nexus_sli.tasks`)."""
+    task_spec = get_task(task)
+    convert = lambda tensors: tuple(_tensor(t, hidden_size, num_labels) for t in tensors)  # noqa: E731
     ids = tuple(Tensor(n, pb.TYPE_INT64, (-1,)) for n in input_names)
-    offsets = Tensor("offsets", pb.TYPE_INT64, (-1, 2))
-    context_mask = Tensor("context_mask", pb.TYPE_INT64, (-1,))
-    fp32 = pb.TYPE_FP32
-    if task == "embedding":
-        return Layout(True, "single", (_string("TEXT"),), ids, (Tensor("last_hidden_state", fp32, (-1, hidden_size)),),
-                      ("last_hidden_state", "attention_mask"), (Tensor("EMBEDDING", fp32, (hidden_size,)),))
-    if task == "classification":
-        return Layout(True, "single", (_string("TEXT"),), ids, (Tensor("logits", fp32, (num_labels,)),),
-                      ("logits",), (Tensor("SCORES", fp32, (num_labels,)),))
-    if task == "token-classification":
-        return Layout(True, "single", (_string("TEXT"),), (*ids, offsets), (Tensor("logits", fp32, (-1, num_labels)),),
-                      ("TEXT", "logits", "offsets", "attention_mask"), (_string("ENTITIES"),))
-    if task == "rerank":
-        return Layout(False, "pair", (_string("QUERY"), _string("DOCUMENTS", (-1,))), ids,
-                      (Tensor("logits", fp32, (1,)),), ("logits",), (Tensor("SCORES", fp32, (-1,)),))
-    if task == "question-answering":
-        return Layout(False, "qa", (_string("QUESTION"), _string("CONTEXT")), (*ids, offsets, context_mask),
-                      (Tensor("start_logits", fp32, (-1,)), Tensor("end_logits", fp32, (-1,))),
-                      ("CONTEXT", "start_logits", "end_logits", "offsets", "context_mask"), (_string("ANSWERS"),))
-    raise ValueError(f"no Triton layout for task {task!r}")
+    return Layout(task_spec.batched, task_spec.tokenizer_mode, convert(task_spec.inputs),
+                  (*ids, *convert(task_spec.token_extras)), convert(task_spec.encoder_outputs),
+                  task_spec.post_inputs, convert(task_spec.results))
 
 
 def _io(cls, tensor: Tensor):

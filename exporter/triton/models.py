@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from nexus_sli.exporter.triton import config as tc
+from nexus_sli.tasks import get_task
+
+from . import config as tc
 
 _PYTHON_MODELS = "nexus_sli.exporter.triton.python_models"
 
@@ -80,7 +82,8 @@ def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenize
     (root / encoder / "1").mkdir(parents=True, exist_ok=True)
     tc.write(tc.encoder_config(encoder, lay, facts.input_names, facts.encoder, facts.model_filename), root / encoder)
     _copy_python_model("postprocess_model", root / postprocess)
-    tc.write(tc.postprocess_config(postprocess, lay, {"task": task, **facts.post_params}), root / postprocess)
+    head = {"task": task, "head": get_task(task).head}
+    tc.write(tc.postprocess_config(postprocess, lay, {**head, **facts.post_params}), root / postprocess)
     (root / name / "1").mkdir(parents=True, exist_ok=True)  # Triton wants a version folder, even for ensembles
     tc.write(tc.ensemble_config(name, task, lay, facts.input_names, steps, facts.post_params), root / name)
 

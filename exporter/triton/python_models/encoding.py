@@ -10,6 +10,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 POOLING_MODES = ("mean", "cls", "max")
+#: How the tokenizer model reads a request: one text per row, (query, documents), or
+#: (question, context) in overlapping windows; a task spec names one.
+TOKENIZER_MODES = ("single", "pair", "qa")
 
 
 class TextTooLongError(ValueError):

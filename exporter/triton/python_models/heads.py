@@ -1,18 +1,29 @@
-"""What each task makes of the encoder's logits: numpy only.
+"""What each task makes of the encoder's outputs: numpy only.
 
-Used by the Triton post-processing model and, on PyTorch's logits, by the
-tests' reference pipeline, so both sides agree on what a label, an entity or an
-answer span is.
+:data:`HEADS` holds one function per task spec's ``head`` (:mod:`nexus_sli.tasks`):
+the post-processing model calls it with the request's inputs and its config
+parameters.  The same functions run, on PyTorch's logits, in the tests'
+reference pipeline, so both sides agree on what a label, an entity or an answer
+span is.
 """
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+
+if __package__:  # imported from the nexus_sli package (validation, tests)
+    from .encoding import l2_normalize, pool
+else:  # a file copied beside model.py in a Triton repository
+    from encoding import l2_normalize, pool
 
 #: Longest answer span considered, in tokens (as transformers' QA pipeline).
 MAX_ANSWER_TOKENS = 30
 #: Best start/end candidates tried per window.
 SPAN_CANDIDATES = 20
+#: Answers the server returns per question (clients keep their ``top_k``).
+TOP_ANSWERS = 20
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -90,3 +101,48 @@ def answer_spans(context: str, start_logits: np.ndarray, end_logits: np.ndarray,
                 best[span] = max(best.get(span, 0.0), float(p_start[s] * p_end[e]))
     ranked = sorted(best.items(), key=lambda item: -item[1])[:top_k]
     return [{"text": context[a:b], "start": a, "end": b, "score": score} for (a, b), score in ranked]
+
+
+def _json_strings(items) -> np.ndarray:
+    return np.array([json.dumps(item).encode("utf-8") for item in items], dtype=object)
+
+
+def embedding_head(x: dict, params: dict) -> dict:
+    vectors = pool(x["last_hidden_state"], x["attention_mask"], params["pooling"])
+    if params.get("normalize") == "true":
+        vectors = l2_normalize(vectors)
+    return {"EMBEDDING": vectors.astype(np.float32)}
+
+
+def classification_head(x: dict, params: dict) -> dict:
+    scores = class_scores(x["logits"].astype(np.float64), params.get("multi_label") == "true")
+    return {"SCORES": scores.astype(np.float32)}
+
+
+def rerank_head(x: dict, params: dict) -> dict:
+    return {"SCORES": sigmoid(x["logits"].astype(np.float64)[:, 0]).astype(np.float32)}
+
+
+def token_classification_head(x: dict, params: dict) -> dict:
+    id2label = json.loads(params.get("id2label", "{}"))
+    texts = [t.decode("utf-8", "replace") for t in x["TEXT"].reshape(-1)]
+    found = [entities(text, x["logits"][i], x["offsets"][i], x["attention_mask"][i], id2label)
+             for i, text in enumerate(texts)]
+    return {"ENTITIES": _json_strings(found).reshape(-1, 1)}
+
+
+def question_answering_head(x: dict, params: dict) -> dict:
+    context = x["CONTEXT"].reshape(-1)[0].decode("utf-8", "replace")
+    spans = answer_spans(context, x["start_logits"], x["end_logits"], x["offsets"], x["context_mask"],
+                         int(params.get("top_k", TOP_ANSWERS)))
+    return {"ANSWERS": _json_strings([spans])}
+
+
+#: head name (a task spec's ``head``) -> function(inputs by name, config parameters) -> outputs by name
+HEADS = {
+    "embedding": embedding_head,
+    "classification": classification_head,
+    "rerank": rerank_head,
+    "token-classification": token_classification_head,
+    "question-answering": question_answering_head,
+}

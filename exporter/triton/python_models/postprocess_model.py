@@ -1,15 +1,15 @@
 """Triton python model: encoder outputs -> the task's answer.
 
-The ``task`` parameter picks one of the functions below; each takes the
-request's input arrays and returns its output arrays.
+The ``head`` parameter (the task spec's) picks the function of ``heads.HEADS``
+that turns the request's input arrays into its output arrays.
 """
 
 import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from encoding import l2_normalize, pool
-from heads import answer_spans, class_scores, entities, sigmoid
+from encoding import pool
+from heads import HEADS
 
 
 #: Token-aligned inputs: the tokenizer pads them to a fixed width, while the encoder's
@@ -28,46 +28,21 @@ def _fit_to_sequence(x):
     return {n: (v[:, :length] if n in _TOKEN_ALIGNED else v) for n, v in x.items()}
 
 
-def _json_strings(items):
-    return np.array([json.dumps(item).encode("utf-8") for item in items], dtype=object)
-
-
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        self.params = params
-        self.task = params["task"]
+        self.params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.task = self.params["task"]
         self.input_names = [i["name"] for i in config["input"]]
-        self.id2label = json.loads(params.get("id2label", "{}"))
-        if self.task == "embedding":
-            pool(np.zeros((1, 1, 1), np.float32), np.ones((1, 1), np.int64), params["pooling"])  # bad mode fails load
-        self.run = getattr(self, "_" + self.task.replace("-", "_"))
+        if self.params.get("head") not in HEADS:
+            raise ValueError(f"unknown post-processing head {self.params.get('head')!r} for task {self.task!r}; "
+                             f"this repository's heads.py has {', '.join(HEADS)}")
+        self.head = HEADS[self.params["head"]]
+        if "pooling" in self.params:  # a bad pooling mode fails the load, not every request
+            pool(np.zeros((1, 1, 1), np.float32), np.ones((1, 1), np.int64), self.params["pooling"])
 
-    def _embedding(self, x):
-        vectors = pool(x["last_hidden_state"], x["attention_mask"], self.params["pooling"])
-        if self.params.get("normalize") == "true":
-            vectors = l2_normalize(vectors)
-        return {"EMBEDDING": vectors.astype(np.float32)}
-
-    def _classification(self, x):
-        scores = class_scores(x["logits"].astype(np.float64), self.params.get("multi_label") == "true")
-        return {"SCORES": scores.astype(np.float32)}
-
-    def _rerank(self, x):
-        return {"SCORES": sigmoid(x["logits"].astype(np.float64)[:, 0]).astype(np.float32)}
-
-    def _token_classification(self, x):
-        texts = [t.decode("utf-8", "replace") for t in x["TEXT"].reshape(-1)]
-        found = [entities(text, x["logits"][i], x["offsets"][i], x["attention_mask"][i], self.id2label)
-                 for i, text in enumerate(texts)]
-        return {"ENTITIES": _json_strings(found).reshape(-1, 1)}
-
-    def _question_answering(self, x):
-        context = x["CONTEXT"].reshape(-1)[0].decode("utf-8", "replace")
-        spans = answer_spans(context, x["start_logits"], x["end_logits"], x["offsets"], x["context_mask"],
-                             int(self.params.get("top_k", "20")))
-        return {"ANSWERS": _json_strings([spans])}
+    def run(self, inputs):
+        return self.head(inputs, self.params)
 
     def _respond(self, request):
         """The response to one request: its outputs, or an error for it alone (inputs that do

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from encoding import TextTooLongError, check_lengths, load_tokenizer, padded_length, to_arrays, windows
+from encoding import TOKENIZER_MODES, TextTooLongError, check_lengths, load_tokenizer, padded_length, to_arrays, windows
 
 
 def _strings(request, name):
@@ -41,6 +41,8 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         here = Path(args["model_repository"]) / args["model_version"]
         self.mode = params.get("mode", "single")
+        if self.mode not in TOKENIZER_MODES:
+            raise ValueError(f"unknown tokenizer mode {self.mode!r}; known modes: {', '.join(TOKENIZER_MODES)}")
         self.max_length = int(params["max_length"])
         self.truncate = params.get("truncate", "true") == "true"
         self.pad_id = int(params["pad_id"])

@@ -1,0 +1,33 @@
+"""Sentence embeddings: the encoder's token states, pooled and (usually) normalised."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .spec import HIDDEN, TaskSpec, Tensor, register, text
+
+
+def parse(outputs: list[np.ndarray]) -> np.ndarray:
+    """One embedding row per text, over every chunk the client sent."""
+    return np.concatenate(outputs) if outputs else np.zeros((0, 0), np.float32)
+
+
+def post_params(config, embedder) -> dict[str, str]:
+    return {"pooling": embedder.pooling, "normalize": str(embedder.normalize).lower()}
+
+
+SPEC = register(TaskSpec(
+    name="embedding",
+    auto_class="AutoModel",
+    outputs=(("last_hidden_state", "last_hidden_state"),),
+    inputs=(text("TEXT"),),
+    results=(Tensor("EMBEDDING", "FP32", (HIDDEN,)),),
+    encoder_outputs=(Tensor("last_hidden_state", "FP32", (-1, HIDDEN)),),
+    post_inputs=("last_hidden_state", "attention_mask"),
+    tokenizer_mode="single",
+    head="embedding",
+    agreement=None,
+    parse=parse,
+    post_params=post_params,
+    per_token=True,
+))
