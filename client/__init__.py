@@ -8,6 +8,7 @@ from .errors import (
     InvalidInputError,
     ModelNotFoundError,
     ModelUnavailableError,
+    NoModelError,
     RetryableError,
     ServerUnavailableError,
     WrongTaskError,
@@ -15,5 +16,5 @@ from .errors import (
 from .results import Answer, Entity, Label, Ranked
 
 __all__ = ["AsyncEncoderClient", "EncoderClient", "ClientError", "InferenceError", "InvalidInputError",
-           "ModelNotFoundError", "ModelUnavailableError", "RetryableError", "ServerUnavailableError", "WrongTaskError",
+           "ModelNotFoundError", "ModelUnavailableError", "NoModelError", "RetryableError", "ServerUnavailableError", "WrongTaskError",
            "Answer", "Entity", "Label", "Ranked"]

@@ -24,10 +24,12 @@ def _module(protocol: str):
 
 
 class AsyncEncoderClient:
-    """``async with AsyncEncoderClient() as c: await c.embed(texts, model=...)``"""
+    """``async with AsyncEncoderClient() as c: await c.embed(texts, model=...)``; a ``model``
+    given here is used by every call that names none."""
 
-    def __init__(self, url: str | None = None, protocol: str = "grpc"):
+    def __init__(self, url: str | None = None, protocol: str = "grpc", model: str | None = None):
         self.protocol = protocol
+        self.model = model
         self._types, aio = _module(protocol)
         self.url = url or default_url(protocol)
         self._client = aio.InferenceServerClient(self.url, **client_kwargs(self._types, protocol))
@@ -64,20 +66,24 @@ class AsyncEncoderClient:
             raise p.translate(exc, model) from None
         return result.as_numpy(output)
 
-    async def embed(self, texts, model: str) -> np.ndarray:
-        return await self._run(model, calls.embed(texts, await self.info(model)))
+    async def _call(self, model: str | None, plan):
+        model = p.model_name(model, self.model)
+        return await self._run(model, plan(await self.info(model)))
 
-    async def classify(self, texts, model: str, top_k: int = 1):
-        return await self._run(model, calls.classify(texts, await self.info(model), top_k))
+    async def embed(self, texts, model: str | None = None) -> np.ndarray:
+        return await self._call(model, lambda info: calls.embed(texts, info))
 
-    async def ner(self, texts, model: str):
-        return await self._run(model, calls.ner(texts, await self.info(model)))
+    async def classify(self, texts, model: str | None = None, top_k: int = 1):
+        return await self._call(model, lambda info: calls.classify(texts, info, top_k))
 
-    async def answer(self, question: str, context: str, model: str, top_k: int = 1):
-        return await self._run(model, calls.answer(question, context, await self.info(model), top_k))
+    async def ner(self, texts, model: str | None = None):
+        return await self._call(model, lambda info: calls.ner(texts, info))
 
-    async def rerank(self, query: str, documents, model: str, top_k: int | None = None):
-        return await self._run(model, calls.rerank(query, documents, await self.info(model), top_k))
+    async def answer(self, question: str, context: str, model: str | None = None, top_k: int = 1):
+        return await self._call(model, lambda info: calls.answer(question, context, info, top_k))
+
+    async def rerank(self, query: str, documents, model: str | None = None, top_k: int | None = None):
+        return await self._call(model, lambda info: calls.rerank(query, documents, info, top_k))
 
     async def close(self) -> None:
         await self._client.close()

@@ -45,15 +45,20 @@ def client_kwargs(module, protocol: str) -> dict:
 
 
 class EncoderClient:
-    """Calls one server; each method names the model it uses.
+    """Calls one server; each method names the model it uses, or uses the client's ``model``.
 
     >>> client = EncoderClient()                 # gRPC on 127.0.0.1:8001
     >>> client.embed(["a text", "another"], model="all_minilm_l6_v2").shape
     (2, 384)
+    >>> EncoderClient(model="all_minilm_l6_v2").embed("one text").shape
+    (384,)
     """
 
-    def __init__(self, url: str | None = None, protocol: str = "grpc", timeout_s: float = 60.0):
+    def __init__(self, url: str | None = None, protocol: str = "grpc", timeout_s: float = 60.0,
+                 model: str | None = None):
         self.protocol = protocol
+        #: the model calls use when they name none
+        self.model = model
         self._triton = _module(protocol)
         self.url = url or default_url(protocol)
         self.timeout_s = timeout_s
@@ -94,25 +99,30 @@ class EncoderClient:
             raise p.translate(exc, model) from None
         return result.as_numpy(output)
 
-    def embed(self, texts, model: str) -> np.ndarray:
+    def _call(self, model: str | None, plan):
+        """Run the plan ``plan(info)`` makes for the model named, or the client's default."""
+        model = p.model_name(model, self.model)
+        return self._run(model, plan(self.info(model)))
+
+    def embed(self, texts, model: str | None = None) -> np.ndarray:
         """Embeddings ``[n, hidden]`` for a list, ``[hidden]`` for one string."""
-        return self._run(model, calls.embed(texts, self.info(model)))
+        return self._call(model, lambda info: calls.embed(texts, info))
 
-    def classify(self, texts, model: str, top_k: int = 1):
+    def classify(self, texts, model: str | None = None, top_k: int = 1):
         """Top ``top_k`` labels (label, score) per text."""
-        return self._run(model, calls.classify(texts, self.info(model), top_k))
+        return self._call(model, lambda info: calls.classify(texts, info, top_k))
 
-    def ner(self, texts, model: str):
+    def ner(self, texts, model: str | None = None):
         """Entities (text, label, start, end, score) per text, offsets into that text."""
-        return self._run(model, calls.ner(texts, self.info(model)))
+        return self._call(model, lambda info: calls.ner(texts, info))
 
-    def answer(self, question: str, context: str, model: str, top_k: int = 1):
+    def answer(self, question: str, context: str, model: str | None = None, top_k: int = 1):
         """Best answer spans (text, start, end, score) in ``context``."""
-        return self._run(model, calls.answer(question, context, self.info(model), top_k))
+        return self._call(model, lambda info: calls.answer(question, context, info, top_k))
 
-    def rerank(self, query: str, documents, model: str, top_k: int | None = None):
+    def rerank(self, query: str, documents, model: str | None = None, top_k: int | None = None):
         """Documents by relevance to ``query``: (index, score, document), best first."""
-        return self._run(model, calls.rerank(query, documents, self.info(model), top_k))
+        return self._call(model, lambda info: calls.rerank(query, documents, info, top_k))
 
     def close(self) -> None:
         self._client.close()

@@ -22,6 +22,10 @@ class ModelNotFoundError(ClientError):
     """The server has no model of that name."""
 
 
+class NoModelError(ClientError, ValueError):
+    """A call named no model, and the client has no default model."""
+
+
 class WrongTaskError(ClientError):
     """The model serves another task than the method called."""
 

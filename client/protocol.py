@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import error_codes
 from .errors import (
     InferenceError,
     InvalidInputError,
     ModelNotFoundError,
     ModelUnavailableError,
+    NoModelError,
     ServerUnavailableError,
     WrongTaskError,
 )
@@ -41,6 +43,15 @@ class ModelInfo:
     @property
     def id2label(self) -> dict[int, str]:
         return {int(k): v for k, v in json.loads(self.params.get("id2label", "{}")).items()}
+
+
+def model_name(given: str | None, default: str | None) -> str:
+    """The model a call names, else the client's default; :class:`NoModelError` when neither."""
+    name = given or default
+    if not name:
+        raise NoModelError("no model named: pass model=... to the call, or to the client "
+                           "(EncoderClient(url, model=...)) as its default")
+    return name
 
 
 def check_text(value, what: str) -> str:
@@ -72,28 +83,36 @@ def chunks(items: list[str], size: int) -> list[list[str]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-#: Triton's words for a model whose worker process died (and is being restarted),
-#: or that is being loaded again: the model exists, the request may be retried.
-_MODEL_RESTARTING = re.compile(r"Stub process .* is not healthy|stub process has exited|has no available versions",
-                               re.IGNORECASE)
+#: Our own errors, by the code the server-side models put in front of them.
+_BY_CODE = {error_codes.INVALID_INPUT: InvalidInputError, error_codes.INFERENCE_FAILED: InferenceError}
+#: Triton's own errors, by the transport's status: gRPC status name or HTTP status code.
+_BY_STATUS = {"StatusCode.NOT_FOUND": ModelNotFoundError, "404": ModelNotFoundError,
+              "StatusCode.INVALID_ARGUMENT": InvalidInputError, "400": InvalidInputError,
+              "StatusCode.UNAVAILABLE": ServerUnavailableError}
+#: A python-backend worker that died (and is being restarted), or a model being loaded
+#: again, is reported by Triton with an INTERNAL status and only these words; they are
+#: Triton's, not ours, so they cannot carry a code.
+_TRITON_MODEL_RESTARTING = re.compile(
+    r"Stub process .* is not healthy|stub process has exited|has no available versions", re.IGNORECASE)
 
 
 def translate(exc: Exception, model: str) -> Exception:
     """A tritonclient / transport exception as one of ours."""
     text = str(exc)
-    if _MODEL_RESTARTING.search(text):
+    code = error_codes.code_of(text)
+    if code is not None:
+        return _BY_CODE[code](text)
+    if _TRITON_MODEL_RESTARTING.search(text):
         return ModelUnavailableError(f"model {model!r} cannot serve right now (a worker is being restarted or the "
                                      f"model reloaded); retry in a few seconds. Server said: {text}")
-    if isinstance(exc, OSError) or re.search(r"UNAVAILABLE|Connection refused|Failed to connect|connect error",
-                                             text, re.IGNORECASE):
-        return ServerUnavailableError(f"Triton server unreachable ({text.splitlines()[0] if text else type(exc).__name__}); "
-                                      "check that it runs and the URL is right, then retry")
-    if re.search(r"unknown model|not found|is not ready|unavailable model", text, re.IGNORECASE):
-        return ModelNotFoundError(f"model {model!r} is not served or not ready: {text}")
-    if re.search(r"UTF-8|tokens; the model takes|is empty|is missing|exactly one|is too long|takes at most|"
-                 r"could not be tokenized|unexpected shape|data-type is|batch-size must be", text):
-        return InvalidInputError(text)
-    return InferenceError(text)
+    status = exc.status() if callable(getattr(exc, "status", None)) else None
+    kind = ServerUnavailableError if isinstance(exc, OSError) else _BY_STATUS.get(str(status), InferenceError)
+    if kind is ServerUnavailableError:
+        return kind(f"Triton server unreachable ({text.splitlines()[0] if text else type(exc).__name__}); "
+                    "check that it runs and the URL is right, then retry")
+    if kind is ModelNotFoundError:
+        return kind(f"model {model!r} is not served or not ready: {text}")
+    return kind(text)
 
 
 def not_ready(model: str) -> ModelUnavailableError:

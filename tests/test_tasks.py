@@ -226,3 +226,19 @@ def test_unreachable_server_is_retryable_error():
     for protocol in ("grpc", "http"):
         with pytest.raises(ServerUnavailableError, match="unreachable"):
             EncoderClient(f"127.0.0.1:{port}", protocol=protocol).embed("x", model="minilm")
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_clients_default_model_serves_the_calls_that_name_none(served, protocol):
+    with EncoderClient(served[protocol], protocol=protocol, model="minilm") as client:
+        assert np.array_equal(client.embed("a text"), client.embed("a text", model="minilm"))
+        with pytest.raises(WrongTaskError, match="serves task 'embedding'"):
+            client.classify("a text")
+        assert len(client.classify("a text", model="classifier", top_k=2)) == 2  # a named model wins
+
+    async def run():
+        async with AsyncEncoderClient(served[protocol], protocol=protocol, model="minilm") as c:
+            return await c.embed("a text")
+
+    with EncoderClient(served[protocol], protocol=protocol) as client:
+        assert np.allclose(asyncio.run(run()), client.embed("a text", model="minilm"), atol=1e-6)

@@ -93,12 +93,14 @@ def prepare_backends(target: Path) -> Path:
         raise ServerError(f"nvidia-pytriton ships no python backend stub for Python {version}")
     shutil.copy2(stub, python_dir / STUB_EXECUTABLE)
     package = resources.files("nexus_sli.exporter.serving.backends")
+    error_codes = resources.files("nexus_sli.client").joinpath("error_codes.py").read_text()
     for backend in SHIM_BACKENDS:
         shim = target / backend
         shim.mkdir(exist_ok=True)
         (shim / "model.py").write_text(package.joinpath(f"{backend}_backend.py").read_text())
         for helper in ("encoder_backend.py", "batching.py", "openvino_properties.py"):
             (shim / helper).write_text(package.joinpath(helper).read_text())
+        (shim / "error_codes.py").write_text(error_codes)
     return target
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from batching import plan, real_lengths
+from error_codes import INFERENCE_FAILED, INVALID_INPUT, mark
 
 
 class EncoderBackend(ABC):
@@ -102,7 +103,7 @@ class EncoderBackend(ABC):
             try:
                 feeds[number] = self._feeds(request)
             except ValueError as exc:
-                errors[number] = str(exc)
+                errors[number] = mark(INVALID_INPUT, str(exc))
         answers = {}
         if feeds:
             try:
@@ -112,5 +113,6 @@ class EncoderBackend(ABC):
                     try:
                         answers[number] = self._run([request_feeds])[0]
                     except Exception as exc:  # noqa: BLE001 - reported to this request's sender
-                        errors[number] = f"the encoder failed on this request: {type(exc).__name__}: {exc}"
+                        errors[number] = mark(INFERENCE_FAILED,
+                                              f"the encoder failed on this request: {type(exc).__name__}: {exc}")
         return [self._response(answers.get(n), errors.get(n)) for n in range(len(requests))]

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from encoding import pool
+from error_codes import INFERENCE_FAILED, INVALID_INPUT, mark
 from heads import HEADS
 
 
@@ -50,15 +51,19 @@ class TritonPythonModel:
         try:
             missing = [n for n in self.input_names if pb_utils.get_input_tensor_by_name(request, n) is None]
             if missing:
-                raise ValueError(f"input {', '.join(missing)} is missing")
+                return self._error(INVALID_INPUT, f"input {', '.join(missing)} is missing")
             inputs = {name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in self.input_names}
             with np.errstate(all="ignore"):  # non-finite logits give non-finite scores, not a failure
                 outputs = self.run(_fit_to_sequence(inputs))
         except Exception as exc:  # noqa: BLE001 - reported to the request's sender
-            message = f"{self.task} post-processing failed for this request: {type(exc).__name__}: {exc}"
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+            return self._error(INFERENCE_FAILED, f"{self.task} post-processing failed for this request: "
+                                                 f"{type(exc).__name__}: {exc}")
         return pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(name, value) for name, value in outputs.items()])
+
+    @staticmethod
+    def _error(code, message):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(mark(code, message)))
 
     def execute(self, requests):
         return [self._respond(request) for request in requests]

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from encoding import TOKENIZER_MODES, TextTooLongError, check_lengths, load_tokenizer, padded_length, to_arrays, windows
+from error_codes import INVALID_INPUT, mark
 
 
 def _strings(request, name):
@@ -104,11 +105,11 @@ class TritonPythonModel:
         try:
             return self._encodings(request), None
         except (ValueError, TextTooLongError) as exc:
-            return None, str(exc)
+            return None, mark(INVALID_INPUT, str(exc))
         except BaseException as exc:  # noqa: BLE001 - tokenizers' Rust panics are BaseExceptions
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            return None, f"the input could not be tokenized: {type(exc).__name__}: {exc}"
+            return None, mark(INVALID_INPUT, f"the input could not be tokenized: {type(exc).__name__}: {exc}")
 
     def execute(self, requests):
         encoded, errors = {}, {}
