@@ -1,0 +1,55 @@
+"""``nexus-sli embed | classify | ner | answer | rerank``: one client call, JSON on stdout."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+#: command -> how it calls the client with the parsed arguments
+CALLS = {
+    "embed": lambda c, a: c.embed(a.texts, model=a.model).tolist(),
+    "classify": lambda c, a: c.classify(a.texts, model=a.model, top_k=a.top_k),
+    "ner": lambda c, a: c.ner(a.texts, model=a.model),
+    "answer": lambda c, a: c.answer(a.question, a.context, model=a.model, top_k=a.top_k),
+    "rerank": lambda c, a: c.rerank(a.query, a.documents, model=a.model, top_k=a.top_k),
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    from nexus_sli.client import ClientError, EncoderClient
+
+    try:
+        with EncoderClient(args.url, protocol=args.protocol) as client:
+            result = CALLS[args.command](client, args)
+    except ClientError as exc:
+        print(f"nexus-sli: error: {exc}", file=sys.stderr)
+        return 3
+    print(json.dumps(result, default=dataclasses.asdict))
+    return 0
+
+
+def _command(commands, name: str, help_text: str) -> argparse.ArgumentParser:
+    sub = commands.add_parser(name, help=help_text)
+    sub.add_argument("--model", required=True, help="model name in the repository")
+    sub.add_argument("--url", default=None, help="server address (default 127.0.0.1:8001 gRPC / :8000 HTTP)")
+    sub.add_argument("--protocol", default="grpc", choices=["grpc", "http"])
+    sub.set_defaults(run=run)
+    return sub
+
+
+def add_parsers(commands) -> None:
+    _command(commands, "embed", "embed texts").add_argument("texts", nargs="+")
+    classify = _command(commands, "classify", "classify texts")
+    classify.add_argument("texts", nargs="+")
+    classify.add_argument("--top-k", type=int, default=1)
+    _command(commands, "ner", "named entities in texts").add_argument("texts", nargs="+")
+    answer = _command(commands, "answer", "extractive question answering")
+    answer.add_argument("question")
+    answer.add_argument("--context", required=True)
+    answer.add_argument("--top-k", type=int, default=1)
+    rerank = _command(commands, "rerank", "rank documents by relevance to a query")
+    rerank.add_argument("query")
+    rerank.add_argument("documents", nargs="+")
+    rerank.add_argument("--top-k", type=int, default=None)

@@ -1,0 +1,52 @@
+"""``nexus-sli export``: a checkpoint into a Triton model repository."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+def add_parser(commands) -> None:
+    from nexus_sli.exporter.targets import AUTO, TARGETS, precisions
+    from nexus_sli.tasks import TASKS
+
+    export = commands.add_parser("export", help="export a model into a Triton model repository")
+    export.add_argument("--model", default="", help="hub id or local directory (default: packaged all-MiniLM-L6-v2)")
+    export.add_argument("--task", default="auto",
+                        help=f"{', '.join(TASKS)} (default: inferred from the config's architectures)")
+    export.add_argument("--backend", default=AUTO, choices=[AUTO, *TARGETS],
+                        help="the runtime target that serves the encoder; auto (default): the first configuration "
+                             "that suits this CPU and passes validation (docs/export.md)")
+    export.add_argument("--precision", default=AUTO, choices=[AUTO, *precisions()],
+                        help="bf16 only with openvino (fp32 where the CPU has no bf16); auto (default): see --backend")
+    export.add_argument("--name", default="", help="model name in the repository (default: from the model id)")
+    export.add_argument("--out", default="model_repository", help="repository directory")
+    _add_safety_options(export)
+    export.set_defaults(run=run)
+
+
+def _add_safety_options(export: argparse.ArgumentParser) -> None:
+    export.add_argument("--allow-pickle", action="store_true", help="allow pytorch_model.bin (pickle) weights")
+    export.add_argument("--allow-degraded", action="store_true",
+                        help="write the model even when validation fails (recorded in validation.json)")
+    export.add_argument("--no-truncate", action="store_true",
+                        help="reject texts longer than the model's limit instead of truncating them")
+    export.add_argument("--no-cache", action="store_true",
+                        help="read every layer from the checkpoint; neither use nor fill the layer cache")
+    export.add_argument("--cache-dir", default="",
+                        help="layer cache directory (default: $NEXUS_SLI_CACHE_DIR, else "
+                             "${XDG_CACHE_HOME:-~/.cache}/nexus-sli/layers)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+
+    result = run_export(ExportOptions(
+        model=args.model or None, task=args.task, precision=args.precision, backend=args.backend,
+        name=args.name or None, out=Path(args.out), allow_pickle=args.allow_pickle,
+        allow_degraded=args.allow_degraded, truncate=not args.no_truncate,
+        cache=not args.no_cache, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+    ))
+    shown = ("precision", "backend", "graph", "max_abs_diff", "cosine_min", "cosine_mean", "passed")
+    print(json.dumps({"name": result.name, **{k: result.report[k] for k in shown}}))
+    return 0
