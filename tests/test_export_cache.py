@@ -40,10 +40,12 @@ def reads(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def same_graph_every_time(monkeypatch):
+def same_graph_every_time(request, monkeypatch):
     # Two exports must keep the same graph (plain) for their outputs to be
     # compared bit for bit; timing noise would otherwise pick plain or fused.
-    monkeypatch.setattr(export, "median_latency_ms", lambda path, feeds: 1.0)
+    # Tests marked real_timing time the candidates as an export does.
+    if not request.node.get_closest_marker("real_timing"):
+        monkeypatch.setattr(export, "median_latency_ms", lambda path, feeds: 1.0)
 
 
 def _export(directory, out, **options):
@@ -197,3 +199,14 @@ def test_default_model_warm_reexport_reuses_all_six_layers(tmp_path, reads):
     assert (result.report["walk"]["layers"], result.report["walk"]["from_cache"]) == (6, 6)
     assert result.report["passed"] is True and result.report["max_abs_diff"] <= 1e-4
     assert _layer_reads(reads) == []
+
+
+@pytest.mark.real_timing
+def test_the_fastest_passing_candidate_is_kept(tiny_checkpoint, tmp_path):
+    """Timed for real: int8 offers several graphs (plain, fused, each with and without
+    fp32 feed-forward outputs); the export keeps the fastest of those that pass."""
+    report = _export(tiny_checkpoint("bert"), tmp_path / "repo", precision="int8", cache=False).report
+    candidates = report["candidates"]
+    assert len(candidates) >= 2 and len({c["latency_ms"] for c in candidates}) > 1
+    passing = [c for c in candidates if c["passed"]]
+    assert passing and report["graph"] == min(passing, key=lambda c: c["latency_ms"])["graph"]

@@ -346,7 +346,8 @@ def kill_writer(cache_dir, count: int, pause_at: int, after_done: int | None = N
         child.wait()
         pytest.fail(f"the writer exited with {child.returncode} before it was killed:\n{errors.read_text()}")
     if after_done is not None:
-        time.sleep(random.uniform(0, 0.02))  # land somewhere in a later write
+        # land somewhere in a later write; seeded, so a failing run can be repeated
+        time.sleep(random.Random(after_done).uniform(0, 0.02))
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     child.stdout.close()

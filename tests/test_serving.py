@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from nexus_sli.exporter.serving import server as serve
 from nexus_sli.exporter.triton import config as triton_config
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.source import resolve_model
+from nexus_sli.exporter.targets.cpu import supports_bf16
 from nexus_sli.exporter.export.validate import validation_texts
 
 NAME = "all_minilm_l6_v2"
@@ -77,10 +79,14 @@ def test_configs_parse_back_through_the_schema(server):
     encoder = triton_config.read(server["repo"] / f"{NAME}_encoder" / "config.pbtxt")
     assert encoder.platform == "onnxruntime_onnx" and encoder.max_batch_size > 0
     assert [i.name for i in encoder.input] == ["input_ids", "attention_mask", "token_type_ids"]
-    assert encoder.model_warmup and encoder.dynamic_batching.max_queue_delay_microseconds > 0
+    assert encoder.model_warmup and encoder.HasField("dynamic_batching")
+    assert encoder.dynamic_batching.max_queue_delay_microseconds == triton_config.QUEUE_DELAY_US > 0
     tokenizer = triton_config.read(server["repo"] / f"{NAME}_tokenizer" / "config.pbtxt")
     assert [o.name for o in tokenizer.output] == [i.name for i in encoder.input]
-    assert tokenizer.backend == "python" and tokenizer.dynamic_batching is not None
+    assert tokenizer.backend == "python" and tokenizer.HasField("dynamic_batching")
+    assert tokenizer.dynamic_batching.max_queue_delay_microseconds == triton_config.TOKENIZER_QUEUE_DELAY_US > 0
+    # an ensemble has no batcher of its own; its steps batch
+    assert not ensemble.HasField("dynamic_batching")
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -149,8 +155,24 @@ def test_concurrent_single_texts_share_encoder_executions(server):
     assert np.allclose(np.concatenate(results[:4]), expected, atol=1e-5)  # merged rows answer their own text
 
 
+def _openvino_precision(server) -> tuple[str, str]:
+    config = triton_config.read(server["repo"] / "minilm_openvino_encoder" / "config.pbtxt")
+    report = json.loads((server["repo"] / "minilm_openvino_encoder" / "validation.json").read_text())
+    return config.parameters["HINT_BF16"].string_value, report["precision"]
+
+
+@pytest.mark.skipif(not supports_bf16(), reason="the CPU has no avx512_bf16/amx_bf16: bf16 is not served here")
+def test_openvino_bf16_is_served_where_the_cpu_has_bf16(server):
+    assert _openvino_precision(server) == ("YES", "bf16")
+
+
+@pytest.mark.skipif(supports_bf16(), reason="the CPU has avx512_bf16/amx_bf16: the fp32 fallback is not used here")
+def test_openvino_asked_for_bf16_serves_fp32_where_the_cpu_has_none(server):
+    assert _openvino_precision(server) == ("NO", "fp32")
+
+
 def test_openvino_backend_serves_the_same_embeddings(server, reference):
-    """The encoder on the openvino backend (bf16 where the CPU has it) behind the same ensemble."""
+    """The encoder on the openvino backend (bf16 or its fp32 fallback) behind the same ensemble."""
     config = triton_config.read(server["repo"] / "minilm_openvino_encoder" / "config.pbtxt")
     assert config.backend == "openvino"
     texts = validation_texts()[:48]

@@ -193,19 +193,37 @@ def test_large_inputs_are_chunked_in_order(client, served):
 def test_async_client_sends_chunks_concurrently(served, protocol):
     texts = TEXTS * 12  # 144 texts: three chunks
 
+    in_flight, most = 0, 0
+
     async def run():
         async with AsyncEncoderClient(served[protocol], protocol=protocol) as c:
+            infer = c._client.infer
+
+            async def counted(*args, **kwargs):  # how many requests are on the wire at once
+                nonlocal in_flight, most
+                in_flight += 1
+                most = max(most, in_flight)
+                try:
+                    return await infer(*args, **kwargs)
+                finally:
+                    in_flight -= 1
+
+            c._client.infer = counted
             vectors = await c.embed(texts, model="minilm")
+            chunked_at_once = most
             labels = await c.classify(TEXTS, model="classifier")
             ranked = await c.rerank(TEXTS[0], TEXTS[1:], model="reranker")
             answer = await c.answer("what?", TEXTS[3], model="reader")
-        return vectors, labels, ranked, answer
+        return vectors, labels, ranked, answer, chunked_at_once
 
-    vectors, labels, ranked, answer = asyncio.run(run())
+    vectors, labels, ranked, answer, chunked_at_once = asyncio.run(run())
+    assert chunked_at_once == 3, f"{chunked_at_once} of the 3 chunks were in flight together"
     with EncoderClient(served["grpc"]) as sync:
         assert np.allclose(vectors, sync.embed(texts, model="minilm"), atol=1e-5)
         assert [l[0].label for l in labels] == [l[0].label for l in sync.classify(TEXTS, model="classifier")]
-    assert len(ranked) == len(TEXTS) - 1 and answer
+        assert [r.index for r in ranked] == [r.index for r in sync.rerank(TEXTS[0], TEXTS[1:], model="reranker")]
+        assert answer == sync.answer("what?", TEXTS[3], model="reader")
+    assert len(ranked) == len(TEXTS) - 1 and answer[0].text in TEXTS[3]
 
 
 def test_client_errors_are_clear(client, served):
