@@ -1,8 +1,8 @@
 """ORT transformer-optimizer fusion, and the timing that decides whether it stays.
 
-Fusion is not automatically faster (on the 2-core AVX-512 machine this project
-was built on the fused fp32 MiniLM graph was slower), so the exporter times
-both graphs on the same input and keeps the faster one that validates.
+Fusion is not automatically faster (docs/export.md, "Validation", shows a fused
+graph losing), so the exporter times both graphs on the same input and keeps
+the faster one that validates.
 """
 
 from __future__ import annotations

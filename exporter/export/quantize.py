@@ -1,10 +1,10 @@
 """INT8: ONNX Runtime dynamic quantization, per-output-channel weights.
 
-Measured on all-MiniLM-L6-v2 and the project's validation texts: quantizing
-every MatMul gave min cosine 0.9498 (short chatty texts suffer most); keeping
-the feed-forward *output* projections in fp32 (their inputs are post-GELU
-activations with large outliers) gave min 0.968 / mean 0.996.  The exporter
-tries both variants and keeps the fastest that passes fidelity.
+Quantizing every MatMul costs the most fidelity on short texts; keeping the
+feed-forward *output* projections in fp32 (their inputs are post-GELU
+activations with large outliers) recovers much of it (docs/export.md,
+"Validation", has the measurements).  The exporter tries both variants and
+keeps the fastest that passes fidelity.
 """
 
 from __future__ import annotations

@@ -7,13 +7,11 @@ cost of a run many times.  :func:`plan` sorts the rows by real length and
 splits them into the groups that minimise the estimated cost, each group
 run at its own longest real length.
 
-The cost model, measured on a 2-core AVX-512 machine with MiniLM-L6
-(ONNX Runtime and OpenVINO alike, within a factor of two): a run costs a
-fixed ~2 ms, about the price of :data:`RUN_COST_TOKENS` tokens, and each
-token costs more as the sequence grows (attention is quadratic), by a factor
-``1 + length / QUADRATIC_LENGTH``.  The plan is not sensitive to these
-numbers: halving or doubling them changes the cost of the chosen plan by a
-few percent.
+The cost model: a run costs a fixed price, expressed as
+:data:`RUN_COST_TOKENS` tokens, and each token costs more as the sequence
+grows (attention is quadratic), by a factor ``1 + length / QUADRATIC_LENGTH``.
+The constants were fitted by timing MiniLM-L6 runs (docs/repository.md,
+"Batching", has the measurement); the plan is not sensitive to them.
 """
 
 from __future__ import annotations
