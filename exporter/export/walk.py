@@ -221,15 +221,25 @@ def walk(config: Any, checkpoint: Checkpoint, task: TaskSpec, handler: BERTFamil
 
 
 def _load_rest(model, checkpoint, handler, target_base, layer_paths, consumed, report) -> None:
-    family = handler.family
+    """Everything outside the walked layers (embeddings, pooler, task head), checked and loaded strictly."""
     layer_targets = tuple(target_base + rel for rel in layer_paths)
     wanted = {k: v for k, v in model.state_dict().items() if not k.startswith(layer_targets)}
     buffers = _buffer_names(model)
+    loaded = _collect_rest(checkpoint, handler, target_base, consumed, wanted, buffers, report)
+    _check_missing(handler.family, target_base, wanted, loaded, buffers, report)
+    _check_shapes(wanted, loaded)
+    model.load_state_dict(loaded, strict=False)
+    report.tensors_loaded += len(loaded)
+    if report.absent_optional:
+        log.warning("not in the checkpoint and unused by this task: %s", ", ".join(report.absent_optional))
+
+
+def _collect_rest(checkpoint, handler, target_base, consumed, wanted, buffers, report) -> dict[str, torch.Tensor]:
+    """The checkpoint's remaining tensors by model key; a tensor nothing consumes is an error naming it."""
+    family = handler.family
     loaded: dict[str, torch.Tensor] = {}
     unconsumed = []
-    for key in checkpoint.keys():
-        if key in consumed:
-            continue
+    for key in (k for k in checkpoint.keys() if k not in consumed):
         inside_base = key.startswith(handler.prefix)
         relative = family.convert_key(key[len(handler.prefix):]) if inside_base else key
         target = target_base + relative if inside_base else key
@@ -244,21 +254,22 @@ def _load_rest(model, checkpoint, handler, target_base, layer_paths, consumed, r
     if unconsumed:
         raise CheckpointError(
             f"{len(unconsumed)} checkpoint tensor(s) match nothing in the {family.model_type} model "
-            f"for this task: {', '.join(sorted(unconsumed)[:12])}"
-            + (" ..." if len(unconsumed) > 12 else "")
-        )
+            f"for this task: {', '.join(sorted(unconsumed)[:12])}" + (" ..." if len(unconsumed) > 12 else ""))
+    return loaded
+
+
+def _check_missing(family, target_base, wanted, loaded, buffers, report) -> None:
+    """Every tensor the model needs is there; optional ones may be absent (recorded in the report)."""
     optional = tuple(target_base + p for p in family.optional_prefixes)
     missing = sorted(k for k in wanted if k not in loaded and k not in buffers)
     required = [k for k in missing if not k.startswith(optional)]
     if required:
         raise CheckpointError(f"checkpoint lacks tensor(s) the model needs: {', '.join(required[:12])}")
     report.absent_optional = [k for k in missing if k.startswith(optional)]
+
+
+def _check_shapes(wanted, loaded) -> None:
     for key, tensor in loaded.items():
         if tensor.shape != wanted[key].shape:
             raise CheckpointError(
-                f"tensor {key!r} has shape {tuple(tensor.shape)}, the model expects {tuple(wanted[key].shape)}"
-            )
-    model.load_state_dict(loaded, strict=False)
-    report.tensors_loaded += len(loaded)
-    if report.absent_optional:
-        log.warning("not in the checkpoint and unused by this task: %s", ", ".join(report.absent_optional))
+                f"tensor {key!r} has shape {tuple(tensor.shape)}, the model expects {tuple(wanted[key].shape)}")
