@@ -66,8 +66,11 @@ def test_allow_degraded_is_recorded(tmp_path, monkeypatch):
 
 
 def test_cli_reports_bad_input_clearly(tmp_path, capsys):
-    assert main(["export", "--precision", "fp8", "--out", str(tmp_path)]) == 2
-    assert "unknown precision 'fp8'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # argparse lists the registered choices
+        main(["export", "--precision", "fp8", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "invalid choice: 'fp8'" in err
+    assert all(choice in err.split("choose from")[1] for choice in ("auto", "fp32", "int8", "bf16"))
     assert main(["export", "--name", "../escape", "--out", str(tmp_path)]) == 2
     assert "invalid model name" in capsys.readouterr().err
     assert main(["export", "--model", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertLayer
 
-from nexus_sli.exporter.export import layer_cache
+from nexus_sli.exporter.export import layer_cache as lc
 from nexus_sli.exporter.errors import LayerIndexError, NexusError
 from nexus_sli.exporter.export.layer_cache import LayerCache, LayerCacheError, tensor_digest
 from nexus_sli.exporter.export.quantize import Int8Config
@@ -311,7 +311,7 @@ WRITER = textwrap.dedent("""
     import os, sys, time
     import torch
     from torch import nn
-    from nexus_sli.exporter.export import layer_cache
+    from nexus_sli.exporter.export import layer_cache as lc
 
     cache_dir, count, pause_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     real_replace, replaces = os.replace, [0]
