@@ -9,6 +9,8 @@ MODEL     ?=
 TASK      ?= auto
 PRECISION ?= auto
 BACKEND   ?= auto
+TARGET    ?= cpu
+ACCELERATOR ?=
 NAME      ?=
 OUT       ?= model_repository
 HTTP_PORT ?= 8000
@@ -30,7 +32,8 @@ $(VENV)/.installed: pyproject.toml
 
 export: install
 	$(BIN)/nexus-sli export $(if $(MODEL),--model '$(MODEL)') --task '$(TASK)' \
-		--precision '$(PRECISION)' --backend '$(BACKEND)' $(if $(NAME),--name '$(NAME)') --out '$(OUT)' \
+		--precision '$(PRECISION)' --backend '$(BACKEND)' --target '$(TARGET)' \
+		$(if $(ACCELERATOR),--accelerator '$(ACCELERATOR)') $(if $(NAME),--name '$(NAME)') --out '$(OUT)' \
 		$(if $(NO_CACHE),--no-cache)
 
 # Exports the default model first when OUT holds no model yet.

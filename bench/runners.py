@@ -177,7 +177,8 @@ class GraphEncoder:
 
         config = triton_config.read(repository / f"{facts.name}_encoder" / "config.pbtxt")
         model = repository / f"{facts.name}_encoder" / "1" / (config.default_model_filename or "model.onnx")
-        target = serving_target(config.platform, config.backend)
+        kind = triton_config.pb.ModelInstanceGroup.Kind.Name(config.instance_group[0].kind)
+        target = serving_target(config.platform, config.backend, kind)
         params = {k: v.string_value for k, v in config.parameters.items()}
         return cls(target.open(model, params), facts, target.name)
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 def add_parser(commands) -> None:
-    from nexus_sli.exporter.targets import AUTO, TARGETS, precisions
+    from nexus_sli.exporter.targets import AUTO, DEVICES, TARGETS, precisions
     from nexus_sli.tasks import TASKS
 
     export = commands.add_parser("export", help="export a model into a Triton model repository")
@@ -18,7 +18,13 @@ def add_parser(commands) -> None:
                         help="the runtime target that serves the encoder; auto (default): the first configuration "
                              "that suits this CPU and passes validation (docs/export.md)")
     export.add_argument("--precision", default=AUTO, choices=[AUTO, *precisions()],
-                        help="bf16 only with openvino (fp32 where the CPU has no bf16); auto (default): see --backend")
+                        help="bf16 only with openvino (fp32 where the CPU has no bf16), fp16 on gpu; "
+                             "auto (default): see --backend")
+    export.add_argument("--target", default="cpu", choices=DEVICES,
+                        help="where the encoder will run (default cpu); gpu: an fp16 graph for Triton's ONNX "
+                             "Runtime backend with TensorRT (docs/gpu.md)")
+    export.add_argument("--accelerator", default="", choices=["", "tensorrt", "cuda"],
+                        help="with --target gpu: tensorrt (default) or cuda, ONNX Runtime's CUDA provider")
     export.add_argument("--name", default="", help="model name in the repository (default: from the model id)")
     export.add_argument("--out", default="model_repository", help="repository directory")
     _add_safety_options(export)
@@ -41,8 +47,9 @@ def _add_safety_options(export: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 
+    backend = f"onnxruntime-{args.accelerator}" if args.accelerator and args.backend == "auto" else args.backend
     result = run_export(ExportOptions(
-        model=args.model or None, task=args.task, precision=args.precision, backend=args.backend,
+        model=args.model or None, task=args.task, precision=args.precision, backend=backend, device=args.target,
         name=args.name or None, out=Path(args.out), allow_pickle=args.allow_pickle,
         allow_degraded=args.allow_degraded, truncate=not args.no_truncate,
         cache=not args.no_cache, cache_dir=Path(args.cache_dir) if args.cache_dir else None,

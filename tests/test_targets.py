@@ -7,7 +7,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export.validate import LABEL_THRESHOLDS, THRESHOLDS
-from nexus_sli.exporter.targets import AUTO_ORDER, TARGETS, get_target, plan, register, serving_target
+from nexus_sli.exporter.targets import AUTO_ORDER, AUTO_ORDERS, DEVICES, TARGETS, get_target, plan, register, serving_target
 from nexus_sli.exporter.triton import config as tc
 
 TARGET_NAMES = sorted(TARGETS)
@@ -36,12 +36,16 @@ def test_a_target_writes_a_servable_encoder_config(name):
         assert (config.platform, config.backend) == (serving.platform, serving.backend)
         assert config.instance_group[0].kind == pb.ModelInstanceGroup.Kind.Value(serving.device)
         assert dict((k, v.string_value) for k, v in config.parameters.items()) == serving.parameters
-        assert serving_target(config.platform, config.backend) is target
+        found = serving_target(config.platform, config.backend, serving.device)
+        # the GPU targets differ only in the accelerator: either opens the other's graph alike
+        assert found is target or (found.device, type(found).open) == (target.device, type(target).open)
 
 
 def test_auto_order_names_registered_configurations_and_ends_with_one_every_cpu_runs():
-    for name, precision in AUTO_ORDER:
-        assert precision in get_target(name).precisions
+    assert set(AUTO_ORDERS) == set(DEVICES) and AUTO_ORDERS["cpu"] == AUTO_ORDER
+    for device, order in AUTO_ORDERS.items():
+        for name, precision in order:
+            assert precision in get_target(name).precisions and get_target(name).device == device
     last_name, last_precision = AUTO_ORDER[-1]
     assert TARGETS[last_name].suits(last_precision, set())
     assert [(c.target.name, c.precision) for c in plan("auto", "auto", set())][-1] == AUTO_ORDER[-1]

@@ -1,7 +1,7 @@
 """Trailing padding cut off inside the graph, so one fixed input width costs nothing.
 
 Triton's dynamic batcher merges only requests of equal shape.  The tokenizer
-therefore pads every text to one fixed width (see ``triton_config.pad_width``),
+therefore pads every text to one fixed width (``triton.config.PAD_WIDTH``),
 and every request reaching the encoder can join the same execution.  The
 padding must then not be computed: this step puts a preamble in front of the
 exported graph that finds the last real token of the whole batch (the last

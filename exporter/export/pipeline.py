@@ -42,8 +42,10 @@ class ExportOptions:
     task: str = "auto"
     #: fp32, bf16 (openvino), int8, or auto; the API's default is fixed, the CLI's is auto
     precision: str = "fp32"
-    #: the runtime target serving the encoder (:data:`targets.TARGETS`: onnxruntime, openvino), or auto
+    #: the runtime target serving the encoder (:data:`targets.TARGETS`: onnxruntime, openvino, ...), or auto
     backend: str = "onnxruntime"
+    #: where the encoder will run (cpu, gpu): ``auto`` chooses among that device's targets
+    device: str = "cpu"
     name: str | None = None
     out: Path = Path("model_repository")
     allow_pickle: bool = False
@@ -102,7 +104,7 @@ class Attempt:
 
 def run_export(options: ExportOptions) -> ExportResult:
     """Export, validate and publish one model; see the module docstring for the steps."""
-    configurations = plan(options.backend, options.precision)
+    configurations = plan(options.backend, options.precision, device=options.device)
     if options.task != "auto":
         get_task(options.task)  # an unknown task fails before any download
     source = resolve_model(options.model, options.allow_pickle)
@@ -194,7 +196,7 @@ def _attempt(configuration: Configuration, prepared: Prepared) -> Attempt:
     for candidate in candidates:
         runner = target.runner(candidate, precision)
         candidate.report = compare(runner, prepared.reference, precision, prepared.embedder, prepared.task,
-                                   target.name, limits)
+                                   target.name, limits, target.trims_padding)
         candidate.latency_ms = median_latency_ms(runner, feeds)
         log.info("%s %s, %s graph: %s, %.1f ms per batch of %d x %d", target.name, precision, candidate.graph,
                  candidate.report.summary(), candidate.latency_ms, *next(iter(feeds.values())).shape)
@@ -236,6 +238,8 @@ def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt],
         "graph": chosen.graph,
         "requested_backend": options.backend,
         "requested_precision": options.precision,
+        "device": attempt.configuration.target.device,
+        "validated_on": attempt.configuration.target.validated_on,
         "attempts": [a.record() for a in attempts],
         "allow_degraded": options.allow_degraded,
         "candidates": [{"graph": c.graph, "passed": c.report.passed, "latency_ms": round(c.latency_ms, 3),

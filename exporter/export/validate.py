@@ -37,12 +37,14 @@ from nexus_sli.tasks.agreement import TIE_MARGIN, agreement
 THRESHOLDS: dict[str, dict[str, float]] = {
     "fp32": {"max_abs_diff": TIE_MARGIN},
     "bf16": {"cosine_mean": 0.9999, "cosine_min": 0.999},
+    "fp16": {"cosine_mean": 0.9999, "cosine_min": 0.999},
     "int8": {"cosine_mean": 0.99, "cosine_min": 0.95},
 }
 #: Tasks with labels or spans: the same argmax as PyTorch fp32.
 LABEL_THRESHOLDS: dict[str, dict[str, float]] = {
     "fp32": {"max_abs_diff": TIE_MARGIN, "agreement": 1.0},
     "bf16": {"agreement": 0.99},
+    "fp16": {"agreement": 0.99},
     "int8": {"agreement": 0.98},
 }
 
@@ -142,18 +144,19 @@ def _masked_max_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> float:
 
 def compare(session: Any, reference: Reference, precision: str, embedder: Embedder | None,
             task: TaskSpec | None = None, backend: str = "onnxruntime",
-            limits: dict[str, float] | None = None) -> ValidationReport:
+            limits: dict[str, float] | None = None, trims_padding: bool = True) -> ValidationReport:
     """Run ``session`` on the reference inputs: names, then shapes and values, then
     fidelity against ``limits`` (default: :func:`thresholds`), every failure collected.
 
-    Per-token outputs (``task.per_token``) must come back cut to the batch's
-    longest real token (:func:`trimmed_length`), as the exported graph's padding
-    trim cuts them, and are compared with PyTorch's over that length."""
+    Per-token outputs (``task.per_token``) of a graph that ``trims_padding`` must
+    come back cut to the batch's longest real token (:func:`trimmed_length`), and
+    are compared with PyTorch's over that length; other graphs answer at the
+    padded width."""
     limits = limits or thresholds(task, precision)
     measures = Measures()
     failures = _name_failures(session, reference)
     if not failures:
-        failures = _run_batches(session, reference, embedder, task, backend, measures)
+        failures = _run_batches(session, reference, embedder, task, backend, measures, trims_padding)
     texts = sum(len(b["input_ids"]) for b in reference.batches[reference.first_text:])
     report = ValidationReport.from_measures(precision, backend, limits, texts, measures, failures)
     if not failures:
@@ -173,7 +176,7 @@ def _name_failures(session: Any, reference: Reference) -> list[Failure]:
 
 
 def _run_batches(session: Any, reference: Reference, embedder: Embedder | None, task: TaskSpec | None,
-                 backend: str, measures: Measures) -> list[Failure]:
+                 backend: str, measures: Measures, trims_padding: bool) -> list[Failure]:
     """Every reference batch through ``session``: shapes and values always, fidelity on
     the text batches while nothing has failed."""
     failures: list[Failure] = []
@@ -183,7 +186,7 @@ def _run_batches(session: Any, reference: Reference, embedder: Embedder | None, 
         except Exception as exc:  # runtimes report graph errors (baked shapes, bad indices) this way
             return [*failures, RuntimeFailure(f"{backend} failed on input shape {feeds['input_ids'].shape}: "
                                               f"{str(exc)[:300]}")]
-        expected, mask = _aligned(task, expected, feeds["attention_mask"])
+        expected, mask = _aligned(task if trims_padding else None, expected, feeds["attention_mask"])
         failures.extend(_compare_outputs(reference.output_names, got, expected, mask, measures))
         if index >= reference.first_text and not failures:
             _measure_fidelity(got, expected, mask, embedder, task, measures)

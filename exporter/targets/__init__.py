@@ -3,7 +3,19 @@
 from nexus_sli.exporter.triton.config import EncoderServing
 
 from .base import Candidate, ExportedGraph, Target
-from .registry import AUTO, AUTO_ORDER, TARGETS, Configuration, get_target, plan, precisions, register, serving_target
+from .registry import (
+    AUTO,
+    AUTO_ORDER,
+    AUTO_ORDERS,
+    DEVICES,
+    TARGETS,
+    Configuration,
+    get_target,
+    plan,
+    precisions,
+    register,
+    serving_target,
+)
 
-__all__ = ["AUTO", "AUTO_ORDER", "TARGETS", "Candidate", "Configuration", "EncoderServing", "ExportedGraph",
+__all__ = ["AUTO", "AUTO_ORDER", "AUTO_ORDERS", "DEVICES", "TARGETS", "Candidate", "Configuration", "EncoderServing", "ExportedGraph",
            "Target", "get_target", "plan", "precisions", "register", "serving_target"]

@@ -67,6 +67,12 @@ class Target(ABC):
     name: ClassVar[str]
     #: the precisions it serves, first the one it prefers
     precisions: ClassVar[tuple[str, ...]]
+    #: where it runs: ``cpu`` or ``gpu`` (``--target``)
+    device: ClassVar[str] = "cpu"
+    #: whether its graphs cut trailing padding themselves (validation compares at the cut length)
+    trims_padding: ClassVar[bool] = True
+    #: what validating here proves about serving (recorded in validation.json)
+    validated_on: ClassVar[str] = "the runtime that serves it, on this machine"
 
     def check(self, precision: str) -> None:
         """Refuse a precision this target does not serve, naming the ones it does."""
@@ -79,7 +85,7 @@ class Target(ABC):
         return precision
 
     def suits(self, precision: str, flags: set[str]) -> bool:
-        """Whether ``auto`` may pick this configuration on a CPU with these flags."""
+        """Whether ``auto`` may pick this configuration on a machine with these flags."""
         return True
 
     def thresholds(self, task: Any, precision: str) -> dict[str, float] | None:

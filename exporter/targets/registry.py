@@ -1,7 +1,7 @@
 """The registered runtime targets, and the configurations ``auto`` tries in turn.
 
 Adding a runtime is one module with a :class:`Target` subclass, registered
-below; ``auto`` learns of it only where :data:`AUTO_ORDER` names it.
+below; ``auto`` learns of it only where :data:`AUTO_ORDERS` names it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from nexus_sli.exporter.errors import NexusError
 from .base import Target
 from .cpu import cpu_flags
 from .onnxruntime_cpu import OnnxRuntimeCPU
+from .onnxruntime_gpu import OnnxRuntimeCUDA, OnnxRuntimeTensorRT
 from .openvino_cpu import OpenVINOCPU
 
 #: backend or precision: let the registry choose (:func:`plan`).
@@ -31,6 +32,11 @@ def register(target: Target) -> Target:
 
 register(OnnxRuntimeCPU())
 register(OpenVINOCPU())
+register(OnnxRuntimeTensorRT())
+register(OnnxRuntimeCUDA())
+
+#: Where an export's encoder will run (``--target``); ``auto`` chooses among that device's targets.
+DEVICES = ("cpu", "gpu")
 
 #: What ``auto`` tries, in order, where the target suits the CPU: the first
 #: configuration whose graph passes validation is exported.  OpenVINO bf16 leads
@@ -38,6 +44,9 @@ register(OpenVINOCPU())
 #: machine, docs/export.md); ONNX Runtime fp32, which every supported family
 #: exports at exact parity, closes the list so ``auto`` always has an answer.
 AUTO_ORDER: tuple[tuple[str, str], ...] = (("openvino", "bf16"), ("onnxruntime", "fp32"))
+#: On GPUs: the fp16 graph with TensorRT (``--accelerator cuda`` names the CUDA target instead).
+GPU_AUTO_ORDER: tuple[tuple[str, str], ...] = (("onnxruntime-tensorrt", "fp16"),)
+AUTO_ORDERS = {"cpu": AUTO_ORDER, "gpu": GPU_AUTO_ORDER}
 
 
 @dataclass(frozen=True)
@@ -62,35 +71,44 @@ def get_target(name: str) -> Target:
     return TARGETS[name]
 
 
-def serving_target(platform: str, backend: str) -> Target:
-    """The registered target whose encoder configs say this platform or backend."""
+def serving_target(platform: str, backend: str, device: str = "KIND_CPU") -> Target:
+    """The first registered target whose encoder configs say this platform or backend and
+    instance kind (the GPU targets differ only in their accelerator and open graphs alike)."""
     for target in TARGETS.values():
         serving = target.serving(target.precisions[0])
-        if (serving.platform, serving.backend) == (platform, backend):
+        if (serving.platform, serving.backend, serving.device) == (platform, backend, device):
             return target
     raise NexusError(f"no runtime target serves platform {platform!r} / backend {backend!r}; "
                      f"registered: {', '.join(TARGETS)}")
 
 
-def plan(backend: str, precision: str, flags: set[str] | None = None) -> list[Configuration]:
-    """The configurations to try, in order, for a requested backend and precision (either may be ``auto``)."""
+def plan(backend: str, precision: str, flags: set[str] | None = None, device: str = "cpu") -> list[Configuration]:
+    """The configurations to try, in order, for a requested backend and precision (either may be
+    ``auto``) on ``device``: ``auto`` never leaves the device asked for."""
     flags = cpu_flags() if flags is None else flags
     if precision != AUTO and precision not in precisions():
         raise NexusError(f"unknown precision {precision!r}; choose one of {', '.join([AUTO, *precisions()])}")
+    if device not in DEVICES:
+        raise NexusError(f"unknown target {device!r}; choose one of {', '.join(DEVICES)}")
     if backend != AUTO and precision != AUTO:
         target = get_target(backend)
         target.check(precision)
         return [Configuration(target, target.runnable(precision, flags), "as requested")]
-    tried = [Configuration(TARGETS[name], p, "auto: first that suits this CPU and passes validation")
-             for name, p in AUTO_ORDER
+    order = AUTO_ORDERS[device] if backend == AUTO else AUTO_ORDERS[get_target(backend).device]
+    tried = [Configuration(TARGETS[name], p, f"auto on {device}: first that suits this machine and passes validation")
+             for name, p in order
              if backend in (AUTO, name) and precision in (AUTO, p) and TARGETS[name].suits(p, flags)]
-    return tried or [_first_offering(backend, precision, flags)]
+    return tried or [_first_offering(backend, precision, flags, device)]
 
 
-def _first_offering(backend: str, precision: str, flags: set[str]) -> Configuration:
-    """A named backend with its preferred precision, or the first target serving a named precision."""
+def _first_offering(backend: str, precision: str, flags: set[str], device: str) -> Configuration:
+    """A named backend with its preferred precision, or the device's first target serving a named precision."""
     if backend != AUTO:
         target = get_target(backend)
         return Configuration(target, target.precisions[0], f"{backend}'s preferred precision")
-    target = next(t for t in TARGETS.values() if precision in t.precisions)
+    serving = [t for t in TARGETS.values() if precision in t.precisions and t.device == device]
+    if not serving:
+        offered = sorted({p for t in TARGETS.values() if t.device == device for p in t.precisions})
+        raise NexusError(f"no {device} target serves precision {precision!r}; on {device}: {', '.join(offered)}")
+    target = serving[0]
     return Configuration(target, target.runnable(precision, flags), f"the first backend serving {precision}")

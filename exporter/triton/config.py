@@ -32,6 +32,33 @@ PAD_WIDTH = 512
 QA_STRIDE = 32
 
 
+#: The parameter keys Triton's ONNX Runtime backend reads for each GPU execution
+#: accelerator (triton-inference-server/onnxruntime_backend README, "ONNX Runtime with
+#: TensorRT optimization" and "... with CUDA Execution Provider optimization").  The
+#: parameters are a free string map: a misspelt key passes protobuf and Triton silently.
+ACCELERATOR_KEYS: dict[str, frozenset[str]] = {
+    "tensorrt": frozenset({
+        "precision_mode", "max_workspace_size_bytes", "trt_max_partition_iterations", "trt_min_subgraph_size",
+        "int8_calibration_table_name", "int8_use_native_calibration_table", "trt_dla_enable", "trt_dla_core",
+        "trt_engine_cache_enable", "trt_engine_cache_path", "trt_engine_cache_prefix", "trt_dump_subgraphs",
+        "trt_force_sequential_engine_build", "trt_context_memory_sharing_enable", "trt_layer_norm_fp32_fallback",
+        "trt_timing_cache_enable", "trt_timing_cache_path", "trt_force_timing_cache", "trt_detailed_build_log",
+        "trt_build_heuristics_enable", "trt_sparsity_enable", "trt_builder_optimization_level",
+        "trt_auxiliary_streams", "trt_tactic_sources", "trt_extra_plugin_lib_paths", "trt_profile_min_shapes",
+        "trt_profile_max_shapes", "trt_profile_opt_shapes", "trt_cuda_graph_enable", "trt_dump_ep_context_model",
+        "trt_ep_context_file_path", "trt_ep_context_embed_mode"}),
+    "cuda": frozenset({"cudnn_conv_use_max_workspace", "use_ep_level_unified_stream"}),
+}
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One GPU execution accelerator of the ONNX Runtime backend (``gpu_execution_accelerator``)."""
+
+    name: str
+    parameters: dict[str, str] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class EncoderServing:
     """What a runtime target puts into the encoder's ``config.pbtxt``: exactly one of
@@ -42,6 +69,14 @@ class EncoderServing:
     parameters: dict[str, str] = field(default_factory=dict)
     #: the instance group's kind (``ModelInstanceGroup.Kind`` name)
     device: str = "KIND_CPU"
+    accelerators: tuple[Accelerator, ...] = ()
+    #: the widths the tokenizer pads a batch to (the smallest that fits); empty: one fixed
+    #: width (:data:`PAD_WIDTH`) whose padding the graph cuts off itself
+    pad_widths: tuple[int, ...] = ()
+
+    def widths(self, max_length: int) -> list[int]:
+        """The tokenizer's pad widths for a model that takes ``max_length`` tokens."""
+        return sorted({min(w, max_length) for w in self.pad_widths or (PAD_WIDTH,)})
 
 
 @dataclass(frozen=True)
@@ -107,9 +142,11 @@ def _model(name: str, inputs, outputs, batched: bool, params: dict | None = None
     return config
 
 
-def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, truncate: bool) -> pb.ModelConfig:
+def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, truncate: bool,
+                     pad_widths: list[int] | None = None) -> pb.ModelConfig:
+    widths = pad_widths or [min(PAD_WIDTH, max_length)]
     params = {"mode": lay.mode, "max_length": max_length, "pad_id": pad_id, "truncate": str(truncate).lower(),
-              "pad_width": min(PAD_WIDTH, max_length)}
+              "pad_widths": ",".join(map(str, widths))}
     if lay.mode == "qa":
         params["stride"] = QA_STRIDE
     if not lay.batched:  # one request becomes many encoder rows: the tokenizer refuses more than it takes
@@ -121,7 +158,7 @@ def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, trunc
 
 
 def encoder_config(name: str, lay: Layout, input_names: list[str], serving: EncoderServing,
-                   model_filename: str = "model.onnx") -> pb.ModelConfig:
+                   model_filename: str = "model.onnx", max_length: int = PAD_WIDTH) -> pb.ModelConfig:
     inputs = [t for t in lay.tokens if t.name in input_names]
     config = _model(name, inputs, lay.encoder_outputs, batched=True, params=serving.parameters)
     if serving.platform:
@@ -129,11 +166,37 @@ def encoder_config(name: str, lay: Layout, input_names: list[str], serving: Enco
     else:
         config.backend = serving.backend
     config.instance_group[0].kind = pb.ModelInstanceGroup.Kind.Value(serving.device)
+    _accelerate(config, serving.accelerators, input_names, max_length)
     config.default_model_filename = model_filename
     warmup = config.model_warmup.add(name="warmup", batch_size=1)
     for tensor in inputs:
         warmup.inputs[tensor.name].CopyFrom(pb.ModelWarmup.Input(data_type=pb.TYPE_INT64, dims=[16], zero_data=True))
     return config
+
+
+def profile_shapes(input_names: list[str], max_length: int) -> dict[str, str]:
+    """TensorRT optimization profile over batch and sequence, from the model's limits: one row of
+    one token, up to :data:`MAX_BATCH_SIZE` rows of ``max_length``; tuned for a quarter of the
+    batch at 128 tokens."""
+    def shapes(batch: int, length: int) -> str:
+        return ",".join(f"{name}:{batch}x{length}" for name in input_names)
+    return {"trt_profile_min_shapes": shapes(1, 1),
+            "trt_profile_opt_shapes": shapes(max(1, MAX_BATCH_SIZE // 4), min(128, max_length)),
+            "trt_profile_max_shapes": shapes(MAX_BATCH_SIZE, max_length)}
+
+
+def _accelerate(config: pb.ModelConfig, accelerators, input_names: list[str], max_length: int) -> None:
+    """The GPU execution accelerators, their keys checked against :data:`ACCELERATOR_KEYS`."""
+    for accelerator in accelerators:
+        parameters = dict(accelerator.parameters)
+        if accelerator.name == "tensorrt":
+            parameters.update(profile_shapes(input_names, max_length))
+        unknown = set(parameters) - ACCELERATOR_KEYS.get(accelerator.name, frozenset())
+        if accelerator.name not in ACCELERATOR_KEYS or unknown:
+            raise ValueError(f"accelerator {accelerator.name!r} with keys {sorted(unknown)} is not one Triton's "
+                             f"ONNX Runtime backend reads: {sorted(ACCELERATOR_KEYS)}")
+        entry = config.optimization.execution_accelerators.gpu_execution_accelerator.add(name=accelerator.name)
+        entry.parameters.update(parameters)
 
 
 def postprocess_config(name: str, lay: Layout, params: dict[str, str]) -> pb.ModelConfig:

@@ -80,9 +80,11 @@ def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenize
     steps = (f"{name}_tokenizer", f"{name}_encoder", f"{name}_postprocess")
     tokenizer, encoder, postprocess = steps
     _copy_python_model("tokenizer_model", root / tokenizer, {"tokenizer.json": tokenizer_json})
-    tc.write(tc.tokenizer_config(tokenizer, lay, facts.max_length, facts.pad_id, facts.truncate), root / tokenizer)
+    tc.write(tc.tokenizer_config(tokenizer, lay, facts.max_length, facts.pad_id, facts.truncate,
+                                 facts.encoder.widths(facts.max_length)), root / tokenizer)
     (root / encoder / "1").mkdir(parents=True, exist_ok=True)
-    tc.write(tc.encoder_config(encoder, lay, facts.input_names, facts.encoder, facts.model_filename), root / encoder)
+    tc.write(tc.encoder_config(encoder, lay, facts.input_names, facts.encoder, facts.model_filename,
+                               facts.max_length), root / encoder)
     _copy_python_model("postprocess_model", root / postprocess)
     head = {"task": task, "head": get_task(task).head}
     tc.write(tc.postprocess_config(postprocess, lay, {**head, **facts.post_params}), root / postprocess)

@@ -50,13 +50,14 @@ def check_lengths(encodings, max_length: int) -> None:
             raise TextTooLongError(index, len(enc.ids), max_length)
 
 
-def padded_length(longest: int, width: int, max_length: int) -> int:
-    """The width a batch is padded to: ``width`` for every batch that fits in it,
-    else ``max_length``.  Triton's dynamic batcher merges only requests of equal
-    shape, so fixed widths let every request join every execution; the encoder
-    never computes the padding (its graph, and our backends, cut each batch to
-    its longest real token)."""
-    return width if longest <= width else max_length
+def padded_length(longest: int, widths: list[int], max_length: int) -> int:
+    """The width a batch is padded to: the smallest of ``widths`` it fits in, else
+    ``max_length``.  Triton's dynamic batcher merges only requests of equal shape.
+    On the CPU there is one width, so every request joins every execution and the
+    graph cuts the padding off; GPU graphs have no such cut (TensorRT may refuse
+    its data-dependent shape), so there the widths are buckets (16, 32, ... 512)
+    and requests of one bucket merge."""
+    return next((width for width in sorted(widths) if longest <= width), max_length)
 
 
 def to_arrays(encodings, input_names: list[str], pad_id: int, length: int) -> dict[str, np.ndarray]:

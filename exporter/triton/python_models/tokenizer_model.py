@@ -5,9 +5,11 @@ Modes (the ``mode`` parameter):
 - ``pair``: ``QUERY`` (one string) and ``DOCUMENTS`` (N strings) -> N (query, document) rows.
 - ``qa``: ``QUESTION`` and ``CONTEXT`` -> one row per overlapping window of the context.
 
-Every row is padded to one fixed width (``pad_width``; ``max_length`` for the
-rare longer row), so the encoder's dynamic batcher can merge any requests:
-Triton batches only equal shapes.  The encoder cuts the padding off again.
+Every row is padded to the smallest of the ``pad_widths`` its batch fits in
+(``max_length`` for the rare longer row), so the encoder's dynamic batcher can
+merge requests: Triton batches only equal shapes.  CPU repositories have one
+width, and the encoder cuts the padding off again; GPU repositories have
+buckets (:func:`encoding.padded_length`).
 
 Every request gets its own answer: a request that cannot be tokenized gets an
 error naming the input, the item and the reason, and the other requests of the
@@ -47,7 +49,7 @@ class TritonPythonModel:
         self.max_length = int(params["max_length"])
         self.truncate = params.get("truncate", "true") == "true"
         self.pad_id = int(params["pad_id"])
-        self.pad_width = int(params.get("pad_width", self.max_length))
+        self.pad_widths = [int(w) for w in params.get("pad_widths", str(self.max_length)).split(",")]
         self.stride = int(params.get("stride", "0"))
         # Rows one request may become (pair and qa modes): the encoder's max_batch_size.
         self.max_rows = int(params["max_rows"]) if "max_rows" in params else None
@@ -120,7 +122,7 @@ class TritonPythonModel:
             else:
                 errors[number] = error
         longest = max((len(e.ids) for encs in encoded.values() for e in encs), default=1)
-        length = padded_length(longest, self.pad_width, self.max_length)
+        length = padded_length(longest, self.pad_widths, self.max_length)
         responses = []
         for number in range(len(requests)):
             if number in errors:

@@ -1,0 +1,107 @@
+"""The GPU target on a CPU machine: the fp16 graph, its Triton config, and its fidelity on ONNX Runtime's CPU provider.
+
+fp16 arithmetic happens only on a GPU; these tests check what can be checked
+here: the fp16 weights and graph, the ops kept in fp32, the config a GPU
+Triton reads, and the tokenizer's buckets.
+"""
+
+from __future__ import annotations
+
+import pytest
+from onnx import TensorProto
+
+from nexus_sli.exporter.export import fp16
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.targets import plan
+from nexus_sli.exporter.triton import config as tc
+from nexus_sli.exporter.triton.python_models.encoding import padded_length
+from tiny_models import TINY_CONFIGS
+from tiny_remote_models import REMOTE_TINY, build_tiny_remote
+
+
+def _gpu_export(model: str | None, out, name: str, **options):
+    result = run_export(ExportOptions(model=model, name=name, out=out, device="gpu", backend="auto",
+                                      precision="auto", **options))
+    return result.report, tc.read(out / f"{name}_encoder" / "config.pbtxt")
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu")
+    return out, *_gpu_export(None, out, "minilm")
+
+
+def test_the_packaged_model_exports_fp16_for_tensorrt_at_full_fidelity(minilm):
+    _, report, config = minilm
+    assert (report["backend"], report["precision"], report["device"], report["passed"]) == (
+        "onnxruntime-tensorrt", "fp16", "gpu", True)
+    assert report["cosine_min"] >= 0.999 and report["cosine_mean"] >= 0.9999
+    assert "not fp16 arithmetic" in report["validated_on"]
+    assert config.platform == "onnxruntime_onnx"
+    assert config.instance_group[0].kind == tc.pb.ModelInstanceGroup.KIND_GPU
+
+
+def test_the_tensorrt_accelerator_carries_fp16_and_profiles_from_the_model_limits(minilm):
+    _, report, config = minilm
+    (accelerator,) = config.optimization.execution_accelerators.gpu_execution_accelerator
+    params = dict(accelerator.parameters)
+    assert accelerator.name == "tensorrt" and set(params) <= tc.ACCELERATOR_KEYS["tensorrt"]
+    assert params["precision_mode"] == "FP16" and params["trt_engine_cache_enable"] == "1"
+    names, length = report["inputs"], report["max_length"]
+    assert params["trt_profile_min_shapes"] == ",".join(f"{n}:1x1" for n in names)
+    assert params["trt_profile_max_shapes"] == ",".join(f"{n}:64x{length}" for n in names)
+    assert config.max_batch_size == 64 and length == 256
+
+
+def test_the_gpu_tokenizer_pads_to_buckets_not_to_one_width(minilm):
+    out, _, _ = minilm
+    tokenizer = tc.read(out / "minilm_tokenizer" / "config.pbtxt")
+    assert tokenizer.parameters["pad_widths"].string_value == "16,32,64,128,256"
+    assert [padded_length(n, [16, 32, 64, 128, 256], 256) for n in (3, 16, 17, 200, 256)] == [16, 16, 32, 256, 256]
+    assert padded_length(300, [512], 512) == 512 and padded_length(10, [512], 512) == 512  # the CPU's one width
+
+
+def test_the_fp16_graph_keeps_normalisation_and_softmax_in_fp32(minilm):
+    out, _, _ = minilm
+    graph = out / "minilm_encoder" / "1" / "model.onnx"
+    types = fp16.op_input_types(graph, ("LayerNormalization", "Softmax", "MatMul"))
+    assert types["LayerNormalization"] == types["Softmax"] == {TensorProto.FLOAT}
+    assert types["MatMul"] == {TensorProto.FLOAT16}
+    assert fp16.fp16_share(graph) > 0.99
+    assert fp16.lowest_constant(graph) >= -fp16.FP16_MAX  # the mask's additive value is finite in fp16
+
+
+def test_the_cuda_accelerator_is_the_other_gpu_choice(tiny_checkpoint, tmp_path):
+    result = run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name="tiny", out=tmp_path,
+                                      device="gpu", backend="onnxruntime-cuda", precision="auto"))
+    config = tc.read(tmp_path / "tiny_encoder" / "config.pbtxt")
+    assert result.report["passed"] and result.report["precision"] == "fp16"
+    assert [a.name for a in config.optimization.execution_accelerators.gpu_execution_accelerator] == ["cuda"]
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
+def test_every_family_validates_in_fp16(model_type, tiny_checkpoint, tmp_path):
+    report, _ = _gpu_export(str(tiny_checkpoint(model_type)), tmp_path, "tiny", task="embedding")
+    assert report["passed"] and report["cosine_min"] >= 0.999, report["failures"]
+
+
+@pytest.mark.parametrize("model_type", REMOTE_TINY)
+def test_families_of_our_own_validate_in_fp16_labels_too(model_type, tiny_tokenizer, tmp_path):
+    checkpoint = build_tiny_remote(model_type, tmp_path / "ckpt", tiny_tokenizer, task="classification")
+    report, _ = _gpu_export(str(checkpoint), tmp_path / "repo", "tiny")
+    assert report["task"] == "classification" and report["passed"], report["failures"]
+    assert report["agreement"] >= 0.99 and report["thresholds"]["agreement"] == 0.99
+
+
+def test_auto_never_leaves_the_device_asked_for():
+    assert {c.target.device for c in plan("auto", "auto", {"avx512_bf16", "amx_bf16"}, device="cpu")} == {"cpu"}
+    assert [(c.target.name, c.precision) for c in plan("auto", "auto", set(), device="gpu")] == [
+        ("onnxruntime-tensorrt", "fp16")]
+
+
+def test_a_misspelt_accelerator_key_is_refused():
+    lay = tc.layout("embedding", ["input_ids"], 8, 0)
+    serving = tc.EncoderServing(platform="onnxruntime_onnx", device="KIND_GPU",
+                                accelerators=(tc.Accelerator("tensorrt", {"precison_mode": "FP16"}),))
+    with pytest.raises(ValueError, match="precison_mode"):
+        tc.encoder_config("e", lay, ["input_ids"], serving)
