@@ -13,7 +13,7 @@ import sys
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.tasks import TaskError
 
-from . import bench_command, client_commands, export_command, serve_command
+from . import bench_command, client_commands, export_command, serve_command, validate_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "serve it, and call it.")
     commands = parser.add_subparsers(dest="command", required=True)
     export_command.add_parser(commands)
+    validate_command.add_parser(commands)
     serve_command.add_parser(commands)
     bench_command.add_parser(commands)
     client_commands.add_parsers(commands)

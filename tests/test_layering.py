@@ -1,6 +1,6 @@
 """Imports run downward only: the folder layout is the data flow, and no step reaches up.
 
-    cli -> bench -> exporter.export.pipeline -> exporter.targets -> exporter.export (steps)
+    cli -> bench -> exporter.export.pipeline | revalidate -> exporter.targets -> exporter.export (steps)
         -> exporter.triton | exporter.serving -> exporter.errors -> client -> tasks
 
 Modules on one rank in different layers (triton, serving) are siblings and may
@@ -21,6 +21,7 @@ LAYERS = [
     ("nexus_sli.cli", "cli", 0),
     ("nexus_sli.bench", "bench", 1),
     ("nexus_sli.exporter.export.pipeline", "pipeline", 2),
+    ("nexus_sli.exporter.export.revalidate", "pipeline", 2),
     ("nexus_sli.exporter.targets", "targets", 3),
     ("nexus_sli.exporter.export", "export steps", 4),
     ("nexus_sli.exporter.triton", "triton", 5),

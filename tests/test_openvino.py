@@ -171,7 +171,7 @@ def test_cli_export_defaults_to_auto_and_records_what_was_asked(monkeypatch, tin
 def test_auto_tries_the_next_configuration_when_one_fails_validation(monkeypatch, tiny_checkpoint, tmp_path):
     from nexus_sli.exporter.targets import openvino_cpu, registry
 
-    monkeypatch.setattr(registry, "AUTO_ORDER", (("openvino", "int8"), ("onnxruntime", "fp32")))
+    monkeypatch.setitem(registry.AUTO_ORDERS, "cpu", (("openvino", "int8"), ("onnxruntime", "fp32")))
     monkeypatch.setattr(openvino_cpu, "STATIC_INT8_THRESHOLDS", {"cosine_mean": 1.5, "cosine_min": 1.5})  # unreachable
     out = tmp_path / "repo"
     result = run_export(ExportOptions(model=str(tiny_checkpoint("bert")), task="embedding", name="tiny", out=out,

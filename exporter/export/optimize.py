@@ -33,13 +33,15 @@ def fuse(plain: Path, target: Path, num_heads: int, hidden_size: int) -> dict[st
     return counts
 
 
-def session(path: Path, threads: int = 0):
+def session(path: Path, threads: int = 0, providers: tuple[str, ...] = ()):
+    """An ONNX Runtime session on the first of ``providers`` this onnxruntime has, else the CPU."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    available = [p for p in providers if p in ort.get_available_providers()]
+    return ort.InferenceSession(str(path), options, providers=[*available, "CPUExecutionProvider"])
 
 
 def median_latency_ms(sess, feeds: dict[str, np.ndarray], repeats: int = 5) -> float:

@@ -24,6 +24,7 @@ from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
 from nexus_sli.exporter.triton.staging import Staging
 from nexus_sli.tasks import get_task, infer_task
 
+from . import stored_reference
 from .checkpoint import Checkpoint
 from .handler import get_registry
 from .onnx_export import export_onnx, model_input_names
@@ -267,3 +268,4 @@ def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: 
     for file in chosen.files():
         shutil.copyfile(file, encoder_dir / "1" / f"model{file.suffix}")
     (encoder_dir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
+    stored_reference.save(prepared.reference, encoder_dir)  # for nexus-sli validate on the serving host

@@ -13,7 +13,6 @@ from importlib import resources
 from typing import Any
 
 import numpy as np
-import torch
 
 from .padding_trim import trimmed_length
 from .report import (
@@ -113,8 +112,10 @@ class Reference:
         self.outputs.append(outputs)
 
 
-def build_reference(model: torch.nn.Module, task: TaskSpec, input_names: list[str], cases, text_batches) -> Reference:
+def build_reference(model: Any, task: TaskSpec, input_names: list[str], cases, text_batches) -> Reference:
     """PyTorch fp32 outputs for the parity cases and the text batches, computed once."""
+    import torch  # only here: validating a stored reference (nexus-sli validate) needs no PyTorch
+
     reference = Reference(input_names, task.output_names())
     with torch.no_grad():
         for feeds in [*cases, *text_batches]:
@@ -129,6 +130,9 @@ def text_batches(tokenizer, input_names: list[str], pad_id: int, max_length: int
     texts = validation_texts()
     if pairs:  # each text with the next one: (query, document) / (question, context) shaped
         texts = list(zip(texts, texts[1:] + texts[:1]))
+    # Batches of similar lengths pad little, so the reference kept beside the model stays small.
+    lengths = [len(e.ids) for e in tokenizer.encode_batch(texts)]
+    texts = [text for _, text in sorted(zip(lengths, texts), key=lambda pair: pair[0])]
     return [
         encode(tokenizer, texts[i : i + TEXT_BATCH], input_names, pad_id, max_length)
         for i in range(0, len(texts), TEXT_BATCH)

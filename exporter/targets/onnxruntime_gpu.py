@@ -45,8 +45,12 @@ class OnnxRuntimeGPU(Target):
     def candidates(self, graph: ExportedGraph, precision: str) -> list[Candidate]:
         return [Candidate("plain-fp16", convert_fp16(graph.plain, graph.work / "plain.fp16.onnx"))]
 
+    #: ONNX Runtime's providers for this accelerator, used where this onnxruntime has them
+    #: (onnxruntime-gpu on a GPU host); elsewhere the CPU provider (see the module docstring)
+    providers: tuple[str, ...] = ()
+
     def open(self, path: Path, parameters: dict[str, str]):
-        return session(path)  # the CPU provider: see the module docstring
+        return session(path, providers=self.providers)
 
     def serving(self, precision: str) -> EncoderServing:
         return EncoderServing(platform="onnxruntime_onnx", device="KIND_GPU", accelerators=(self.accelerator,),
@@ -55,6 +59,7 @@ class OnnxRuntimeGPU(Target):
 
 class OnnxRuntimeTensorRT(OnnxRuntimeGPU):
     name = "onnxruntime-tensorrt"
+    providers = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
     accelerator = Accelerator("tensorrt", {
         "precision_mode": "FP16", "max_workspace_size_bytes": str(1 << 30),
         "trt_engine_cache_enable": "1", "trt_engine_cache_path": ENGINE_CACHE,
@@ -65,4 +70,5 @@ class OnnxRuntimeTensorRT(OnnxRuntimeGPU):
 
 class OnnxRuntimeCUDA(OnnxRuntimeGPU):
     name = "onnxruntime-cuda"
+    providers = ("CUDAExecutionProvider",)
     accelerator = Accelerator("cuda", {})

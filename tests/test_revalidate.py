@@ -1,0 +1,62 @@
+"""``nexus-sli validate``: the stored reference through the runtime a config names, on this machine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from nexus_sli.cli.main import main
+from nexus_sli.exporter.errors import NexusError, ValidationError
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.export.revalidate import RECORD, revalidate
+
+
+@pytest.fixture(scope="module")
+def repo(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("revalidate")
+    model = str(tiny_checkpoint("bert"))
+    run_export(ExportOptions(model=model, name="fp32", out=out, task="embedding"))
+    run_export(ExportOptions(model=model, name="int8", out=out, task="embedding", precision="int8"))
+    run_export(ExportOptions(model=model, name="ov", out=out, task="embedding", backend="openvino", precision="fp32"))
+    run_export(ExportOptions(model=model, name="gpu", out=out, task="embedding", device="gpu", backend="auto",
+                             precision="auto"))
+    run_export(ExportOptions(model=str(tiny_checkpoint("roberta")), name="other", out=out, task="embedding"))
+    return out
+
+
+@pytest.mark.parametrize("name, backend", [("fp32", "onnxruntime"), ("int8", "onnxruntime"), ("ov", "openvino"),
+                                           ("gpu", "onnxruntime-tensorrt")])
+def test_every_variant_validates_again_here_and_is_recorded(repo, name, backend):
+    record = revalidate(repo, name)
+    exported = json.loads((repo / f"{name}_encoder" / "validation.json").read_text())
+    assert record["passed"] and record["backend"] == backend and record["precision"] == exported["precision"]
+    assert record["thresholds"] == exported["thresholds"] and record["texts"] == exported["texts"]
+    assert json.loads((repo / f"{name}_encoder" / RECORD).read_text()) == record
+
+
+def test_the_fp16_graph_runs_on_the_cpu_provider_here(repo):
+    assert revalidate(repo, "gpu")["providers"] == ["CPUExecutionProvider"]
+
+
+def test_a_model_file_that_is_not_the_exported_one_fails(repo, tmp_path):
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy)
+    shutil.copyfile(copy / "other_encoder" / "1" / "model.onnx", copy / "fp32_encoder" / "1" / "model.onnx")
+    with pytest.raises(ValidationError, match="does not match PyTorch on this machine") as failed:
+        revalidate(copy, "fp32")
+    assert not json.loads((copy / "fp32_encoder" / RECORD).read_text())["passed"]
+    assert failed.value.failures
+
+
+def test_the_command_prints_the_figures_and_explains_bad_input(repo, tmp_path, capsys):
+    assert main(["validate", "--repository", str(repo), "--model", "fp32"]) == 0
+    assert json.loads(capsys.readouterr().out)["passed"] is True
+    assert main(["validate", "--repository", str(repo), "--model", "nope"]) == 2
+    assert "holds no encoder config" in capsys.readouterr().err
+    copy = tmp_path / "old"
+    shutil.copytree(repo / "fp32_encoder", copy / "fp32_encoder")
+    (copy / "fp32_encoder" / "reference.npz").unlink()
+    with pytest.raises(NexusError, match="export the model again"):
+        revalidate(copy, "fp32")
