@@ -1,8 +1,8 @@
 """What goes over the wire for each task, shared by the sync and async clients.
 
 A call is planned as a list of requests (chunks no larger than the server's
-``max_batch_size``), each a list of (input name, numpy array); the responses'
-arrays are then turned into typed results.
+``max_batch_size``), each a list of (input name, numpy array); the task's spec
+(:mod:`nexus_sli.tasks`) turns the responses' arrays into typed results.
 """
 
 from __future__ import annotations
