@@ -1,10 +1,10 @@
 """Imports run downward only: the folder layout is the data flow, and no step reaches up.
 
     cli -> bench -> exporter.export.pipeline | revalidate -> exporter.targets -> exporter.export (steps)
-        -> exporter.triton | exporter.serving -> exporter.errors -> client -> tasks
+        -> exporter.serving -> exporter.triton -> exporter.errors -> client -> tasks
 
-Modules on one rank in different layers (triton, serving) are siblings and may
-not import each other.  Every import counts, including those inside functions.
+Modules on one rank in different layers are siblings and may not import each
+other.  Every import counts, including those inside functions.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ LAYERS = [
     ("nexus_sli.exporter.export.revalidate", "pipeline", 2),
     ("nexus_sli.exporter.targets", "targets", 3),
     ("nexus_sli.exporter.export", "export steps", 4),
-    ("nexus_sli.exporter.triton", "triton", 5),
     ("nexus_sli.exporter.serving", "serving", 5),
-    ("nexus_sli.exporter.errors", "exporter errors", 6),
-    ("nexus_sli.client", "client", 7),
-    ("nexus_sli.tasks", "tasks", 8),
+    ("nexus_sli.exporter.triton", "triton", 6),
+    ("nexus_sli.exporter.errors", "exporter errors", 7),
+    ("nexus_sli.client", "client", 8),
+    ("nexus_sli.tasks", "tasks", 9),
 ]
 #: the exporter package's root only re-exports the spec's names (see its docstring)
 FACADE = "nexus_sli.exporter"

@@ -40,6 +40,8 @@ from pathlib import Path
 
 from nexus_sli.exporter.errors import NexusError
 
+from .gpu_on_cpu import servable
+
 log = logging.getLogger(__name__)
 
 #: Header that the restricted APIs require (HTTP, and gRPC as
@@ -186,13 +188,14 @@ class TritonServer(subprocess.Popen):
     def __init__(self, command: ServerCommand, admin_key: str | None, **popen):
         super().__init__(command.argv, env=command.env, **popen)
         self.args = [a.replace(admin_key, "<secret>") if admin_key else a for a in command.argv]
-        self._temporary_dir = command.backend_dir if command.temporary_backend_dir else None
+        self._temporary_dirs = [command.backend_dir] if command.temporary_backend_dir else []
 
     def remove_temporary_files(self) -> None:
-        """The backend folder made for this server, once it has stopped."""
-        if self._temporary_dir is not None and self.poll() is not None:
-            shutil.rmtree(self._temporary_dir, ignore_errors=True)
-            self._temporary_dir = None
+        """The folders made for this server (backends, a shadow repository), once it has stopped."""
+        if self.poll() is not None:
+            for folder in self._temporary_dirs:
+                shutil.rmtree(folder, ignore_errors=True)
+            self._temporary_dirs = []
 
 
 class StubSupervisor(threading.Thread):
@@ -311,16 +314,21 @@ def _check_identity(host: str, http_port: int, admin_key: str) -> None:
 
 
 def start(repository: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
-          host: str = "127.0.0.1", timeout: float = 180.0, supervise: bool = True, **popen) -> TritonServer:
+          host: str = "127.0.0.1", timeout: float = 180.0, supervise: bool = True, gpu_on_cpu: bool = False,
+          **popen) -> TritonServer:
     """Start the server and return once it reports ready; with ``supervise`` (the
-    default) a model whose python-backend process dies is reloaded."""
+    default) a model whose python-backend process dies is reloaded.  ``gpu_on_cpu``:
+    serve GPU models on the CPU where there is no GPU (:mod:`gpu_on_cpu`)."""
     repository = Path(repository).resolve()
     if not any(p.joinpath("config.pbtxt").is_file() for p in repository.glob("*")):
         raise ServerError(f"{repository} holds no model (run 'make export' first)")
+    shadow = servable(repository, gpu_on_cpu)
+    repository = shadow or repository
     admin_key = secrets.token_urlsafe(32)
     command = server_command(repository, http_port, grpc_port, metrics_port, host, admin_key=admin_key,
                              reload_models=supervise)
     process = TritonServer(command, admin_key, **popen)
+    process._temporary_dirs += [shadow] if shadow else []
     try:
         wait_ready(http_port, process, timeout, host)
         _check_identity(host, http_port, admin_key)
@@ -348,9 +356,10 @@ def stop(process: subprocess.Popen, grace: float = 15.0) -> None:
         process.remove_temporary_files()
 
 
-def serve_forever(repository: Path, http_port: int, grpc_port: int, metrics_port: int, host: str) -> int:
+def serve_forever(repository: Path, http_port: int, grpc_port: int, metrics_port: int, host: str,
+                  gpu_on_cpu: bool = False) -> int:
     """The ``serve`` command: start, print the URLs, stop cleanly on Ctrl-C / SIGTERM."""
-    process = start(repository, http_port, grpc_port, metrics_port, host)
+    process = start(repository, http_port, grpc_port, metrics_port, host, gpu_on_cpu=gpu_on_cpu)
     print(f"Triton is ready: HTTP http://{host}:{http_port}  gRPC {host}:{grpc_port}  "
           f"metrics http://{host}:{metrics_port}/metrics", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -1,0 +1,108 @@
+"""A GPU export served here, on the CPU, only when asked: the repository keeps KIND_GPU.
+
+Triton refuses KIND_GPU models without a GPU, so ``--gpu-models-on-cpu`` serves a
+logged shadow of the repository; the fp16 graph runs on ONNX Runtime's CPU
+provider and must still answer like sentence-transformers, with requests of one
+length bucket merged.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from sentence_transformers import SentenceTransformer
+
+from nexus_sli.client import EncoderClient
+from nexus_sli.exporter.errors import NexusError
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.export.source import resolve_model
+from nexus_sli.exporter.export.validate import validation_texts
+from nexus_sli.exporter.serving import gpu_on_cpu, server as serve
+from nexus_sli.exporter.triton import config as tc
+
+NAME = "minilm_gpu"
+pytestmark = pytest.mark.skipif(gpu_on_cpu.gpu_visible(), reason="a GPU is visible: the CPU override is not used")
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-repo")
+    run_export(ExportOptions(out=out, name=NAME, device="gpu", backend="auto", precision="auto"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(repo):
+    http_port, grpc_port, metrics_port = _free_ports(3)
+    process = serve.start(repo, http_port, grpc_port, metrics_port, gpu_on_cpu=True)
+    yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}", "process": process}
+    serve.stop(process)
+
+
+def test_gpu_models_are_refused_here_unless_asked(repo):
+    with pytest.raises(NexusError, match=f"{NAME}_encoder ask for a GPU .* --gpu-models-on-cpu"):
+        serve.start(repo, *_free_ports(3))
+
+
+def test_the_override_is_logged_and_the_repository_keeps_kind_gpu(repo, caplog):
+    with caplog.at_level(logging.WARNING, logger=gpu_on_cpu.__name__):
+        shadow = gpu_on_cpu.servable(repo, gpu_on_cpu=True)
+    assert f"serving {NAME}_encoder on the CPU" in caplog.text
+    on_disk = tc.read(repo / f"{NAME}_encoder" / "config.pbtxt")
+    served = tc.read(shadow / f"{NAME}_encoder" / "config.pbtxt")
+    assert on_disk.instance_group[0].kind == tc.pb.ModelInstanceGroup.KIND_GPU
+    assert served.instance_group[0].kind == tc.pb.ModelInstanceGroup.KIND_CPU
+    assert not served.optimization.execution_accelerators.gpu_execution_accelerator
+    assert (shadow / f"{NAME}_encoder" / "1").resolve() == (repo / f"{NAME}_encoder" / "1").resolve()
+    shutil.rmtree(shadow)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_served_fp16_embeddings_match_sentence_transformers(served, protocol):
+    texts = validation_texts()[:48]
+    reference = SentenceTransformer(str(resolve_model(None).path), device="cpu").encode(texts)
+    with EncoderClient(served[protocol], protocol=protocol, model=NAME) as client:
+        got = client.embed(texts)
+    cosines = np.sum(got * reference, axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(reference, axis=1)
+    assert got.shape == (48, 384) and cosines.min() >= 0.999, cosines.min()
+
+
+def test_requests_of_one_bucket_are_merged(served):
+    stats = grpcclient.InferenceServerClient(served["grpc"])
+
+    def counts():
+        model = stats.get_inference_statistics(f"{NAME}_encoder", as_json=True)["model_stats"][0]
+        return int(model["inference_count"]), int(model["execution_count"])
+
+    texts = [f"short text number {i}" for i in range(16)]  # all within the 16-token bucket
+    clients = [EncoderClient(served["grpc"], model=NAME) for _ in texts]
+    barrier = threading.Barrier(len(texts))
+
+    def send(index):
+        barrier.wait()
+        return clients[index].embed(texts[index])
+
+    before = counts()
+    with ThreadPoolExecutor(len(texts)) as pool:
+        vectors = list(pool.map(send, range(len(texts))))
+    after = counts()
+    inferences, executions = after[0] - before[0], after[1] - before[1]
+    assert inferences == 16 and executions < inferences, f"{executions} executions for {inferences} requests"
+    assert np.allclose(vectors[3], clients[0].embed(texts[3]), atol=1e-5)  # merged rows answer their own text
