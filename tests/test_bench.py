@@ -98,7 +98,6 @@ def test_openvino_fp32_is_measured_where_the_cpu_has_no_bf16(quick):
     assert "fp32" in in_process and "openvino-fp32" in served
 
 
-
 def test_machine_memory_text_set_and_targets_are_recorded(quick):
     results, _ = quick
     machine = results["machine"]

@@ -254,16 +254,26 @@ def _ids(rows, vocab_id=5):
     return {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
 
 
-def _shaped(name: str, shape: tuple):
-    """A check that the step answered ``name`` with this shape (its values may be meaningless)."""
+def _all_nan(name: str, shape: tuple):
+    """The step answered ``name`` with this shape, every value NaN: NaN in, NaN out
+    (docs/reliability.md: "NaN scores"), never a plausible-looking made-up value."""
     def check(outputs):
         assert list(outputs) == [name] and outputs[name].shape == shape, {k: v.shape for k, v in outputs.items()}
+        assert np.isnan(outputs[name]).all(), outputs[name]
     return check
 
 
-def _entity_lists(outputs):
+def _entities_sliced_from_hi(outputs):
+    """Both real tokens are tagged B-PER, so each is its own entity; offsets outside
+    "hi" give the text Python's slice gives (docs/reliability.md: "empty entity text")."""
     assert outputs["ENTITIES"].shape == (1, 1)
-    assert isinstance(json.loads(outputs["ENTITIES"].reshape(-1)[0]), list)
+    found = json.loads(outputs["ENTITIES"].reshape(-1)[0])
+    assert [(e["label"], e["text"]) for e in found] == [("PER", "hi"), ("PER", "")], found
+
+
+#: tagger logits that pick label 1 (B-PER in task_models.NER_LABELS) for every token
+B_PER = np.tile(np.eye(len(task_models.NER_LABELS), dtype=np.float32)[task_models.NER_LABELS.index("B-PER")] * 10,
+                (1, 3, 1))
 
 
 STEP_CASES = [
@@ -277,13 +287,13 @@ STEP_CASES = [
      r"embedding post-processing failed for this request"),
     ("embedder_postprocess", "NaN states", {"last_hidden_state": np.full((1, 4, HIDDEN), np.nan, np.float32),
                                             "attention_mask": np.ones((1, 4), np.int64)},
-     _shaped("EMBEDDING", (1, HIDDEN))),
+     _all_nan("EMBEDDING", (1, HIDDEN))),
     ("classifier_postprocess", "infinite logits", {"logits": np.array([[np.inf, -np.inf, np.nan]], np.float32)},
-     _shaped("SCORES", (1, 3))),
+     _all_nan("SCORES", (1, 3))),
     ("tagger_postprocess", "offsets outside the text",
-     {"TEXT": _texts(["hi"])["TEXT"], "logits": np.ones((1, 3, 5), np.float32),
+     {"TEXT": _texts(["hi"])["TEXT"], "logits": B_PER,
       "offsets": np.array([[[0, 0], [-7, 5000], [9, 2]]]), "attention_mask": np.ones((1, 3), np.int64)},
-     _entity_lists),
+     _entities_sliced_from_hi),
     ("reader_postprocess", "more logit rows than offsets",
      {"CONTEXT": _bytes(["hello world"]), "start_logits": np.zeros((2, 3), np.float32),
       "end_logits": np.zeros((2, 3), np.float32), "offsets": np.zeros((1, 3, 2), np.int64),

@@ -223,7 +223,9 @@ def test_async_client_sends_chunks_concurrently(served, protocol):
         assert [l[0].label for l in labels] == [l[0].label for l in sync.classify(TEXTS, model="classifier")]
         assert [r.index for r in ranked] == [r.index for r in sync.rerank(TEXTS[0], TEXTS[1:], model="reranker")]
         assert answer == sync.answer("what?", TEXTS[3], model="reader")
-    assert len(ranked) == len(TEXTS) - 1 and answer[0].text in TEXTS[3]
+    assert sorted(r.index for r in ranked) == list(range(len(TEXTS) - 1))  # every document ranked once
+    assert all(r.document == TEXTS[1 + r.index] for r in ranked)
+    assert len(answer) == 1 and answer[0].text and all(a.text == TEXTS[3][a.start:a.end] for a in answer)
 
 
 def test_client_errors_are_clear(client, served):
