@@ -1,10 +1,22 @@
 """Imports run downward only: the folder layout is the data flow, and no step reaches up.
 
-    cli -> bench -> exporter.export.pipeline | revalidate -> exporter.targets -> exporter.export (steps)
-        -> exporter.serving -> exporter.triton -> exporter.errors -> client -> tasks
+    cli -> bench -> exporter -> client -> tasks
 
-Modules on one rank in different layers are siblings and may not import each
-other.  Every import counts, including those inside functions.
+and inside the exporter
+
+    export entry points (pipeline, revalidate) -> targets -> export steps
+        -> serving -> triton -> errors
+
+``targets`` builds on the export steps (padding trim, quantize, optimize), so
+those steps sit below it and only the entry points that drive a whole export
+sit above.  ``serving`` reads the configs ``triton`` writes (a GPU repository
+served on the CPU rewrites them), so it sits above ``triton``; ``triton``
+never imports ``serving``.
+The exporter package root only re-exports the spec's names for readers
+outside it; modules inside import from the home module instead.
+
+Every import counts, including those inside functions, with relative imports
+resolved; a failure names the file, the line and the import that goes up.
 """
 
 from __future__ import annotations
@@ -16,73 +28,148 @@ ROOT = Path(__file__).resolve().parent.parent
 #: folder -> import name, as pyproject.toml's package-dir maps them
 PACKAGES = {"cli": "nexus_sli.cli", "bench": "nexus_sli.bench", "exporter": "nexus_sli.exporter",
             "tasks": "nexus_sli.tasks", "client": "nexus_sli.client"}
-#: (module prefix, layer, rank): the longest matching prefix decides; a higher rank is further down
-LAYERS = [
-    ("nexus_sli.cli", "cli", 0),
-    ("nexus_sli.bench", "bench", 1),
-    ("nexus_sli.exporter.export.pipeline", "pipeline", 2),
-    ("nexus_sli.exporter.export.revalidate", "pipeline", 2),
-    ("nexus_sli.exporter.targets", "targets", 3),
-    ("nexus_sli.exporter.export", "export steps", 4),
-    ("nexus_sli.exporter.serving", "serving", 5),
-    ("nexus_sli.exporter.triton", "triton", 6),
-    ("nexus_sli.exporter.errors", "exporter errors", 7),
-    ("nexus_sli.client", "client", 8),
-    ("nexus_sli.tasks", "tasks", 9),
-]
-#: the exporter package's root only re-exports the spec's names (see its docstring)
-FACADE = "nexus_sli.exporter"
+#: module prefix -> layer; the longest matching prefix decides
+LAYERS = {
+    "nexus_sli.cli": "cli",
+    "nexus_sli.bench": "bench",
+    "nexus_sli.exporter": "exporter root",
+    "nexus_sli.exporter.export.pipeline": "export entry",
+    "nexus_sli.exporter.export.revalidate": "export entry",
+    "nexus_sli.exporter.targets": "targets",
+    "nexus_sli.exporter.export": "export steps",
+    "nexus_sli.exporter.triton": "triton",
+    "nexus_sli.exporter.serving": "serving",
+    "nexus_sli.exporter.errors": "errors",
+    "nexus_sli.client": "client",
+    "nexus_sli.tasks": "tasks",
+}
+_BELOW_EXPORTER = {"client", "tasks"}
+_EXPORTER_BASE = {"errors"} | _BELOW_EXPORTER
+#: layer -> the other layers it may import (a layer may always import itself)
+MAY_IMPORT = {
+    "cli": set(LAYERS.values()) - {"cli"},
+    "bench": set(LAYERS.values()) - {"cli", "bench"},
+    "exporter root": {"export steps"} | _EXPORTER_BASE,
+    "export entry": {"targets", "export steps", "triton", "serving"} | _EXPORTER_BASE,
+    "targets": {"export steps", "triton", "serving"} | _EXPORTER_BASE,
+    "export steps": {"triton", "serving"} | _EXPORTER_BASE,
+    "triton": _EXPORTER_BASE,
+    "serving": {"triton"} | _EXPORTER_BASE,
+    "errors": _BELOW_EXPORTER,
+    "client": {"tasks"},
+    "tasks": set(),
+}
 
 
-def layer_of(module: str) -> tuple[str, int] | None:
-    matches = [(len(prefix), name, rank) for prefix, name, rank in LAYERS
-               if module == prefix or module.startswith(prefix + ".")]
-    return max(matches)[1:] if matches else None
+def layer_of(module: str) -> str | None:
+    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len, default=None)
+    return LAYERS.get(prefix)
+
+
+def module_path(module: str) -> Path | None:
+    """The file defining ``module`` (a package's ``__init__.py``), or None if it is not a module."""
+    top = next((folder for folder, name in PACKAGES.items()
+                if module == name or module.startswith(name + ".")), None)
+    if top is None:
+        return None
+    base = ROOT.joinpath(top, *module[len(PACKAGES[top]):].split(".")[1:])
+    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
 
 
 def module_name(path: Path) -> tuple[str, bool]:
+    """(dotted import name, whether it is a package's ``__init__``) of a file in the tree."""
     parts = path.relative_to(ROOT).with_suffix("").parts
     is_package = parts[-1] == "__init__"
-    dotted = ".".join([PACKAGES[parts[0]], *parts[1:-1], *([] if is_package else parts[-1:])])
-    return dotted, is_package
+    return ".".join([PACKAGES[parts[0]], *parts[1:-1], *([] if is_package else parts[-1:])]), is_package
 
 
-def imports(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module) of every nexus_sli import in ``path``, relative ones resolved."""
-    module, is_package = module_name(path)
+def _from_target(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a ``from ... import`` reads from, its leading dots resolved against ``package``."""
+    if not node.level:
+        return node.module
+    parts = package.split(".")
+    base = parts[: len(parts) - node.level + 1]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def imports_in(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, absolute module) of every nexus_sli import in ``source``, at any depth.
+
+    ``from package import name`` counts as importing ``package.name`` when that
+    is a module, so ``from nexus_sli.exporter import errors`` is not mistaken
+    for a use of the package root.
+    """
     package = module if is_package else module.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
-            target = ".".join([*base, *([node.module] if node.module else [])])
-            found += [(node.lineno, f"{target}.{alias.name}") for alias in node.names]
-    return [(line, name) for line, name in found if name.startswith("nexus_sli")]
+            target = _from_target(node, package)
+            found += [(node.lineno, f"{target}.{alias.name}" if module_path(f"{target}.{alias.name}") else target)
+                      for alias in node.names]
+    return [(line, name) for line, name in found if name == "nexus_sli" or name.startswith("nexus_sli.")]
+
+
+def upward_imports_in(source: str, module: str, is_package: bool, where: str) -> list[str]:
+    own = layer_of(module)
+    problems = []
+    for line, imported in imports_in(source, module, is_package):
+        other = layer_of(imported)
+        if other is not None and other != own and other not in MAY_IMPORT[own]:
+            problems.append(f"{where}:{line} ({own}) imports {imported} ({other})")
+    return problems
+
+
+def package_files() -> list[Path]:
+    """Every importable .py file; generated folders (``bench/.repo``, Triton's ``1/``) are not modules."""
+    return [path for folder in PACKAGES for path in sorted((ROOT / folder).rglob("*.py"))
+            if all(part.isidentifier() for part in path.relative_to(ROOT).with_suffix("").parts)]
 
 
 def upward_imports() -> list[str]:
     problems = []
-    for folder in PACKAGES:
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            importer, _ = module_name(path)
-            if importer == FACADE:
-                continue
-            own = layer_of(importer)
-            for line, imported in imports(path):
-                other = layer_of(imported) if imported.rpartition(".")[0] != FACADE else ("exporter facade", 0)
-                if own and other and other[0] != own[0] and other[1] <= own[1]:
-                    problems.append(f"{path.relative_to(ROOT)}:{line} ({own[0]}) imports {imported} ({other[0]})")
+    for path in package_files():
+        module, is_package = module_name(path)
+        problems += upward_imports_in(path.read_text(), module, is_package, str(path.relative_to(ROOT)))
     return problems
 
 
 def test_no_module_imports_a_layer_above_or_beside_its_own():
-    assert upward_imports() == []
+    problems = upward_imports()
+    assert not problems, "imports that go up or sideways:\n" + "\n".join(problems)
 
 
-def test_the_checker_sees_upward_imports():
-    assert layer_of("nexus_sli.exporter.export.walk") == ("export steps", 4)
-    assert layer_of("nexus_sli.exporter.export.pipeline") == ("pipeline", 2)
-    assert layer_of("nexus_sli.exporter.triton.python_models.encoding")[1] > layer_of("nexus_sli.exporter.targets")[1]
-    assert layer_of("nexus_sli.cli.main")[1] < layer_of("nexus_sli.bench.harness")[1]
+def test_the_rules_themselves_run_one_way():
+    # a cycle in MAY_IMPORT would let two layers lean on each other, which is no layering at all
+    def reaches(start: str, goal: str, seen: frozenset = frozenset()) -> bool:
+        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt}))
+                   for nxt in MAY_IMPORT[start])
+
+    assert set(MAY_IMPORT) == set(LAYERS.values())
+    assert [layer for layer in MAY_IMPORT if reaches(layer, layer)] == []
+
+
+def test_the_checker_resolves_relative_and_nested_imports():
+    source = "from . import config\nfrom ..errors import NexusError\ndef f():\n    from .models import write_models\n"
+    assert imports_in(source, "nexus_sli.exporter.triton.staging", False) == [
+        (1, "nexus_sli.exporter.triton.config"), (2, "nexus_sli.exporter.errors"),
+        (4, "nexus_sli.exporter.triton.models")]
+    assert imports_in("from .. import errors", "nexus_sli.exporter.triton", True) == [
+        (1, "nexus_sli.exporter.errors")]
+
+
+def test_the_checker_sees_upward_and_sideways_imports():
+    def problems(source: str, module: str) -> list[str]:
+        return upward_imports_in(source, module, False, "x.py")
+
+    assert problems("def f():\n    from nexus_sli.exporter.export import pipeline\n", "nexus_sli.exporter.targets.base") \
+        == ["x.py:2 (targets) imports nexus_sli.exporter.export.pipeline (export entry)"]
+    assert problems("from ..serving import server", "nexus_sli.exporter.triton.staging") != []
+    assert problems("from ..triton import config", "nexus_sli.exporter.serving.gpu_on_cpu") == []
+    assert problems("from nexus_sli.exporter import NexusError", "nexus_sli.exporter.triton.staging") != []
+    assert problems("import nexus_sli.cli.main", "nexus_sli.bench.harness") != []
+    assert problems("from nexus_sli.client import EncoderClient", "nexus_sli.tasks.spec") != []
+    assert problems("from nexus_sli.exporter.export.padding_trim import x", "nexus_sli.exporter.targets.base") == []
+    assert problems("from nexus_sli.exporter.triton.python_models.encoding import encode",
+                    "nexus_sli.exporter.export.validate") == []

@@ -196,13 +196,21 @@ def walk(config: Any, checkpoint: Checkpoint, task: TaskSpec, handler: BERTFamil
     with torch.device("cpu"):
         model = family.build_model(task, config)
     model.eval()
-    base = model.base_model
-    target_base = "" if base is model else model.base_model_prefix + "."
+    target_base = "" if model.base_model is model else model.base_model_prefix + "."
     report = WalkReport()
-    consumed: set[str] = set()
-    keys = checkpoint.keys()
     cached = _CachedLayers(cache, checkpoint, family.model_type) if cache is not None else None
     slots = list(family.weight_slots(config))
+    consumed = _walk_layers(model.base_model, config, checkpoint, handler, slots, cached, report)
+    layer_paths = [family.module_path(config, idx) + "." for idx, _ in slots]
+    _load_rest(model, checkpoint, handler, target_base, layer_paths, consumed, report)
+    return model, handler, report
+
+
+def _walk_layers(base, config, checkpoint, handler, slots, cached, report) -> set[str]:
+    """Create, load and place each distinct layer in ``base``; return the checkpoint keys they consumed."""
+    family = handler.family
+    keys = checkpoint.keys()
+    consumed: set[str] = set()
     for idx, relative in tqdm(slots, desc=f"walk {family.model_type} layers", unit="layer", disable=None):
         prefix = handler.prefix + relative
         layer = handler.create_layer(config, idx)
@@ -215,9 +223,7 @@ def walk(config: Any, checkpoint: Checkpoint, task: TaskSpec, handler: BERTFamil
         consumed.update(layer_keys)
         report.layers_loaded += 1
         report.tensors_loaded += len(to_load)
-    module_paths = [family.module_path(config, idx) + "." for idx, _ in slots]
-    _load_rest(model, checkpoint, handler, target_base, module_paths, consumed, report)
-    return model, handler, report
+    return consumed
 
 
 def _load_rest(model, checkpoint, handler, target_base, layer_paths, consumed, report) -> None:
