@@ -16,8 +16,9 @@ OUT       ?= model_repository
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+GATEWAY_PORT ?= 8080
 
-.PHONY: install export serve test test-load bench clean
+.PHONY: install export serve publish test test-load bench clean
 
 install: $(VENV)/.installed
 
@@ -27,7 +28,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[export,serve,client,test]'
+	$(BIN)/pip install --quiet -e '.[export,serve,client,gateway,publish,test]'
 	touch $@
 
 export: install
@@ -36,11 +37,17 @@ export: install
 		$(if $(ACCELERATOR),--accelerator '$(ACCELERATOR)') $(if $(NAME),--name '$(NAME)') --out '$(OUT)' \
 		$(if $(NO_CACHE),--no-cache)
 
+# OUT to object storage as new version folders: make publish TO=s3://bucket/prefix [ENDPOINT_URL=...] [DRY_RUN=1]
+# (credentials from the standard AWS environment; docs/deployment.md).
+publish: install
+	$(BIN)/nexus-sli publish --repository '$(OUT)' --to '$(TO)' \
+		$(if $(ENDPOINT_URL),--endpoint-url '$(ENDPOINT_URL)') $(if $(DRY_RUN),--dry-run)
+
 # Exports the default model first when OUT holds no model yet.
 serve: install
 	@ls '$(OUT)'/*/config.pbtxt >/dev/null 2>&1 || $(MAKE) --no-print-directory export
 	$(BIN)/nexus-sli serve --model-repository '$(OUT)' --http-port $(HTTP_PORT) \
-		--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+		--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --gateway-port $(GATEWAY_PORT)
 
 # Everything but the load test (pyproject's addopts deselect the `load` marker).
 test: install

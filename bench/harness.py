@@ -23,7 +23,18 @@ import numpy as np
 from nexus_sli.exporter.export.source import ModelSource, check_name, resolve_model
 
 from . import machine, texts as text_set
-from .measure import BATCH32, CONCURRENT16, LATENCY1, SEQ_LEN, Measurement, cosines, one_by_one, timed
+from .measure import (
+    BATCH32,
+    CONCURRENT16,
+    GATEWAY_PATH,
+    GATEWAY_PROTOCOL,
+    LATENCY1,
+    SEQ_LEN,
+    Measurement,
+    cosines,
+    one_by_one,
+    timed,
+)
 
 log = logging.getLogger("nexus_sli.bench")
 
@@ -262,6 +273,21 @@ def in_process_measurements(setup: Setup, plan: Plan, encoders: list[InProcess])
     return measurements
 
 
+def gateway_measurements(setup: Setup, plan: Plan, gateway, clients: list) -> list[Measurement]:
+    """The fp32 model through the HTTP gateway (OpenAI's API, the ``openai`` SDK): beside the
+    direct gRPC rows, its overhead is measured, not guessed."""
+    from .served import GatewayEmbedder
+
+    groups = _groups(setup)
+    embedder = GatewayEmbedder(gateway.url, GATEWAY_PROTOCOL, setup.names["fp32"])
+    clients.append(embedder)
+    common = dict(path=GATEWAY_PATH, precision="fp32", protocol=GATEWAY_PROTOCOL, served=True)
+    single = functools.partial(embedder.sequential, budget_s=plan.latency_budget_s)
+    return [Measurement(mode=BATCH32, run=embedder.batches, **groups["set"], **common),
+            Measurement(mode=CONCURRENT16, run=embedder.concurrent, **groups["set"], **common),
+            Measurement(mode=LATENCY1, run=single, **groups["latency"], **common)]
+
+
 def served_measurements(setup: Setup, plan: Plan, server, clients: list) -> list[Measurement]:
     from .served import ServedEmbedder
 
@@ -356,15 +382,16 @@ def _memory(idle: list[int], load: list[int], processes: int) -> dict:
 
 
 def measure(setup: Setup, plan: Plan, repetitions: int) -> tuple[list[Measurement], dict, dict]:
-    from .served import RssSampler, Server
+    from .served import Gateway, RssSampler, Server
 
     baselines, peers = _baselines(setup), _peers(setup, plan)
     threads = calibrate_torch_threads(baselines, peers, setup.texts[:plan.warmup_texts])
     measurements = in_process_measurements(setup, plan, [*baselines, *peers])
     clients: list = []
-    with Server(setup.repository) as server:
+    with Server(setup.repository) as server, Gateway(server.url("grpc")) as gateway:
         try:
             measurements += served_measurements(setup, plan, server, clients)
+            measurements += gateway_measurements(setup, plan, gateway, clients)
             log.info("warming up %d measurements", len(measurements))
             _warm_up(measurements, plan)
             idle = _idle_rss(server)
@@ -394,7 +421,7 @@ def _padding(setup: Setup, facts) -> dict:
 
 def run_bench(options: BenchOptions) -> dict:
     """Measure, write ``latest.json``, ``latest.md`` and ``latest.png`` under ``options.out``."""
-    from . import report
+    from . import compute_limit, report
     from .runners import token_counts
     from .targets import evaluate
 
@@ -425,6 +452,7 @@ def run_bench(options: BenchOptions) -> dict:
         "rows": table,
         "skipped": setup.skipped,
         "targets": evaluate(table),
+        "compute_limit": compute_limit.summary(setup.model_dir, setup.tokens, table, (BATCH32, CONCURRENT16)),
         "duration_s": round(time.perf_counter() - started, 1),
     }
     report.write_all(results, Path(options.out), options.benchmarks_md)

@@ -14,6 +14,9 @@ CONCURRENT16 = "concurrent16"    # 16 clients, one text per request
 LATENCY1 = "latency1"            # sequential single short queries
 SEQ_LEN = "seq_len"              # batches of 32 texts of one token length
 
+#: the rows of the HTTP gateway: OpenAI's API over HTTP, in front of the served fp32 model
+GATEWAY_PATH, GATEWAY_PROTOCOL = "gateway", "openai-http"
+
 
 @dataclass
 class Sample:

@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from .measure import BATCH32, CONCURRENT16, LATENCY1, SEQ_LEN
+from .measure import BATCH32, CONCURRENT16, GATEWAY_PATH, GATEWAY_PROTOCOL, LATENCY1, SEQ_LEN
 
 MODE_TEXT = {BATCH32: "batches of 32", CONCURRENT16: "16 concurrent clients, 1 text each",
              LATENCY1: "sequential single short queries"}
@@ -102,7 +102,47 @@ def observations(results: dict) -> str:
     share = results["text_set"]["served_batch32_real_token_share"]
     return ("; ".join(lines) + f". In batches of the mixed set {share:.0%} of the tokens the served encoder "
             "computes are real (it runs each batch in length groups); the baseline sorts the whole set by length "
-            "before batching.")
+            "before batching." + gateway_overhead(rows))
+
+
+def gateway_overhead(rows: list[dict]) -> str:
+    """The HTTP gateway's rows against the direct gRPC rows of the same model, mode by mode."""
+    def row(path: str, protocol: str, mode: str) -> dict | None:
+        return next((r for r in rows if (r["path"], r["precision"], r["protocol"], r["mode"])
+                     == (path, "fp32", protocol, mode)), None)
+
+    parts = []
+    for mode in (BATCH32, CONCURRENT16, LATENCY1):
+        gateway, direct = row(GATEWAY_PATH, GATEWAY_PROTOCOL, mode), row("triton", "grpc", mode)
+        if gateway is None or direct is None:
+            continue
+        if mode == LATENCY1:
+            parts.append(f"single queries p50 {gateway['p50_ms']:.2f} ms against {direct['p50_ms']:.2f} ms")
+        else:
+            parts.append(f"{MODE_TEXT[mode]} {gateway['texts_per_s']:.1f} texts/s against "
+                         f"{direct['texts_per_s']:.1f} ({gateway['texts_per_s'] / direct['texts_per_s']:.2f}x)")
+    if not parts:
+        return ""
+    return (" Through the HTTP gateway (OpenAI's API with the openai SDK, base64 vectors, token counts included) "
+            "against the client over gRPC direct, fp32: " + "; ".join(parts) + ".")
+
+
+def compute_limit_section(limit: dict | None) -> list[str]:
+    """How far each throughput row is from the CPU's peak: an estimate, said to be one."""
+    if not limit or not limit["rows"]:
+        return []
+    peaks = "; ".join(f"{p} {v['flops'] / 1e9:.0f} GFLOP/s ({v['instruction_set']})" for p, v in limit["peaks"].items())
+    lines = ["## Compute limit (an estimate)", "",
+             f"The model's matmuls cost {limit['flops_per_text'] / 1e9:.2f} GFLOP per text on average over the set "
+             f"(attention included, embeddings and normalisations left out). Peak of the {limit['cores']} cores at "
+             f"the {limit['clock_ghz']:.2f} GHz /proc/cpuinfo reports ({limit['vendor']}; a virtual machine often "
+             f"reports its nominal clock): {peaks}. `bench/compute_limit.py` says what each figure assumes.", "",
+             "| path | precision | protocol | mode | texts/s | GFLOP/s | share of peak |",
+             "|---|---|---|---|---:|---:|---:|"]
+    for r in limit["rows"]:
+        lines.append(f"| {r['path']} | {r['precision']} | {r['protocol']} | {MODE_TEXT.get(r['mode'], r['mode'])} "
+                     f"| {r['texts_per_s']:.1f} | {r['gflops']:.1f} | {r['share_of_peak']:.1%} |")
+    return [*lines, ""]
 
 
 def markdown(results: dict) -> str:
@@ -135,6 +175,7 @@ def markdown(results: dict) -> str:
         f"{', '.join(f'{k}: {v}' for k, v in text['histogram'].items())}. "
         f"Of the tokens the served encoder computes for client batches of 32 sent in set order, "
         f"{text['served_batch32_real_token_share']:.0%} are real (each batch runs in length groups).", "",
+        *compute_limit_section(results.get("compute_limit")),
         "## Targets (issue 6)", "",
         *targets_table(results["targets"]), "",
         observations(results), "",
@@ -148,7 +189,8 @@ def markdown(results: dict) -> str:
 def _throughput_panel(axis, rows: list[dict]) -> None:
     throughput = [r for r in rows if r["mode"] in (BATCH32, CONCURRENT16)]
     baseline = next(r for r in throughput if r["baseline"])
-    colors = ["tab:gray" if r["path"] == baseline["path"] else "tab:blue" if r["path"] == "triton" else "tab:orange"
+    colors = ["tab:gray" if r["path"] == baseline["path"] else "tab:blue" if r["path"] in ("triton", GATEWAY_PATH)
+              else "tab:orange"
               for r in throughput]
     axis.barh(range(len(throughput)), [r["texts_per_s"] for r in throughput], color=colors)
     axis.set_yticks(range(len(throughput)),

@@ -1,11 +1,13 @@
 """The served path: the real Triton server on free loopback ports, and the three
 ways clients use it (batches of 32, 16 concurrent single-text clients, sequential
-single queries), all through the project's own ``EncoderClient``."""
+single queries), through the project's own ``EncoderClient`` over gRPC / HTTP,
+and through the HTTP gateway with the official ``openai`` SDK (OpenAI's API)."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -96,13 +98,76 @@ class RssSampler:
         (self._on.set if on else self._on.clear)()
 
 
+class Gateway:
+    """``with Gateway(triton_grpc_url) as gateway:`` ``nexus-sli gateway`` on a free loopback
+    port, as a user runs it, stopped on exit.  ``args``: more options of the command;
+    ``log``: where its output goes (kept), else a temporary file removed on exit.
+    The tests start their gateways with it too (tests/test_gateway.py)."""
+
+    READY = "gateway is ready"
+
+    def __init__(self, triton: str, *args: str, timeout_s: float = 60.0, log: Path | None = None):
+        self.triton, self.args, self.timeout_s = triton, args, timeout_s
+        self.port = free_ports(1)[0]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Gateway":
+        return self.start()
+
+    def start(self) -> "Gateway":
+        """Started and ready (its ready line printed); RuntimeError with its output otherwise."""
+        if self.log is None:
+            with tempfile.NamedTemporaryFile(prefix="nexus-sli-bench-gateway-", suffix=".log", delete=False) as f:
+                self.log, self._temporary = Path(f.name), True
+        else:
+            self._temporary = False
+        with open(self.log, "w") as out:
+            self.process = subprocess.Popen([sys.executable, "-m", "nexus_sli.cli.main", "gateway", "--triton",
+                                             self.triton, "--port", str(self.port), *self.args], stdout=out,
+                                            stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.timeout_s
+        while self.READY not in self.output():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                text = self.output()
+                code = self.process.poll()
+                self.stop()
+                raise RuntimeError(f"the gateway did not start (exit code {code}): {text}")
+            time.sleep(0.1)
+        return self
+
+    def output(self) -> str:
+        return self.log.read_text() if self.log else ""
+
+    def stop(self) -> int | None:
+        """Stopped as a process manager does (SIGTERM); its exit code."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(30)
+        if self.log is not None and self._temporary:
+            self.log.unlink(missing_ok=True)
+        return None if self.process is None else self.process.returncode
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 class ServedEmbedder:
     """One model over one protocol; keeps a client, as a user would, for batch and sequential calls."""
 
     def __init__(self, url: str, protocol: str, model: str):
         self.url, self.protocol, self.model = url, protocol, model
-        self.client = EncoderClient(url, protocol=protocol)
-        self.client.info(model)  # reads the model config once, outside any timing
+        self.client = self.connect()
+
+    def connect(self):
+        """A client of its own, the model config read once, outside any timing."""
+        client = EncoderClient(self.url, protocol=self.protocol)
+        client.info(self.model)
+        return client
+
+    def embed_with(self, client, texts: list[str]) -> np.ndarray:
+        return client.embed(texts, model=self.model)
 
     def close(self) -> None:
         self.client.close()
@@ -113,13 +178,13 @@ class ServedEmbedder:
         start = time.perf_counter()
         for i in range(0, len(texts), batch_size):
             t0 = time.perf_counter()
-            vectors.append(self.client.embed(texts[i:i + batch_size], model=self.model))
+            vectors.append(self.embed_with(self.client, texts[i:i + batch_size]))
             latencies.append((time.perf_counter() - t0) * 1e3)
         return Sample(time.perf_counter() - start, latencies, np.concatenate(vectors))
 
     def sequential(self, texts: list[str], budget_s: float | None = None) -> Sample:
         """One text per request, each sent after the previous answer came back."""
-        return one_at_a_time(lambda text: self.client.embed([text], model=self.model)[0], texts, budget_s)
+        return one_at_a_time(lambda text: self.embed_with(self.client, [text])[0], texts, budget_s)
 
     def concurrent(self, texts: list[str], clients: int = CONCURRENT_CLIENTS) -> Sample:
         """``clients`` threads, each with its own client, sending one text per request
@@ -156,8 +221,7 @@ class _ConcurrentRun:
 
     def worker(self, slot: int) -> None:
         try:
-            client = EncoderClient(self.served.url, protocol=self.served.protocol)
-            client.info(self.served.model)
+            client = self.served.connect()
         except BaseException as exc:  # reported after the run; the barrier must still be reached
             self.errors.append(exc)
             client = None
@@ -167,9 +231,25 @@ class _ConcurrentRun:
         try:
             while (index := self._take()) is not None:
                 t0 = time.perf_counter()
-                self.vectors[index] = client.embed([self.texts[index]], model=self.served.model)[0]
+                self.vectors[index] = self.served.embed_with(client, [self.texts[index]])[0]
                 self.latencies[slot].append((time.perf_counter() - t0) * 1e3)
         except BaseException as exc:
             self.errors.append(exc)
         finally:
             client.close()
+
+
+class GatewayEmbedder(ServedEmbedder):
+    """The same calls through the gateway's ``/v1/embeddings`` with the official ``openai`` SDK,
+    as an application that embeds through OpenAI's API does (its default: base64 vectors)."""
+
+    def connect(self):
+        import openai
+
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+        client.models.list()  # connected, outside any timing
+        return client
+
+    def embed_with(self, client, texts: list[str]) -> np.ndarray:
+        response = client.embeddings.create(model=self.model, input=texts)
+        return np.array([item.embedding for item in response.data], dtype=np.float32)

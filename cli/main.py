@@ -13,7 +13,8 @@ import sys
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.tasks import TaskError
 
-from . import bench_command, client_commands, export_command, serve_command, validate_command
+from . import (bench_command, build_plan_command, client_commands, export_command, gateway_command, publish_command,
+               serve_command, validate_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     export_command.add_parser(commands)
     validate_command.add_parser(commands)
+    build_plan_command.add_parser(commands)
     serve_command.add_parser(commands)
+    publish_command.add_parser(commands)
+    gateway_command.add_parser(commands)
     bench_command.add_parser(commands)
     client_commands.add_parsers(commands)
     return parser

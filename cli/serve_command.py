@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 from pathlib import Path
 
 
 def add_parser(commands) -> None:
     serve = commands.add_parser("serve", help="start the Triton server on a model repository")
-    serve.add_argument("--model-repository", default="model_repository")
+    serve.add_argument("--model-repository", default="model_repository",
+                       help="a folder, or object storage: s3://HOST:PORT/bucket/prefix (credentials from the "
+                            "standard AWS environment; docs/deployment.md)")
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=8001)
     serve.add_argument("--metrics-port", type=int, default=8002)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default loopback only; see docs/serving.md before exposing it)")
+    serve.add_argument("--gateway-port", type=int, default=8080,
+                       help="port of the HTTP gateway (OpenAI /v1/embeddings, TEI /embed ...) started beside the "
+                            "server on the same host; 0: no gateway (docs/gateway.md)")
     serve.add_argument("--gpu-models-on-cpu", action="store_true",
                        help="where there is no GPU, serve KIND_GPU models on the CPU (a logged, temporary "
                             "override; the repository keeps KIND_GPU; docs/gpu.md)")
@@ -21,7 +28,26 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nexus_sli.exporter.serving.server import serve_forever
+    from nexus_sli.exporter.serving.server import is_remote, serve_forever
 
-    return serve_forever(Path(args.model_repository), args.http_port, args.grpc_port, args.metrics_port, args.host,
-                         args.gpu_models_on_cpu)
+    # Path() would fold the '//' of an s3:// URL
+    repository = args.model_repository if is_remote(args.model_repository) else Path(args.model_repository)
+    return serve_forever(repository, args.http_port, args.grpc_port, args.metrics_port, args.host,
+                         args.gpu_models_on_cpu, beside=gateway_command(args))
+
+
+def gateway_command(args: argparse.Namespace) -> list[str] | None:
+    """``nexus-sli gateway`` for this server (its API key from the environment), or None when
+    turned off or when the gateway's packages are not installed (said, not fatal)."""
+    if not args.gateway_port:
+        return None
+    if not all(importlib.util.find_spec(name) for name in ("starlette", "uvicorn", "prometheus_client")):
+        print("nexus-sli: the HTTP gateway is not started: its packages are missing "
+              "(pip install 'nexus-sli[gateway]')", file=sys.stderr, flush=True)
+        return None
+    from nexus_sli.exporter.serving.server import client_host
+
+    triton = client_host(args.host)  # the gateway beside Triton reaches it as a local client
+    triton = f"[{triton}]" if ":" in triton else triton
+    return [sys.executable, "-m", "nexus_sli.cli.main", "gateway", "--triton", f"{triton}:{args.grpc_port}",
+            "--host", args.host, "--port", str(args.gateway_port)]

@@ -9,6 +9,7 @@ from .errors import (
     ModelNotFoundError,
     ModelUnavailableError,
     NoModelError,
+    ReplicasFailedError,
     RetryableError,
     ServerUnavailableError,
     WrongTaskError,
@@ -16,5 +17,5 @@ from .errors import (
 from .results import Answer, Entity, Label, Ranked
 
 __all__ = ["AsyncEncoderClient", "EncoderClient", "ClientError", "InferenceError", "InvalidInputError",
-           "ModelNotFoundError", "ModelUnavailableError", "NoModelError", "RetryableError", "ServerUnavailableError", "WrongTaskError",
+           "ModelNotFoundError", "ModelUnavailableError", "NoModelError", "ReplicasFailedError", "RetryableError", "ServerUnavailableError", "WrongTaskError",
            "Answer", "Entity", "Label", "Ranked"]

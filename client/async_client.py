@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import numpy as np
 
 from . import calls
 from . import protocol as p
 from .client import client_kwargs, default_url
+from .errors import ReplicasFailedError, RetryableError
+from .replicas import Replicas, attempts_for, parse_urls, retryable
 
 
 def _module(protocol: str):
@@ -25,26 +28,56 @@ def _module(protocol: str):
 
 class AsyncEncoderClient:
     """``async with AsyncEncoderClient() as c: await c.embed(texts, model=...)``; a ``model``
-    given here is used by every call that names none."""
+    given here is used by every call that names none.  ``url`` may list replicas, with the
+    same turns and retries as :class:`~nexus_sli.client.EncoderClient`.  ``timeout_s`` bounds
+    every call to the server (None: no bound); a server that does not answer in time is a
+    :class:`~nexus_sli.client.ServerUnavailableError`, retryable like one that is down."""
 
-    def __init__(self, url: str | None = None, protocol: str = "grpc", model: str | None = None):
+    def __init__(self, url: str | Sequence[str] | None = None, protocol: str = "grpc", model: str | None = None,
+                 attempts: int | None = None, timeout_s: float | None = 60.0):
         self.protocol = protocol
+        self.timeout_s = timeout_s
         self.model = model
         self._types, aio = _module(protocol)
-        self.url = url or default_url(protocol)
-        self._client = aio.InferenceServerClient(self.url, **client_kwargs(self._types, protocol))
+        self.urls = parse_urls(url, default_url(protocol))
+        self.url = self.urls[0]
+        self.replicas = Replicas(self.urls)
+        #: replicas one request may try (each at most once)
+        self.attempts = attempts_for(attempts, self.urls)
+        options = client_kwargs(self._types, protocol)
+        if protocol == "http" and timeout_s is not None:
+            options["conn_timeout"] = timeout_s  # aiohttp's total time per request
+        # gRPC: a deadline on each call (tritonclient's client_timeout); HTTP: the session's timeout above
+        self._deadline = {"client_timeout": timeout_s} if protocol == "grpc" else {}
+        self._clients = {u: aio.InferenceServerClient(u, **options) for u in self.urls}
+        self._client = self._clients[self.url]
         self._info: dict[str, p.ModelInfo] = {}
+
+    async def _on_replicas(self, model: str, call):
+        """``await call(tritonclient)`` on the replicas in turn until one answers or a non-retryable error."""
+        tried: list[tuple[str, RetryableError]] = []
+        for url in self.replicas.order()[:self.attempts]:
+            try:
+                result = await call(self._clients[url])
+            except Exception as exc:
+                tried.append((url, retryable(exc, model, self.attempts, self.replicas, url)))
+                continue
+            self.replicas.succeeded(url)
+            return result
+        raise ReplicasFailedError(tried)
 
     async def info(self, model: str) -> p.ModelInfo:
         if model not in self._info:
-            kwargs = {"as_json": True} if self.protocol == "grpc" else {}
-            try:
-                ready = await self._client.is_model_ready(model)
-                config = await self._client.get_model_config(model, **kwargs)
-            except Exception as exc:
-                raise p.translate(exc, model) from None
-            if not ready:
-                raise p.not_ready(model)
+            kwargs = {"as_json": True, **self._deadline} if self.protocol == "grpc" else {}
+
+            async def read(client):
+                ready = await client.is_model_ready(model, **self._deadline)
+                config = await client.get_model_config(model, **kwargs)
+                if not ready:
+                    raise p.not_ready(model)
+                return config
+
+            config = await self._on_replicas(model, read)
             self._info[model] = p.ModelInfo.from_config(model, config.get("config", config))
         return self._info[model]
 
@@ -59,11 +92,13 @@ class AsyncEncoderClient:
             tensor = self._types.InferInput(name, list(array.shape), "BYTES")
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
+        outputs = [self._types.InferRequestedOutput(output)]
         try:
-            result = await self._client.infer(model, inputs, outputs=[self._types.InferRequestedOutput(output)])
-        except Exception as exc:
+            result = await self._on_replicas(model, lambda client: client.infer(model, inputs, outputs=outputs,
+                                                                              **self._deadline))
+        except Exception:
             self._info.pop(model, None)
-            raise p.translate(exc, model) from None
+            raise
         return result.as_numpy(output)
 
     async def _call(self, model: str | None, plan):
@@ -86,7 +121,8 @@ class AsyncEncoderClient:
         return await self._call(model, lambda info: calls.rerank(query, documents, info, top_k))
 
     async def close(self) -> None:
-        await self._client.close()
+        for client in self._clients.values():
+            await client.close()
 
     async def __aenter__(self) -> "AsyncEncoderClient":
         return self

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from . import calls
 from . import protocol as p
+from .errors import ReplicasFailedError, RetryableError
+from .replicas import Replicas, attempts_for, parse_urls, retryable
 
 
 def _module(protocol: str):
@@ -45,38 +49,71 @@ def client_kwargs(module, protocol: str) -> dict:
 
 
 class EncoderClient:
-    """Calls one server; each method names the model it uses, or uses the client's ``model``.
+    """Calls one server, or several replicas of it; each method names the model it uses, or
+    uses the client's ``model``.
+
+    ``url`` may list replicas (a sequence, or comma-separated): requests take turns over
+    them, and one that fails with a :class:`RetryableError` is sent again to the next
+    replica, each replica at most once (``attempts`` caps the tries: None, every replica;
+    1, no retry; below 1, a ValueError); when every try fails, :class:`ReplicasFailedError`
+    lists them.  With one try (one URL, or ``attempts=1``) the error itself is raised.
 
     >>> client = EncoderClient()                 # gRPC on 127.0.0.1:8001
     >>> client.embed(["a text", "another"], model="all_minilm_l6_v2").shape
     (2, 384)
     >>> EncoderClient(model="all_minilm_l6_v2").embed("one text").shape
     (384,)
+    >>> EncoderClient(["10.0.0.5:8001", "10.0.0.6:8001"]).embed("one text", model="all_minilm_l6_v2").shape
+    (384,)
     """
 
-    def __init__(self, url: str | None = None, protocol: str = "grpc", timeout_s: float = 60.0,
-                 model: str | None = None):
+    def __init__(self, url: str | Sequence[str] | None = None, protocol: str = "grpc", timeout_s: float = 60.0,
+                 model: str | None = None, attempts: int | None = None):
         self.protocol = protocol
         #: the model calls use when they name none
         self.model = model
         self._triton = _module(protocol)
-        self.url = url or default_url(protocol)
+        #: every replica's URL; ``url`` is the first
+        self.urls = parse_urls(url, default_url(protocol))
+        self.url = self.urls[0]
         self.timeout_s = timeout_s
-        self._client = self._triton.InferenceServerClient(self.url, **client_kwargs(self._triton, protocol))
+        #: the replica choice, with the requests each replica answered (``replicas.served``)
+        self.replicas = Replicas(self.urls)
+        #: replicas one request may try (each at most once)
+        self.attempts = attempts_for(attempts, self.urls)
+        self._clients = {u: self._triton.InferenceServerClient(u, **client_kwargs(self._triton, protocol))
+                         for u in self.urls}
+        self._client = self._clients[self.url]
         self._info: dict[str, p.ModelInfo] = {}
+
+    def _on_replicas(self, model: str, call):
+        """``call(tritonclient)`` on the replicas in turn until one answers or a non-retryable error."""
+        tried: list[tuple[str, RetryableError]] = []
+        for url in self.replicas.order()[:self.attempts]:
+            try:
+                result = call(self._clients[url])
+            except Exception as exc:
+                tried.append((url, retryable(exc, model, self.attempts, self.replicas, url)))
+                continue
+            self.replicas.succeeded(url)
+            return result
+        raise ReplicasFailedError(tried)
 
     def info(self, model: str) -> p.ModelInfo:
         """The model's task and batch limit, read once from its Triton config."""
         if model not in self._info:
-            kwargs = {"as_json": True} if self.protocol == "grpc" else {}
-            try:
-                ready = self._client.is_model_ready(model)
+            deadline = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
+            kwargs = {"as_json": True, **deadline} if self.protocol == "grpc" else {}
+
+            def read(client):
+                ready = client.is_model_ready(model, **deadline)
                 # Not ready: the config request says why (unknown, or known but loading again).
-                config = self._client.get_model_config(model, **kwargs)
-            except Exception as exc:
-                raise p.translate(exc, model) from None
-            if not ready:
-                raise p.not_ready(model)
+                config = client.get_model_config(model, **kwargs)
+                if not ready:
+                    raise p.not_ready(model)
+                return config
+
+            config = self._on_replicas(model, read)
             self._info[model] = p.ModelInfo.from_config(model, config.get("config", config))
         return self._info[model]
 
@@ -91,12 +128,13 @@ class EncoderClient:
             tensor = self._triton.InferInput(name, list(array.shape), "BYTES")
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
+        kwargs = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
+        outputs = [self._triton.InferRequestedOutput(output)]
         try:
-            kwargs = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
-            result = self._client.infer(model, inputs, outputs=[self._triton.InferRequestedOutput(output)], **kwargs)
-        except Exception as exc:
+            result = self._on_replicas(model, lambda client: client.infer(model, inputs, outputs=outputs, **kwargs))
+        except Exception:
             self._info.pop(model, None)  # the model may come back changed
-            raise p.translate(exc, model) from None
+            raise
         return result.as_numpy(output)
 
     def _call(self, model: str | None, plan):
@@ -125,7 +163,8 @@ class EncoderClient:
         return self._call(model, lambda info: calls.rerank(query, documents, info, top_k))
 
     def close(self) -> None:
-        self._client.close()
+        for client in self._clients.values():
+            client.close()
 
     def __enter__(self) -> "EncoderClient":
         return self

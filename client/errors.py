@@ -18,6 +18,17 @@ class ModelUnavailableError(RetryableError):
     being restarted, or it is being loaded again. Retryable."""
 
 
+class ReplicasFailedError(RetryableError):
+    """Every replica given to the client failed the request with a retryable error.
+
+    ``attempts`` holds (url, error) for each try, in order; the message lists them."""
+
+    def __init__(self, attempts: list[tuple[str, "RetryableError"]]):
+        self.attempts = list(attempts)
+        tried = "; ".join(f"{url}: {type(error).__name__}: {error}" for url, error in self.attempts)
+        super().__init__(f"all {len(self.attempts)} attempts failed on the replicas; retry later. Attempts: {tried}")
+
+
 class ModelNotFoundError(ClientError):
     """The server has no model of that name."""
 

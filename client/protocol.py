@@ -7,6 +7,7 @@ A call is planned as a list of requests (chunks no larger than the server's
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 from dataclasses import dataclass
@@ -88,7 +89,9 @@ _BY_CODE = {error_codes.INVALID_INPUT: InvalidInputError, error_codes.INFERENCE_
 #: Triton's own errors, by the transport's status: gRPC status name or HTTP status code.
 _BY_STATUS = {"StatusCode.NOT_FOUND": ModelNotFoundError, "404": ModelNotFoundError,
               "StatusCode.INVALID_ARGUMENT": InvalidInputError, "400": InvalidInputError,
-              "StatusCode.UNAVAILABLE": ServerUnavailableError}
+              "StatusCode.UNAVAILABLE": ServerUnavailableError,
+              # the client's deadline passed: a server that hangs is treated as one that is down (retryable)
+              "StatusCode.DEADLINE_EXCEEDED": ServerUnavailableError}
 #: A python-backend worker that died (and is being restarted), or a model being loaded
 #: again, is reported by Triton with an INTERNAL status and only these words; they are
 #: Triton's, not ours, so they cannot carry a code.
@@ -106,7 +109,13 @@ def translate(exc: Exception, model: str) -> Exception:
         return ModelUnavailableError(f"model {model!r} cannot serve right now (a worker is being restarted or the "
                                      f"model reloaded); retry in a few seconds. Server said: {text}")
     status = exc.status() if callable(getattr(exc, "status", None)) else None
-    kind = ServerUnavailableError if isinstance(exc, OSError) else _BY_STATUS.get(str(status), InferenceError)
+    # OSError: refused or reset; HTTPException: the HTTP connection closed mid-response (a server
+    # that died while answering: geventhttpclient's HTTPConnectionClosed), both retryable
+    transport = isinstance(exc, (OSError, http.client.HTTPException))
+    kind = ServerUnavailableError if transport else _BY_STATUS.get(str(status), InferenceError)
+    if kind is ServerUnavailableError and str(status) == "StatusCode.DEADLINE_EXCEEDED":
+        return kind(f"Triton server did not answer within the client's timeout ({text.splitlines()[0]}); "
+                    "check that it is not stuck or overloaded, then retry")
     if kind is ServerUnavailableError:
         return kind(f"Triton server unreachable ({text.splitlines()[0] if text else type(exc).__name__}); "
                     "check that it runs and the URL is right, then retry")

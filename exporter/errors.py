@@ -61,3 +61,12 @@ class ValidationError(NexusError):
 
 class RepositoryError(NexusError):
     """The Triton model repository could not be written."""
+
+
+class GPURuntimeUnavailableError(NexusError):
+    """A GPU runtime (TensorRT's Python package, the CUDA runtime) is not available on this machine;
+    the message says where to run the command instead."""
+
+
+class PlanBuildError(NexusError):
+    """TensorRT could not parse the exported graph or build an engine from it."""

@@ -77,6 +77,12 @@ def test_every_path_and_mode_was_measured(quick):
     assert {m for m, _ in references} == {"batch32", "latency1", "seq_len"}
     assert all(r["ratio_vs_baseline"] == 1.0 for r in rows if r["baseline"])
     assert sorted({r["seq_len"] for r in rows if r["mode"] == "seq_len"}) == results["settings"]["seq_lens"]
+    # the HTTP gateway (OpenAI's API through the openai SDK) beside the direct gRPC rows, same vectors
+    gateway = [r for r in rows if r["path"] == "gateway"]
+    assert {(r["precision"], r["protocol"], r["mode"]) for r in gateway} == {
+        ("fp32", "openai-http", m) for m in ("batch32", "concurrent16", "latency1")}
+    direct = {r["mode"]: r for r in rows if (r["path"], r["precision"], r["protocol"]) == ("triton", "fp32", "grpc")}
+    assert all(abs(r["cosine_min"] - direct[r["mode"]]["cosine_min"]) < 1e-4 for r in gateway)
 
 
 def _openvino_measured(quick) -> tuple[set, set]:

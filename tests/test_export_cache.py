@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
-from nexus_sli.exporter.export import pipeline as export
+from nexus_sli.exporter.export import timing
 from nexus_sli.exporter.export.checkpoint import Checkpoint
 from nexus_sli.cli.main import main
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
@@ -45,7 +45,7 @@ def same_graph_every_time(request, monkeypatch):
     # compared bit for bit; timing noise would otherwise pick plain or fused.
     # Tests marked real_timing time the candidates as an export does.
     if not request.node.get_closest_marker("real_timing"):
-        monkeypatch.setattr(export, "median_latency_ms", lambda path, feeds: 1.0)
+        monkeypatch.setattr(timing, "run_ms", lambda runner, feeds: 1.0)
 
 
 def _export(directory, out, **options):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-import socket
+import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,18 +27,10 @@ from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.serving import gpu_on_cpu, server as serve
 from nexus_sli.exporter.triton import config as tc
 
+from ports import free_ports as _free_ports
+
 NAME = "minilm_gpu"
 pytestmark = pytest.mark.skipif(gpu_on_cpu.gpu_visible(), reason="a GPU is visible: the CPU override is not used")
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +41,13 @@ def repo(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(repo):
+def served(repo, tmp_path_factory):
     http_port, grpc_port, metrics_port = _free_ports(3)
-    process = serve.start(repo, http_port, grpc_port, metrics_port, gpu_on_cpu=True)
-    yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}", "process": process}
+    log = tmp_path_factory.mktemp("gpu-serve-log") / "tritonserver.log"
+    with open(log, "w") as sink:  # the server's output, where the backend shim logs its providers
+        process = serve.start(repo, http_port, grpc_port, metrics_port, gpu_on_cpu=True, stdout=sink,
+                              stderr=subprocess.STDOUT)
+    yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}", "process": process, "log": log}
     serve.stop(process)
 
 
@@ -72,6 +67,12 @@ def test_the_override_is_logged_and_the_repository_keeps_kind_gpu(repo, caplog):
     assert not served.optimization.execution_accelerators.gpu_execution_accelerator
     assert (shadow / f"{NAME}_encoder" / "1").resolve() == (repo / f"{NAME}_encoder" / "1").resolve()
     shutil.rmtree(shadow)
+
+
+def test_the_backend_shim_logs_the_cpu_provider_it_runs_the_gpu_model_on(served):
+    log = served["log"].read_text()
+    assert f"nexus-sli onnxruntime backend, {NAME}_encoder: instance kind KIND_CPU: CPUExecutionProvider" in log
+    assert f"nexus-sli onnxruntime backend, {NAME}_encoder: session providers ['CPUExecutionProvider']" in log
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

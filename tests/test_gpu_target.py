@@ -12,6 +12,7 @@ from onnx import TensorProto
 
 from nexus_sli.exporter.export import fp16
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.export.revalidate import revalidate
 from nexus_sli.exporter.targets import plan
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton.python_models.encoding import padded_length
@@ -77,6 +78,8 @@ def test_the_cuda_accelerator_is_the_other_gpu_choice(tiny_checkpoint, tmp_path)
     config = tc.read(tmp_path / "tiny_encoder" / "config.pbtxt")
     assert result.report["passed"] and result.report["precision"] == "fp16"
     assert [a.name for a in config.optimization.execution_accelerators.gpu_execution_accelerator] == ["cuda"]
+    # nexus-sli validate opens it as the CUDA target, with the CUDA accelerator's providers
+    assert revalidate(tmp_path, "tiny")["backend"] == "onnxruntime-cuda"
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))

@@ -1,10 +1,10 @@
 """Imports run downward only: the folder layout is the data flow, and no step reaches up.
 
-    cli -> bench -> exporter -> client -> tasks
+    cli -> bench -> exporter | gateway -> client -> tasks
 
 and inside the exporter
 
-    export entry points (pipeline, revalidate) -> targets -> export steps
+    export entry points (pipeline, revalidate, build_plan) -> targets -> export steps
         -> serving -> triton -> errors
 
 ``targets`` builds on the export steps (padding trim, quantize, optimize), so
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: folder -> import name, as pyproject.toml's package-dir maps them
 PACKAGES = {"cli": "nexus_sli.cli", "bench": "nexus_sli.bench", "exporter": "nexus_sli.exporter",
-            "tasks": "nexus_sli.tasks", "client": "nexus_sli.client"}
+            "tasks": "nexus_sli.tasks", "client": "nexus_sli.client", "gateway": "nexus_sli.gateway"}
 #: module prefix -> layer; the longest matching prefix decides
 LAYERS = {
     "nexus_sli.cli": "cli",
@@ -35,11 +35,13 @@ LAYERS = {
     "nexus_sli.exporter": "exporter root",
     "nexus_sli.exporter.export.pipeline": "export entry",
     "nexus_sli.exporter.export.revalidate": "export entry",
+    "nexus_sli.exporter.export.build_plan": "export entry",
     "nexus_sli.exporter.targets": "targets",
     "nexus_sli.exporter.export": "export steps",
     "nexus_sli.exporter.triton": "triton",
     "nexus_sli.exporter.serving": "serving",
     "nexus_sli.exporter.errors": "errors",
+    "nexus_sli.gateway": "gateway",
     "nexus_sli.client": "client",
     "nexus_sli.tasks": "tasks",
 }
@@ -56,6 +58,8 @@ MAY_IMPORT = {
     "triton": _EXPORTER_BASE,
     "serving": {"triton"} | _EXPORTER_BASE,
     "errors": _BELOW_EXPORTER,
+    # the HTTP gateway speaks to Triton only through the client, beside the exporter, never through it
+    "gateway": _BELOW_EXPORTER,
     "client": {"tasks"},
     "tasks": set(),
 }
@@ -170,6 +174,8 @@ def test_the_checker_sees_upward_and_sideways_imports():
     assert problems("from nexus_sli.exporter import NexusError", "nexus_sli.exporter.triton.staging") != []
     assert problems("import nexus_sli.cli.main", "nexus_sli.bench.harness") != []
     assert problems("from nexus_sli.client import EncoderClient", "nexus_sli.tasks.spec") != []
+    assert problems("from nexus_sli.exporter.serving import server", "nexus_sli.gateway.app") != []
+    assert problems("from nexus_sli.client import AsyncEncoderClient", "nexus_sli.gateway.backend") == []
     assert problems("from nexus_sli.exporter.export.padding_trim import x", "nexus_sli.exporter.targets.base") == []
     assert problems("from nexus_sli.exporter.triton.python_models.encoding import encode",
                     "nexus_sli.exporter.export.validate") == []

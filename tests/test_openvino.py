@@ -135,18 +135,19 @@ def tried(backend: str, precision: str, flags: set[str]) -> list[tuple[str, str]
     return [(c.target.name, c.precision) for c in plan_configurations(backend, precision, flags)]
 
 
-def test_auto_tries_bf16_first_only_where_the_cpu_has_bf16_matmuls():
-    assert tried("auto", "auto", AVX2) == [("onnxruntime", "fp32")]
-    assert tried("auto", "auto", AMX) == [("openvino", "bf16"), ("onnxruntime", "fp32")]
-    # Cooper Lake: bf16 without AMX
-    assert tried("auto", "auto", {"avx512_bf16"}) == [("openvino", "bf16"), ("onnxruntime", "fp32")]
+def test_auto_measures_every_configuration_this_cpu_can_run():
+    every_cpu = [("onnxruntime", "fp32"), ("onnxruntime", "int8"), ("openvino", "fp32"), ("openvino", "int8")]
+    assert sorted(tried("auto", "auto", AVX2)) == sorted(every_cpu)
+    assert sorted(tried("auto", "auto", AMX)) == sorted([*every_cpu, ("openvino", "bf16")])
+    # Cooper Lake and Zen 4: bf16 without AMX runs too; whether it pays is measured
+    assert ("openvino", "bf16") in tried("auto", "auto", {"avx512_bf16"})
 
 
-@pytest.mark.parametrize("flags, openvino_default", [(AVX2, "fp32"), (AMX, "bf16")], ids=["avx2", "amx"])
-def test_one_named_half_of_the_configuration_fixes_the_other(flags, openvino_default):
-    assert tried("openvino", "auto", flags) == [("openvino", openvino_default)]
-    assert tried("auto", "int8", flags) == [("onnxruntime", "int8")]
-    assert tried("onnxruntime", "auto", flags) == [("onnxruntime", "fp32")]
+@pytest.mark.parametrize("flags, openvino_bf16", [(AVX2, []), (AMX, [("openvino", "bf16")])], ids=["avx2", "amx"])
+def test_one_named_half_of_the_configuration_limits_what_is_measured(flags, openvino_bf16):
+    assert sorted(tried("openvino", "auto", flags)) == sorted([("openvino", "fp32"), ("openvino", "int8"), *openvino_bf16])
+    assert tried("auto", "int8", flags) == [("onnxruntime", "int8"), ("openvino", "int8")]
+    assert tried("onnxruntime", "auto", flags) == [("onnxruntime", "fp32"), ("onnxruntime", "int8")]
     assert tried("onnxruntime", "int8", flags) == [("onnxruntime", "int8")]
 
 
@@ -156,29 +157,52 @@ def test_bf16_asked_of_a_cpu_without_it_exports_fp32():
     assert tried("openvino", "bf16", AMX) == [("openvino", "bf16")]
 
 
-def test_cli_export_defaults_to_auto_and_records_what_was_asked(monkeypatch, tiny_checkpoint, tmp_path):
+#: a cheap auto list for export tests: one configuration per CPU runtime
+TWO_RUNTIMES = (("onnxruntime", "fp32"), ("openvino", "fp32"))
+
+
+def test_cli_export_defaults_to_auto_and_records_what_it_measured(monkeypatch, tiny_checkpoint, tmp_path):
     from nexus_sli.cli.main import main
+    from nexus_sli.exporter.targets import registry
 
     monkeypatch.setattr("nexus_sli.exporter.targets.registry.cpu_flags", lambda: AVX2)
+    monkeypatch.setitem(registry.AUTO_CONFIGURATIONS, "cpu", TWO_RUNTIMES)
     out = tmp_path / "repo"
     assert main(["export", "--model", str(tiny_checkpoint("bert")), "--name", "tiny", "--out", str(out)]) == 0
     report = json.loads((out / "tiny_encoder" / "validation.json").read_text())
     assert report["requested_backend"] == report["requested_precision"] == "auto"
-    assert (report["backend"], report["precision"], report["passed"]) == ("onnxruntime", "fp32", True)
-    assert [(a["backend"], a["precision"], a["passed"]) for a in report["attempts"]] == [("onnxruntime", "fp32", True)]
+    assert [(a["backend"], a["precision"], a["passed"]) for a in report["attempts"]] == [
+        ("onnxruntime", "fp32", True), ("openvino", "fp32", True)]
+    rows = report["measured"]
+    assert {(r["backend"], r["precision"]) for r in rows} == set(TWO_RUNTIMES)
+    assert all(r["passed"] and set(r["timings_ms"]) == {"batch of 32", "one short text"} for r in rows)
+    chosen = [r for r in rows if r["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["score_ms"] == min(r["score_ms"] for r in rows)
+    assert (report["backend"], report["precision"], report["graph"]) == (
+        chosen[0]["backend"], chosen[0]["precision"], chosen[0]["graph"])
+    assert report["passed"] and len(report["workloads"]) == 2
 
 
-def test_auto_tries_the_next_configuration_when_one_fails_validation(monkeypatch, tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("faster, platform", [("openvino", ""), ("onnxruntime", "onnxruntime_onnx")])
+def test_auto_keeps_the_fastest_configuration_that_passes(monkeypatch, tiny_checkpoint, tmp_path, faster, platform):
+    from nexus_sli.exporter.export import timing
     from nexus_sli.exporter.targets import openvino_cpu, registry
 
-    monkeypatch.setitem(registry.AUTO_ORDERS, "cpu", (("openvino", "int8"), ("onnxruntime", "fp32")))
+    monkeypatch.setitem(registry.AUTO_CONFIGURATIONS, "cpu", (("openvino", "int8"), *TWO_RUNTIMES))
     monkeypatch.setattr(openvino_cpu, "STATIC_INT8_THRESHOLDS", {"cosine_mean": 1.5, "cosine_min": 1.5})  # unreachable
+    # the runtimes' speeds, fixed: which one is chosen must follow them
+    speed = {True: 1.0, False: 10.0}
+    monkeypatch.setattr(timing, "run_ms",
+                        lambda runner, feeds: speed[isinstance(runner, OpenVINOSession) == (faster == "openvino")])
     out = tmp_path / "repo"
     result = run_export(ExportOptions(model=str(tiny_checkpoint("bert")), task="embedding", name="tiny", out=out,
                                       backend="auto", precision="auto"))
-    assert (result.report["backend"], result.report["precision"]) == ("onnxruntime", "fp32")
+    assert (result.report["backend"], result.report["precision"]) == (faster, "fp32")
     attempts = result.report["attempts"]
     assert [(a["backend"], a["precision"], a["passed"]) for a in attempts] == [
-        ("openvino", "int8", False), ("onnxruntime", "fp32", True)]
+        ("openvino", "int8", False), ("onnxruntime", "fp32", True), ("openvino", "fp32", True)]
     assert "cosine_mean" in attempts[0]["failures"][0] and result.report["passed"]
-    assert triton_config.read(out / "tiny_encoder" / "config.pbtxt").platform == "onnxruntime_onnx"
+    failed = [r for r in result.report["measured"] if not r["passed"]]
+    assert failed and all(r["timings_ms"] == {} and r["score_ms"] is None for r in failed)  # failures are not timed
+    config = triton_config.read(out / "tiny_encoder" / "config.pbtxt")
+    assert (config.platform, config.backend) == (platform, "openvino" if faster == "openvino" else "")

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
+from google.protobuf import text_format
 
 from nexus_sli.cli.main import main
 from nexus_sli.exporter.errors import NexusError, ValidationError
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.revalidate import RECORD, revalidate
+from nexus_sli.exporter.triton import config as tc
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +41,20 @@ def test_every_variant_validates_again_here_and_is_recorded(repo, name, backend)
 
 def test_the_fp16_graph_runs_on_the_cpu_provider_here(repo):
     assert revalidate(repo, "gpu")["providers"] == ["CPUExecutionProvider"]
+
+
+def test_a_gpu_config_is_validated_with_its_own_accelerator_options(repo, tmp_path, caplog):
+    # an option edited into config.pbtxt reaches the provider choice: ONNX Runtime does not read this
+    # one, and the note naming it proves the config (not the target's defaults) was used
+    copy = tmp_path / "repo"
+    shutil.copytree(repo / "gpu_encoder", copy / "gpu_encoder")
+    path = copy / "gpu_encoder" / "config.pbtxt"
+    config = tc.read(path)
+    config.optimization.execution_accelerators.gpu_execution_accelerator[0].parameters["edited_by_hand"] = "1"
+    path.write_text(text_format.MessageToString(config))
+    with caplog.at_level(logging.INFO):
+        assert revalidate(copy, "gpu")["passed"]
+    assert "tensorrt accelerator parameters ONNX Runtime does not read, ignored: edited_by_hand" in caplog.text
 
 
 def test_a_model_file_that_is_not_the_exported_one_fails(repo, tmp_path):

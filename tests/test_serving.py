@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,17 +19,9 @@ from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.targets.cpu import supports_bf16
 from nexus_sli.exporter.export.validate import validation_texts
 
+from ports import free_ports as _free_ports
+
 NAME = "all_minilm_l6_v2"
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export.validate import LABEL_THRESHOLDS, THRESHOLDS
-from nexus_sli.exporter.targets import AUTO_ORDER, AUTO_ORDERS, DEVICES, TARGETS, get_target, plan, register, serving_target
+from nexus_sli.exporter.targets import AUTO_CONFIGURATIONS, DEVICES, TARGETS, get_target, plan, register, serving_target
 from nexus_sli.exporter.triton import config as tc
 
 TARGET_NAMES = sorted(TARGETS)
@@ -41,14 +41,20 @@ def test_a_target_writes_a_servable_encoder_config(name):
         assert found is target or (found.device, type(found).open) == (target.device, type(target).open)
 
 
-def test_auto_order_names_registered_configurations_and_ends_with_one_every_cpu_runs():
-    assert set(AUTO_ORDERS) == set(DEVICES) and AUTO_ORDERS["cpu"] == AUTO_ORDER
-    for device, order in AUTO_ORDERS.items():
-        for name, precision in order:
+def test_auto_lists_registered_configurations_and_one_every_cpu_runs_at_parity():
+    assert set(AUTO_CONFIGURATIONS) == set(DEVICES)
+    for device, listed in AUTO_CONFIGURATIONS.items():
+        for name, precision in listed:
             assert precision in get_target(name).precisions and get_target(name).device == device
-    last_name, last_precision = AUTO_ORDER[-1]
-    assert TARGETS[last_name].suits(last_precision, set())
-    assert [(c.target.name, c.precision) for c in plan("auto", "auto", set())][-1] == AUTO_ORDER[-1]
+    # a CPU without any fast path still gets ONNX Runtime fp32, which every family exports at parity
+    assert ("onnxruntime", "fp32") in [(c.target.name, c.precision) for c in plan("auto", "auto", set())]
+
+
+def test_auto_configurations_are_held_to_the_auto_bar_and_named_ones_are_not():
+    assert all(c.auto for c in plan("auto", "auto", set()))
+    assert all(c.auto for c in plan("openvino", "auto", set()))
+    assert not any(c.auto for c in plan("auto", "int8", set()))  # int8 asked for: its own bar
+    assert not any(c.auto for c in plan("onnxruntime", "fp32", set()))
 
 
 def test_a_second_registration_under_one_name_is_refused():

@@ -1,18 +1,15 @@
 """ORT transformer-optimizer fusion, and the timing that decides whether it stays.
 
 Fusion is not automatically faster (docs/export.md, "Validation", shows a fused
-graph losing), so the exporter times both graphs on the same input and keeps
-the faster one that validates.
+graph losing), so the exporter times both graphs side by side on the same workload
+(:mod:`timing`) and keeps the faster one that validates.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from pathlib import Path
 
-import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -42,22 +39,3 @@ def session(path: Path, threads: int = 0, providers: tuple[str, ...] = ()):
     options.log_severity_level = 3
     available = [p for p in providers if p in ort.get_available_providers()]
     return ort.InferenceSession(str(path), options, providers=[*available, "CPUExecutionProvider"])
-
-
-def median_latency_ms(sess, feeds: dict[str, np.ndarray], repeats: int = 5) -> float:
-    """Median wall time of one ``sess.run`` on ``feeds`` after two warm-up runs."""
-    for _ in range(2):
-        sess.run(None, feeds)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        sess.run(None, feeds)
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
-
-
-def timing_feeds(input_names: list[str], vocab_size: int, length: int, batch: int = 8) -> dict[str, np.ndarray]:
-    """A fixed, unpadded batch for timing graphs against each other."""
-    ids = np.random.default_rng(7).integers(5, max(vocab_size, 6), size=(batch, length), dtype=np.int64)
-    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
-    return {name: feeds[name] for name in input_names}

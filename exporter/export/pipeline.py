@@ -1,9 +1,9 @@
 """The export pipeline, the only orchestrator of an export.
 
     model source -> layer walk -> plain ONNX -> PyTorch reference (once)
-      -> for each configuration of :func:`targets.plan`, in turn: the target's
-         candidate graphs, each validated and timed; stop at the first that passes
-      -> the Triton repository (staged, then published)
+      -> for every configuration of :func:`targets.plan`: the target's candidate
+         graphs, each validated, and timed on the bench's workload if it passed
+      -> the fastest passing graph of all -> the Triton repository (staged, then published)
 
 Every other module does one step and knows nothing of the others.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,11 @@ from . import stored_reference
 from .checkpoint import Checkpoint
 from .handler import get_registry
 from .onnx_export import export_onnx, model_input_names
-from .optimize import median_latency_ms, timing_feeds
 from .report import ValidationReport
 from .source import check_name, load_config, max_sequence_length, normalizes, pooling_mode, resolve_model, tokenizer_file
-from .validate import Embedder, Reference, build_reference, compare, parity_cases, text_batches
+from .timing import Workload, time_side_by_side, workloads
+from .validate import Embedder, Reference, build_reference, compare, parity_cases, text_batches, with_auto_bar
+from .validate import thresholds as validate_thresholds
 from .walk import open_layer_cache, walk
 
 log = logging.getLogger("nexus_sli.export")
@@ -79,6 +80,8 @@ class Prepared:
     reference: Reference
     embedder: Embedder | None
     walk: dict
+    #: what every passing candidate is timed on
+    workloads: list[Workload]
 
 
 @dataclass
@@ -87,12 +90,17 @@ class Attempt:
 
     configuration: Configuration
     candidates: list[Candidate]
+    #: graph name -> the runtime session of each candidate that passed, kept open for timing
+    runners: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def passed(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.report.passed]
 
     @property
     def best(self) -> Candidate | None:
         """The fastest candidate that passed, if any."""
-        passed = [c for c in self.candidates if c.report.passed]
-        return min(passed, key=lambda c: c.latency_ms) if passed else None
+        return min(self.passed, key=lambda c: c.latency_ms) if self.passed else None
 
     def summary(self) -> str:
         return "; ".join(f"{c.graph}: {c.report.summary()}" for c in self.candidates)
@@ -101,6 +109,15 @@ class Attempt:
         return {"backend": self.configuration.target.name, "precision": self.configuration.precision,
                 "reason": self.configuration.reason, "passed": self.best is not None,
                 "failures": [] if self.best else [self.summary()]}
+
+    def rows(self, chosen: Candidate) -> list[dict]:
+        """The measurement table's rows: every candidate, its fidelity and its timings."""
+        report_fields = ("passed", "cosine_min", "cosine_mean", "agreement", "max_abs_diff")
+        return [{"backend": self.configuration.target.name, "precision": self.configuration.precision,
+                 "graph": c.graph, **{f: getattr(c.report, f) for f in report_fields},
+                 "timings_ms": {k: round(v, 3) for k, v in (c.timings or {}).items()},
+                 "score_ms": None if c.latency_ms is None else round(c.latency_ms, 3), "chosen": c is chosen}
+                for c in self.candidates]
 
 
 def run_export(options: ExportOptions) -> ExportResult:
@@ -115,8 +132,10 @@ def run_export(options: ExportOptions) -> ExportResult:
         log.info("exporting %s (%s, %d layers) as %s, task %s; trying %s", source.model_id,
                  prepared.family.model_type, prepared.family.num_layers(prepared.config), name,
                  prepared.task.name, ", then ".join(c.describe() for c in configurations))
-        attempts = _try_in_turn(configurations, prepared)
+        attempts = [_attempt(configuration, prepared) for configuration in configurations]
+        _time(attempts, prepared.workloads)
         attempt, chosen = _choose(attempts, options.allow_degraded)
+        _log_table(attempts, chosen)
         report = _report(options, prepared, attempts, attempt, chosen)
         _write(stage.root, name, prepared, attempt, chosen, report)
         models = stage.publish()
@@ -146,7 +165,8 @@ def _prepare(options: ExportOptions, source, work: Path) -> Prepared:
     embedder = Embedder(pooling_mode(source.path), normalizes(source.path)) if task.name == "embedding" else None
     graph = ExportedGraph(work / "plain.onnx", work, family, config, task, input_names, tokenizer, pad_id,
                           max_length)
-    return Prepared(source, config, task, family, tokenizer_path, graph, reference, embedder, walked)
+    loads = workloads(tokenizer, input_names, pad_id, max_length, pairs=task.pair)
+    return Prepared(source, config, task, family, tokenizer_path, graph, reference, embedder, walked, loads)
 
 
 def _walk(options: ExportOptions, source, config, task, handler):
@@ -171,56 +191,69 @@ def _pad_id(config, tokenizer) -> int:
     return 0
 
 
-def _try_in_turn(configurations: list[Configuration], prepared: Prepared) -> list[Attempt]:
-    """Each configuration in turn until one has a candidate that passes validation."""
-    attempts: list[Attempt] = []
-    for configuration in configurations:
-        attempts.append(_attempt(configuration, prepared))
-        if attempts[-1].best is not None:
-            break
-        if len(attempts) < len(configurations):
-            log.warning("%s failed validation (%s); trying the next configuration",
-                        configuration.describe(), attempts[-1].summary())
-    return attempts
-
-
 def _attempt(configuration: Configuration, prepared: Prepared) -> Attempt:
-    """The configuration's candidate graphs, each validated against the reference and timed."""
+    """The configuration's candidate graphs, each validated against the reference."""
     target, precision = configuration.target, configuration.precision
     work = prepared.graph.work / f"{target.name}-{precision}"
     work.mkdir(exist_ok=True)
     graph = replace(prepared.graph, work=work)
-    limits = target.thresholds(prepared.task, precision)
-    feeds = timing_feeds(graph.input_names, prepared.family.vocab_size(prepared.config),
-                         min(128, prepared.graph.max_length))
-    candidates = target.candidates(graph, precision)
-    for candidate in candidates:
+    limits = target.thresholds(prepared.task, precision) or validate_thresholds(prepared.task, precision)
+    if configuration.auto:
+        limits = with_auto_bar(limits, prepared.task)
+    attempt = Attempt(configuration, target.candidates(graph, precision))
+    for candidate in attempt.candidates:
         runner = target.runner(candidate, precision)
         candidate.report = compare(runner, prepared.reference, precision, prepared.embedder, prepared.task,
                                    target.name, limits, target.trims_padding)
-        candidate.latency_ms = median_latency_ms(runner, feeds)
-        log.info("%s %s, %s graph: %s, %.1f ms per batch of %d x %d", target.name, precision, candidate.graph,
-                 candidate.report.summary(), candidate.latency_ms, *next(iter(feeds.values())).shape)
-    return Attempt(configuration, candidates)
+        log.info("%s %s, %s graph: %s", target.name, precision, candidate.graph, candidate.report.summary())
+        if candidate.report.passed:  # a graph that cannot be exported need not be timed
+            attempt.runners[candidate.graph] = runner
+    return attempt
+
+
+def _time(attempts: list[Attempt], loads: list[Workload]) -> None:
+    """Every candidate that passed, timed side by side on the workloads (:mod:`timing`)."""
+    timed = [(a.runners.pop(c.graph), c) for a in attempts for c in a.passed]
+    if not timed:
+        return
+    log.info("timing %d graphs that passed, side by side: %s", len(timed), ", ".join(l.describe() for l in loads))
+    for (_, candidate), timings in zip(timed, time_side_by_side([runner for runner, _ in timed], loads)):
+        candidate.timings, candidate.latency_ms = timings, sum(timings.values())
+
+
+def _timings(candidate: Candidate) -> str:
+    return ", ".join(f"{name} {ms:.1f} ms" for name, ms in candidate.timings.items())
 
 
 def _choose(attempts: list[Attempt], allow_degraded: bool) -> tuple[Attempt, Candidate]:
-    """The first attempt with a passing candidate, and its fastest; else, with
-    ``allow_degraded``, the last attempt's candidate closest to PyTorch."""
-    for attempt in attempts:
-        if attempt.best is not None:
-            return attempt, attempt.best
+    """The fastest candidate that passed, of every attempt; else, with ``allow_degraded``,
+    the candidate closest to PyTorch."""
+    passing = [(attempt, attempt.best) for attempt in attempts if attempt.best is not None]
+    if passing:
+        return min(passing, key=lambda pair: pair[1].latency_ms)
     summary = " | ".join(f"{a.configuration.describe()}: {a.summary()}" for a in attempts)
-    last = attempts[-1]
     if not allow_degraded:
-        failures = [f for c in last.candidates for f in c.report.failures]
+        failures = [f for a in attempts for c in a.candidates for f in c.report.failures]
         raise ValidationError(
             f"exported graph does not match PyTorch ({summary}); nothing was written. "
             "Pass --allow-degraded to write it anyway (the report records it).",
-            report=last.candidates[0].report.to_dict(), failures=failures,
+            report=attempts[-1].candidates[0].report.to_dict(), failures=failures,
         )
     log.warning("validation failed but --allow-degraded was given: %s", summary)
-    return last, max(last.candidates, key=lambda c: _closeness(c.report))
+    return max(((a, c) for a in attempts for c in a.candidates), key=lambda pair: _closeness(pair[1].report))
+
+
+def _log_table(attempts: list[Attempt], chosen: Candidate) -> None:
+    """Every configuration measured, as the export log's table; validation.json keeps the same rows."""
+    if sum(len(a.candidates) for a in attempts) < 2:
+        return
+    log.info("measured (validated against PyTorch fp32; timed where it passed):")
+    for attempt in attempts:
+        for candidate in attempt.candidates:
+            mark = "->" if candidate is chosen else "  "
+            result = _timings(candidate) if candidate.timings else "failed validation"
+            log.info(" %s %-12s %-5s %-20s %s", mark, attempt.configuration.target.name,
+                     attempt.configuration.precision, candidate.graph, result)
 
 
 def _closeness(report: ValidationReport) -> float:
@@ -243,9 +276,13 @@ def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt],
         "validated_on": attempt.configuration.target.validated_on,
         "attempts": [a.record() for a in attempts],
         "allow_degraded": options.allow_degraded,
-        "candidates": [{"graph": c.graph, "passed": c.report.passed, "latency_ms": round(c.latency_ms, 3),
+        "candidates": [{"graph": c.graph, "passed": c.report.passed,
+                        "latency_ms": None if c.latency_ms is None else round(c.latency_ms, 3),
                         "max_abs_diff": c.report.max_abs_diff, "cosine_min": c.report.cosine_min}
                        for c in attempt.candidates],
+        # every configuration validated and timed: how the export chose (docs/export.md, "Choosing a backend")
+        "measured": [row for a in attempts for row in a.rows(chosen)],
+        "workloads": [load.describe() for load in prepared.workloads],
         "inputs": prepared.graph.input_names,
         "truncate": options.truncate,
         "max_length": prepared.graph.max_length,

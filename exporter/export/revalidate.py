@@ -12,8 +12,11 @@ import json
 import platform
 from pathlib import Path
 
+from google.protobuf import json_format
+
 from nexus_sli.exporter.errors import NexusError, ValidationError
-from nexus_sli.exporter.targets import serving_target
+from nexus_sli.exporter.targets import TARGETS, serving_target
+from nexus_sli.exporter.targets.onnxruntime_gpu import OnnxRuntimeGPU
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.tasks import get_task
 
@@ -29,23 +32,45 @@ def revalidate(repository: Path, name: str) -> dict:
     folder = Path(repository) / f"{name}_encoder"
     if not (folder / "config.pbtxt").is_file():
         raise NexusError(f"{folder} holds no encoder config: is {name!r} a model of {repository}?")
-    exported = json.loads((folder / "validation.json").read_text())
     config = tc.read(folder / "config.pbtxt")
-    target = serving_target(config.platform, config.backend, tc.pb.ModelInstanceGroup.Kind.Name(
-        config.instance_group[0].kind))
+    target = _serving(config)
+    # ONNX Runtime on a GPU: its providers from this config.pbtxt (edited profiles, precision, cache path
+    # included), not the ones the target would write
+    served = ({"config": json_format.MessageToDict(config, preserving_proto_field_name=True)}
+              if isinstance(target, OnnxRuntimeGPU) else {})
     runner = target.open(folder / "1" / (config.default_model_filename or "model.onnx"),
-                         {k: v.string_value for k, v in config.parameters.items()})
-    task = get_task(exported["task"])
-    reference = stored_reference.load(folder, list(exported["inputs"]), task.output_names())
-    embedder = Embedder(exported["pooling"], exported["normalize"]) if exported["pooling"] else None
-    report = compare(runner, reference, exported["precision"], embedder, task, target.name,
-                     exported["thresholds"], target.trims_padding)
+                         {k: v.string_value for k, v in config.parameters.items()}, **served)
+    report = against_reference(folder, runner, target.name, target.trims_padding)
     record = {**report.to_dict(), "host": platform.node(), "providers": _providers(runner)}
     (folder / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     if not report.passed:
         raise ValidationError(f"{name} does not match PyTorch on this machine: {report.summary()}",
                               report=record, failures=report.failures)
     return record
+
+
+def _serving(config: tc.pb.ModelConfig):
+    """The registered target that writes this config: platform or backend, instance kind, and the GPU
+    accelerators (the TensorRT and CUDA targets differ only there, and open the graph with their own)."""
+    kind = tc.pb.ModelInstanceGroup.Kind.Name(config.instance_group[0].kind)
+    accelerators = [a.name for a in config.optimization.execution_accelerators.gpu_execution_accelerator]
+    for target in TARGETS.values():
+        serving = target.serving(target.precisions[0])
+        if (serving.platform, serving.backend, serving.device, [a.name for a in serving.accelerators]) == (
+                config.platform, config.backend, kind, accelerators):
+            return target
+    return serving_target(config.platform, config.backend, kind)  # the closest, or an error naming the registered
+
+
+def against_reference(folder: Path, runner, backend: str, trims_padding: bool):
+    """``runner`` (a session-like graph or engine) on the reference stored in the encoder ``folder``,
+    held to the export's own thresholds: the check ``validate`` and ``build-plan`` share."""
+    exported = json.loads((folder / "validation.json").read_text())
+    task = get_task(exported["task"])
+    reference = stored_reference.load(folder, list(exported["inputs"]), task.output_names())
+    embedder = Embedder(exported["pooling"], exported["normalize"]) if exported["pooling"] else None
+    return compare(runner, reference, exported["precision"], embedder, task, backend, exported["thresholds"],
+                   trims_padding)
 
 
 def _providers(runner) -> list[str]:

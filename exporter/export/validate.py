@@ -53,6 +53,23 @@ def thresholds(task: TaskSpec | None, precision: str) -> dict[str, float]:
     return (LABEL_THRESHOLDS if task is not None and task.agreement else THRESHOLDS)[precision]
 
 
+#: The bar a configuration must clear to be exported without being asked for by name
+#: (``auto``), whatever its precision: a reduced precision earns its place by speed
+#: only at this fidelity.  The bench holds the served default to the same bar.
+AUTO_BAR: dict[str, float] = {"cosine_mean": 0.995, "cosine_min": 0.98}
+AUTO_LABEL_BAR: dict[str, float] = {"agreement": 0.99}
+
+
+def with_auto_bar(limits: dict[str, float], task: TaskSpec | None) -> dict[str, float]:
+    """``limits`` tightened to :data:`AUTO_BAR` (or the label bar for tasks that decide):
+    of two limits on one metric the stricter holds."""
+    bar = AUTO_LABEL_BAR if task is not None and task.agreement else AUTO_BAR
+    tightened = dict(limits)
+    for metric, limit in bar.items():
+        tightened[metric] = max(limit, tightened.get(metric, limit))
+    return tightened
+
+
 #: Longest sequence the parity check runs (attention cost grows with its square).
 LONG_CASE_CAP = 1024
 TEXT_BATCH = 16

@@ -38,7 +38,10 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from google.protobuf.text_format import ParseError
+
 from nexus_sli.exporter.errors import NexusError
+from nexus_sli.exporter.triton.config import read as read_config
 
 from .gpu_on_cpu import servable
 
@@ -100,7 +103,7 @@ def prepare_backends(target: Path) -> Path:
         shim = target / backend
         shim.mkdir(exist_ok=True)
         (shim / "model.py").write_text(package.joinpath(f"{backend}_backend.py").read_text())
-        for helper in ("encoder_backend.py", "batching.py", "openvino_properties.py"):
+        for helper in ("encoder_backend.py", "batching.py", "openvino_properties.py", "onnxruntime_providers.py"):
             (shim / helper).write_text(package.joinpath(helper).read_text())
         (shim / "error_codes.py").write_text(error_codes)
     return target
@@ -118,16 +121,33 @@ def _access(admin_key: str | None, reload_models: bool) -> list[str]:
     return [*mode, f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
 
 
-def server_command(repository: Path, http_port: int, grpc_port: int, metrics_port: int,
-                   host: str = "127.0.0.1", backend_dir: Path | None = None,
-                   admin_key: str | None = None, reload_models: bool = False) -> ServerCommand:
-    args = [f"--model-repository={repository}", f"--http-port={http_port}", f"--grpc-port={grpc_port}",
+#: Prefixes of the object stores Triton reads a repository from itself (it copies
+#: each model to a local temporary folder when loading it).
+REMOTE_PREFIXES = ("s3://", "gs://", "as://")
+
+
+def is_remote(repository) -> bool:
+    """Whether ``repository`` names an object store (``s3://HOST:PORT/bucket/prefix``, ...), not a folder."""
+    return str(repository).startswith(REMOTE_PREFIXES)
+
+
+def server_args(repository, http_port: int, grpc_port: int, metrics_port: int, host: str = "127.0.0.1",
+                admin_key: str | None = None, reload_models: bool = False) -> list[str]:
+    """tritonserver's flags, the one source for ``nexus-sli serve`` and the Kubernetes
+    Deployment (deploy/k8s, where ``admin_key`` is ``$(NEXUS_SLI_ADMIN_KEY)``, a Secret's value)."""
+    return [f"--model-repository={repository}", f"--http-port={http_port}", f"--grpc-port={grpc_port}",
             f"--metrics-port={metrics_port}", f"--http-address={host}", f"--grpc-address={host}",
             f"--metrics-address={host}", "--allow-sagemaker=false", "--allow-vertex-ai=false",
             *_access(admin_key, reload_models), "--exit-on-error=true", "--log-verbose=0",
             # A model whose worker was killed never finishes unloading, and an idle
             # HTTP keep-alive connection holds the server open: stopping waits this long.
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
+
+
+def server_command(repository: Path | str, http_port: int, grpc_port: int, metrics_port: int,
+                   host: str = "127.0.0.1", backend_dir: Path | None = None,
+                   admin_key: str | None = None, reload_models: bool = False) -> ServerCommand:
+    args = server_args(repository, http_port, grpc_port, metrics_port, host, admin_key, reload_models)
     env = dict(os.environ)
     system = shutil.which("tritonserver")
     if system:
@@ -151,13 +171,13 @@ def server_command(repository: Path, http_port: int, grpc_port: int, metrics_por
     return ServerCommand(argv, env, backend_dir, temporary)
 
 
-def _client_host(host: str) -> str:
+def client_host(host: str) -> str:
     """Where a local client reaches a server bound to ``host`` (a wildcard address is not one)."""
     return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
 
 
 def _url(host: str, port: int, path: str) -> str:
-    host = _client_host(host)
+    host = client_host(host)
     return f"http://{f'[{host}]' if ':' in host else host}:{port}{path}"
 
 
@@ -211,16 +231,18 @@ class StubSupervisor(threading.Thread):
     retryable :class:`~nexus_sli.client.ModelUnavailableError`.
     """
 
-    def __init__(self, server: TritonServer, repository: Path, http_port: int, host: str, admin_key: str,
+    def __init__(self, server: TritonServer, repository: Path | str, http_port: int, host: str, admin_key: str,
                  interval: float = 0.5):
         super().__init__(name="nexus-sli-stub-supervisor", daemon=True)
-        self.server, self.repository, self.interval = server, Path(repository).resolve(), interval
+        self.server, self.interval = server, interval
+        self.repository = repository if is_remote(repository) else Path(repository).resolve()
         self._base = _url(host, http_port, "")
         self._key = admin_key
         self._stopping = threading.Event()
         self.restarts: list[tuple[float, str]] = []  # (time.time(), model), for tests and operators
         self._expected = self.stub_counts()
         self._ready = set(self._ready_models())
+        self._ensembles: set[str] | None = None
 
     def stub_processes(self) -> dict[str, list]:
         """Live stub processes (``psutil.Process``) of this server, per model name."""
@@ -240,10 +262,21 @@ class StubSupervisor(threading.Thread):
                 continue
             if len(argv) < 2 or Path(argv[0]).name != STUB_EXECUTABLE:
                 continue
-            model_dir = Path(argv[1]).parent.parent
-            if model_dir.parent == self.repository:
-                found.setdefault(model_dir.name, []).append(child)
+            model = self._model_of(Path(argv[1]).parent.parent)
+            if model is not None:
+                found.setdefault(model, []).append(child)
         return found
+
+    def _model_of(self, model_dir: Path) -> str | None:
+        """The model a stub serves, from the folder it runs in: ``<repository>/<model>`` for a
+        folder; for an object store, Triton's local copy (a random ``/tmp/folderXXXXXX``) of the
+        model folder, named by the ``name`` in the config.pbtxt copied with it."""
+        if not isinstance(self.repository, str):
+            return model_dir.name if model_dir.parent == self.repository else None
+        try:
+            return read_config(model_dir / "config.pbtxt").name or None
+        except (OSError, ParseError):  # not a model copy (or gone: unloaded meanwhile)
+            return None
 
     def stub_counts(self) -> dict[str, int]:
         return {model: len(processes) for model, processes in self.stub_processes().items()}
@@ -268,13 +301,30 @@ class StubSupervisor(threading.Thread):
         except OSError:
             return False
 
+    def _is_ensemble(self, model: str) -> bool:
+        with urllib.request.urlopen(self._base + f"/v2/models/{model}/config", timeout=30) as response:
+            return json.loads(response.read()).get("platform") == "ensemble"
+
     def reload(self, model: str) -> None:
-        """Unload and load ``model``, then load whatever else was ready before and is not now."""
+        """Unload and load ``model``, then load whatever else was ready before and is not now.
+
+        From an object store, every model that was ready is loaded again, the ensembles last: a
+        load reads the model's config from the store, where a publish may have pinned newer step
+        versions since this server started; reloading one step alone would leave the ensemble
+        pinning a version that step no longer serves.  The replica then serves the store's
+        current set (docs/deployment.md)."""
         log.warning("the python backend process of model %s exited; reloading the model", model)
+        remote = isinstance(self.repository, str)
+        if remote and self._ensembles is None:  # asked once, while every model is still loaded
+            self._ensembles = {m for m in self._ready if self._is_ensemble(m)}
+        ensembles = self._ensembles or set()
         self._post(f"/v2/repository/models/{model}/unload")
         self._post(f"/v2/repository/models/{model}/load")
-        for other in sorted(self._ready - set(self._ready_models())):
+        others = self._ready if remote else self._ready - set(self._ready_models())
+        for other in sorted(others - {model}, key=lambda m: (m in ensembles, m)):
             self._post(f"/v2/repository/models/{other}/load")
+        if remote:  # the store's versions may differ from the ones loaded at start
+            self._expected = self.stub_counts()
         self.restarts.append((time.time(), model))
         log.warning("model %s reloaded", model)
 
@@ -313,17 +363,27 @@ def _check_identity(host: str, http_port: int, admin_key: str) -> None:
         raise
 
 
-def start(repository: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+def start(repository: Path | str, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
           host: str = "127.0.0.1", timeout: float = 180.0, supervise: bool = True, gpu_on_cpu: bool = False,
           **popen) -> TritonServer:
     """Start the server and return once it reports ready; with ``supervise`` (the
     default) a model whose python-backend process dies is reloaded.  ``gpu_on_cpu``:
-    serve GPU models on the CPU where there is no GPU (:mod:`gpu_on_cpu`)."""
-    repository = Path(repository).resolve()
-    if not any(p.joinpath("config.pbtxt").is_file() for p in repository.glob("*")):
-        raise ServerError(f"{repository} holds no model (run 'make export' first)")
-    shadow = servable(repository, gpu_on_cpu)
-    repository = shadow or repository
+    serve GPU models on the CPU where there is no GPU (:mod:`gpu_on_cpu`).
+
+    ``repository`` may be an object store (``s3://HOST:PORT/bucket/prefix``, credentials
+    from the standard AWS environment): Triton reads it itself, so the local checks and
+    the GPU-on-CPU shadow (a local rewrite of configs) do not apply there."""
+    shadow = None
+    if is_remote(repository):
+        if gpu_on_cpu:
+            raise ServerError("--gpu-models-on-cpu rewrites configs in a local shadow folder and cannot apply to "
+                              f"{repository}; publish a CPU export there, or serve a local copy")
+    else:
+        repository = Path(repository).resolve()
+        if not any(p.joinpath("config.pbtxt").is_file() for p in repository.glob("*")):
+            raise ServerError(f"{repository} holds no model (run 'make export' first)")
+        shadow = servable(repository, gpu_on_cpu)
+        repository = shadow or repository
     admin_key = secrets.token_urlsafe(32)
     command = server_command(repository, http_port, grpc_port, metrics_port, host, admin_key=admin_key,
                              reload_models=supervise)
@@ -356,17 +416,51 @@ def stop(process: subprocess.Popen, grace: float = 15.0) -> None:
         process.remove_temporary_files()
 
 
+def _wait_any(processes: list[subprocess.Popen]) -> int:
+    """The exit code of the first of ``processes`` to end."""
+    if len(processes) == 1:
+        return processes[0].wait()
+    while True:
+        for process in processes:
+            if process.poll() is not None:
+                return process.returncode
+        time.sleep(0.2)
+
+
+def _stop_beside(process: subprocess.Popen, grace: float = 10.0) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def serve_forever(repository: Path, http_port: int, grpc_port: int, metrics_port: int, host: str,
-                  gpu_on_cpu: bool = False) -> int:
-    """The ``serve`` command: start, print the URLs, stop cleanly on Ctrl-C / SIGTERM."""
+                  gpu_on_cpu: bool = False, beside: list[str] | None = None) -> int:
+    """The ``serve`` command: start, print the URLs, stop cleanly on Ctrl-C / SIGTERM (exit code 0).
+
+    ``beside``: the command of a process started once Triton is ready (the HTTP
+    gateway); whichever of the two ends first, the other is stopped too, and the
+    exit code is the one that ended first's: its own, or 128 + the signal that
+    killed it (the shell's convention; a negative code would become 256 - n)."""
     process = start(repository, http_port, grpc_port, metrics_port, host, gpu_on_cpu=gpu_on_cpu)
     print(f"Triton is ready: HTTP http://{host}:{http_port}  gRPC {host}:{grpc_port}  "
           f"metrics http://{host}:{metrics_port}/metrics", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    companion = None
     try:
-        code = process.wait()
+        companion = subprocess.Popen(beside) if beside else None
+        code = _wait_any([process, *([companion] if companion else [])])
+        code = 128 - code if code < 0 else code  # Popen's -N (killed by signal N) as the shell says it
+        if companion is not None and companion.poll() is not None:
+            print(f"the process beside Triton exited (code {code}); stopping Triton ...", flush=True)
     except KeyboardInterrupt:
         print("stopping Triton ...", flush=True)
         code = 0
-    stop(process)  # also when the server ended by itself: the supervisor and temporary files go too
+    finally:
+        if companion is not None:
+            _stop_beside(companion)
+        stop(process)  # also when the server ended by itself: the supervisor and temporary files go too
     return code

@@ -5,8 +5,7 @@ from nexus_sli.exporter.triton.config import EncoderServing
 from .base import Candidate, ExportedGraph, Target
 from .registry import (
     AUTO,
-    AUTO_ORDER,
-    AUTO_ORDERS,
+    AUTO_CONFIGURATIONS,
     DEVICES,
     TARGETS,
     Configuration,
@@ -17,5 +16,5 @@ from .registry import (
     serving_target,
 )
 
-__all__ = ["AUTO", "AUTO_ORDER", "AUTO_ORDERS", "DEVICES", "TARGETS", "Candidate", "Configuration", "EncoderServing", "ExportedGraph",
+__all__ = ["AUTO", "AUTO_CONFIGURATIONS", "DEVICES", "TARGETS", "Candidate", "Configuration", "EncoderServing", "ExportedGraph",
            "Target", "get_target", "plan", "precisions", "register", "serving_target"]

@@ -53,6 +53,8 @@ class Candidate:
     graph: str
     path: Path
     report: Any = None
+    #: median milliseconds per workload (:mod:`export.timing`), and their sum, by which candidates are ranked
+    timings: dict[str, float] | None = None
     latency_ms: float | None = None
 
     def files(self) -> list[Path]:

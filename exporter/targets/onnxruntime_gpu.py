@@ -14,21 +14,27 @@ positions and requests of one bucket still merge.
 Validation runs the fp16 graph on ONNX Runtime's CPU provider, which inserts
 casts around ops it has no fp16 kernel for: it checks the fp16 weights and the
 graph, not fp16 arithmetic, which happens only on a GPU (docs/gpu.md).
+
+The same graph is what ``nexus-sli build-plan`` compiles into a TensorRT plan on
+the GPU host (:mod:`targets.tensorrt_plan`).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from nexus_sli.exporter.export.fp16 import convert_fp16
-from nexus_sli.exporter.export.optimize import session
+from nexus_sli.exporter.serving.backends.onnxruntime_providers import choose_providers
 from nexus_sli.exporter.triton.config import Accelerator, EncoderServing
 
 from .base import Candidate, ExportedGraph, Target
 
+log = logging.getLogger(__name__)
+
 #: Token widths a GPU batch is padded to (the smallest that fits; capped at the model's limit).
 PAD_BUCKETS = (16, 32, 64, 128, 256, 512)
-#: Where Triton keeps the TensorRT engines it builds, relative to the server's working directory.
+#: Where ONNX Runtime keeps the TensorRT engines it builds on the serving host (so a restart reuses them).
 ENGINE_CACHE = "/tmp/nexus-sli-trt-cache"
 
 
@@ -45,12 +51,25 @@ class OnnxRuntimeGPU(Target):
     def candidates(self, graph: ExportedGraph, precision: str) -> list[Candidate]:
         return [Candidate("plain-fp16", convert_fp16(graph.plain, graph.work / "plain.fp16.onnx"))]
 
-    #: ONNX Runtime's providers for this accelerator, used where this onnxruntime has them
-    #: (onnxruntime-gpu on a GPU host); elsewhere the CPU provider (see the module docstring)
-    providers: tuple[str, ...] = ()
+    def open(self, path: Path, parameters: dict[str, str], config: dict | None = None):
+        """The graph on the providers its served config gets, with the accelerator's options (TensorRT
+        in FP16, then CUDA, then the CPU, each where this onnxruntime has it: onnxruntime-gpu on a GPU
+        host), as the backend shim chooses them; elsewhere the CPU provider (see the module docstring).
 
-    def open(self, path: Path, parameters: dict[str, str]):
-        return session(path, providers=self.providers)
+        ``config``: the encoder's config.pbtxt as JSON (proto field names), as ``nexus-sli validate``
+        reads it from the repository, so edited accelerator options (profile shapes, precision, the
+        engine cache path) are the ones validated; without it, the config this target writes."""
+        import onnxruntime as ort
+
+        if config is None:
+            config = {"instance_group": [{"kind": "KIND_GPU"}], "optimization": {"execution_accelerators": {
+                "gpu_execution_accelerator": [{"name": self.accelerator.name,
+                                               "parameters": dict(self.accelerator.parameters)}]}}}
+        providers, notes = choose_providers(config, ort.get_available_providers())
+        log.info("%s on this machine: %s", self.name, "; ".join(notes))
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        return ort.InferenceSession(str(path), options, providers=providers)
 
     def serving(self, precision: str) -> EncoderServing:
         return EncoderServing(platform="onnxruntime_onnx", device="KIND_GPU", accelerators=(self.accelerator,),
@@ -59,7 +78,6 @@ class OnnxRuntimeGPU(Target):
 
 class OnnxRuntimeTensorRT(OnnxRuntimeGPU):
     name = "onnxruntime-tensorrt"
-    providers = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
     accelerator = Accelerator("tensorrt", {
         "precision_mode": "FP16", "max_workspace_size_bytes": str(1 << 30),
         "trt_engine_cache_enable": "1", "trt_engine_cache_path": ENGINE_CACHE,
@@ -70,5 +88,4 @@ class OnnxRuntimeTensorRT(OnnxRuntimeGPU):
 
 class OnnxRuntimeCUDA(OnnxRuntimeGPU):
     name = "onnxruntime-cuda"
-    providers = ("CUDAExecutionProvider",)
     accelerator = Accelerator("cuda", {})

@@ -1,7 +1,7 @@
-"""The registered runtime targets, and the configurations ``auto`` tries in turn.
+"""The registered runtime targets, and the configurations ``auto`` measures.
 
 Adding a runtime is one module with a :class:`Target` subclass, registered
-below; ``auto`` learns of it only where :data:`AUTO_ORDERS` names it.
+below; ``auto`` measures it only where :data:`AUTO_CONFIGURATIONS` names it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from .cpu import cpu_flags
 from .onnxruntime_cpu import OnnxRuntimeCPU
 from .onnxruntime_gpu import OnnxRuntimeCUDA, OnnxRuntimeTensorRT
 from .openvino_cpu import OpenVINOCPU
+from .tensorrt_plan import TensorRTPlan
 
 #: backend or precision: let the registry choose (:func:`plan`).
 AUTO = "auto"
@@ -34,28 +35,39 @@ register(OnnxRuntimeCPU())
 register(OpenVINOCPU())
 register(OnnxRuntimeTensorRT())
 register(OnnxRuntimeCUDA())
+# built on the GPU host by nexus-sli build-plan, never by an export; registered for nexus-sli validate
+register(TensorRTPlan())
 
 #: Where an export's encoder will run (``--target``); ``auto`` chooses among that device's targets.
 DEVICES = ("cpu", "gpu")
 
-#: What ``auto`` tries, in order, where the target suits the CPU: the first
-#: configuration whose graph passes validation is exported.  OpenVINO bf16 leads
-#: where the CPU has bf16 matmuls (it was the fastest full-fidelity path on an AMX
-#: machine, docs/export.md); ONNX Runtime fp32, which every supported family
-#: exports at exact parity, closes the list so ``auto`` always has an answer.
-AUTO_ORDER: tuple[tuple[str, str], ...] = (("openvino", "bf16"), ("onnxruntime", "fp32"))
-#: On GPUs: the fp16 graph with TensorRT (``--accelerator cuda`` names the CUDA target instead).
-GPU_AUTO_ORDER: tuple[tuple[str, str], ...] = (("onnxruntime-tensorrt", "fp16"),)
-AUTO_ORDERS = {"cpu": AUTO_ORDER, "gpu": GPU_AUTO_ORDER}
+#: What ``auto`` measures on each device: every configuration this machine can
+#: run is validated against PyTorch (held to :data:`validate.AUTO_BAR` whatever
+#: its precision), each that passes is timed on the bench's workload
+#: (:mod:`export.timing`), and the fastest is exported.  A CPU flag only prunes
+#: what cannot run as asked (bf16 without bf16 matmuls, :meth:`Target.suits`);
+#: which configuration is fastest is measured, never assumed: it differs between
+#: CPUs of one family (docs/export.md, "Choosing a backend").  ONNX Runtime fp32,
+#: which every supported family exports at exact parity, runs everywhere, so
+#: ``auto`` always has an answer.
+AUTO_CONFIGURATIONS: dict[str, tuple[tuple[str, str], ...]] = {
+    "cpu": (("onnxruntime", "fp32"), ("onnxruntime", "int8"), ("openvino", "fp32"), ("openvino", "bf16"),
+            ("openvino", "int8")),
+    # On GPUs: the fp16 graph with TensorRT (``--accelerator cuda`` names the CUDA target instead).
+    # The exporter cannot time a GPU graph on the machine that exports it, so this is one entry.
+    "gpu": (("onnxruntime-tensorrt", "fp16"),),
+}
 
 
 @dataclass(frozen=True)
 class Configuration:
-    """One (target, precision) an export tries, and why it is on the list."""
+    """One (target, precision) an export validates and times, and why it is on the list."""
 
     target: Target
     precision: str
     reason: str
+    #: chosen by ``auto`` rather than asked for by name: held to ``validate.AUTO_BAR``
+    auto: bool = False
 
     def describe(self) -> str:
         return f"{self.target.name} {self.precision}"
@@ -83,7 +95,7 @@ def serving_target(platform: str, backend: str, device: str = "KIND_CPU") -> Tar
 
 
 def plan(backend: str, precision: str, flags: set[str] | None = None, device: str = "cpu") -> list[Configuration]:
-    """The configurations to try, in order, for a requested backend and precision (either may be
+    """The configurations to measure for a requested backend and precision (either may be
     ``auto``) on ``device``: ``auto`` never leaves the device asked for."""
     flags = cpu_flags() if flags is None else flags
     if precision != AUTO and precision not in precisions():
@@ -94,11 +106,11 @@ def plan(backend: str, precision: str, flags: set[str] | None = None, device: st
         target = get_target(backend)
         target.check(precision)
         return [Configuration(target, target.runnable(precision, flags), "as requested")]
-    order = AUTO_ORDERS[device] if backend == AUTO else AUTO_ORDERS[get_target(backend).device]
-    tried = [Configuration(TARGETS[name], p, f"auto on {device}: first that suits this machine and passes validation")
-             for name, p in order
-             if backend in (AUTO, name) and precision in (AUTO, p) and TARGETS[name].suits(p, flags)]
-    return tried or [_first_offering(backend, precision, flags, device)]
+    listed = AUTO_CONFIGURATIONS[device] if backend == AUTO else AUTO_CONFIGURATIONS[get_target(backend).device]
+    measured = [Configuration(TARGETS[name], p, f"auto on {device}: runs on this machine; measured", precision == AUTO)
+                for name, p in listed
+                if backend in (AUTO, name) and precision in (AUTO, p) and TARGETS[name].suits(p, flags)]
+    return measured or [_first_offering(backend, precision, flags, device)]
 
 
 def _first_offering(backend: str, precision: str, flags: set[str], device: str) -> Configuration:

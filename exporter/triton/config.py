@@ -174,15 +174,18 @@ def encoder_config(name: str, lay: Layout, input_names: list[str], serving: Enco
     return config
 
 
-def profile_shapes(input_names: list[str], max_length: int) -> dict[str, str]:
-    """TensorRT optimization profile over batch and sequence, from the model's limits: one row of
-    one token, up to :data:`MAX_BATCH_SIZE` rows of ``max_length``; tuned for a quarter of the
-    batch at 128 tokens."""
-    def shapes(batch: int, length: int) -> str:
-        return ",".join(f"{name}:{batch}x{length}" for name in input_names)
-    return {"trt_profile_min_shapes": shapes(1, 1),
-            "trt_profile_opt_shapes": shapes(max(1, MAX_BATCH_SIZE // 4), min(128, max_length)),
-            "trt_profile_max_shapes": shapes(MAX_BATCH_SIZE, max_length)}
+def profile_dims(max_length: int, max_batch_size: int = MAX_BATCH_SIZE) -> dict[str, tuple[int, int]]:
+    """TensorRT's optimization profile over (batch, sequence), from the model's limits: one row of
+    one token, up to ``max_batch_size`` rows of ``max_length``; tuned for a quarter of the batch at
+    128 tokens.  One home for the ONNX Runtime accelerator's profile and ``nexus-sli build-plan``'s."""
+    return {"min": (1, 1), "opt": (max(1, max_batch_size // 4), min(128, max_length)),
+            "max": (max_batch_size, max_length)}
+
+
+def profile_shapes(input_names: list[str], max_length: int, max_batch_size: int = MAX_BATCH_SIZE) -> dict[str, str]:
+    """:func:`profile_dims` as the ONNX Runtime backend's ``trt_profile_*_shapes`` parameters."""
+    return {f"trt_profile_{kind}_shapes": ",".join(f"{name}:{batch}x{length}" for name in input_names)
+            for kind, (batch, length) in profile_dims(max_length, max_batch_size).items()}
 
 
 def _accelerate(config: pb.ModelConfig, accelerators, input_names: list[str], max_length: int) -> None:
@@ -190,7 +193,7 @@ def _accelerate(config: pb.ModelConfig, accelerators, input_names: list[str], ma
     for accelerator in accelerators:
         parameters = dict(accelerator.parameters)
         if accelerator.name == "tensorrt":
-            parameters.update(profile_shapes(input_names, max_length))
+            parameters.update(profile_shapes(input_names, max_length, config.max_batch_size))
         unknown = set(parameters) - ACCELERATOR_KEYS.get(accelerator.name, frozenset())
         if accelerator.name not in ACCELERATOR_KEYS or unknown:
             raise ValueError(f"accelerator {accelerator.name!r} with keys {sorted(unknown)} is not one Triton's "

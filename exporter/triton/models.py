@@ -32,8 +32,10 @@ The python-backend models import `tokenizers` and `numpy` (the files they need
 besides are copied next to each `model.py`). On an NGC Triton container the
 python backend's interpreter lacks `tokenizers`; provide it with either
 
-    pip install tokenizers numpy          # inside the container, before starting
+    pip install tokenizers "numpy<2"      # inside the container, before starting
 
+(numpy<2: Triton 2.51's python backend crashed on string inputs with numpy 2),
+or build the image of nexus-sli's `deploy/docker/Dockerfile`, which does this;
 or a packed environment: build one with conda-pack holding `tokenizers` and
 `numpy`, and add to both python models' config.pbtxt
 

@@ -1,12 +1,17 @@
 """A Python-based Triton backend named ``onnxruntime``.
 
 The PyPI Triton build has no native ONNX Runtime backend; installed as
-``<backend-dir>/onnxruntime/model.py`` (with ``encoder_backend.py`` and
-``batching.py`` beside it) this serves ``platform: "onnxruntime_onnx"``
-models with the onnxruntime package, so the very same repository runs
-unchanged on an NGC container with the native C++ backend.
+``<backend-dir>/onnxruntime/model.py`` (with ``encoder_backend.py``,
+``batching.py`` and ``onnxruntime_providers.py`` beside it) this serves
+``platform: "onnxruntime_onnx"`` models with the onnxruntime package, so the
+very same repository runs unchanged on an NGC container with the native C++
+backend.  Like that backend it honours the config's instance kind and GPU
+execution accelerators (TensorRT, then CUDA, then the CPU) where this
+onnxruntime has those providers (``onnxruntime-gpu``), and logs what it chose
+and every fallback (:mod:`onnxruntime_providers`).
 """
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -15,9 +20,27 @@ sys.path.insert(0, str(Path(__file__).parent))  # the shared modules beside this
 
 import onnxruntime as ort  # noqa: E402
 from encoder_backend import EncoderBackend  # noqa: E402
+from onnxruntime_providers import choose_providers  # noqa: E402
+
+
+def _log(message: str) -> None:
+    """Into the server's log (the python backend's logger where it has one, else the stub's stderr)."""
+    import triton_python_backend_utils as pb_utils
+
+    logger = getattr(pb_utils, "Logger", None)
+    if logger is not None:
+        logger.log_warn(message)
+    else:
+        print(message, file=sys.stderr, flush=True)
 
 
 class TritonPythonModel(EncoderBackend):
+    def initialize(self, args):
+        self.model_config = json.loads(args["model_config"])
+        self.device_id = int(args.get("model_instance_device_id") or 0)
+        self.model_name = args.get("model_name", "")
+        super().initialize(args)
+
     def load(self, path, params):
         options = ort.SessionOptions()
         # Operator knobs, read from the server's environment: intra-op threads (0: one
@@ -30,7 +53,11 @@ class TritonPythonModel(EncoderBackend):
         if spinning not in ("0", "1"):  # ONNX Runtime would read anything else as 0
             raise ValueError(f"NEXUS_ORT_SPINNING must be 0 or 1, not {spinning!r}")
         options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        providers, notes = choose_providers(self.model_config, ort.get_available_providers(), self.device_id)
+        for note in notes:
+            _log(f"nexus-sli onnxruntime backend, {self.model_name}: {note}")
+        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        _log(f"nexus-sli onnxruntime backend, {self.model_name}: session providers {self.session.get_providers()}")
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def infer(self, feeds):

@@ -1,0 +1,496 @@
+"""Publish a model repository to S3-compatible object storage, safely for running servers.
+
+Triton reads ``<model>/config.pbtxt`` when it loads a model and picks version
+folders by the config's ``version_policy``; servers on object storage copy the
+model folder to local disk at load.  So a publish never changes a version
+folder a server may be reading: every model of a changed ensemble gets a new
+numbered version folder (one number for the whole group, never reused), and
+only the small configs are replaced, each in one PUT (an object is replaced
+whole on S3):
+
+0. take the prefix's lock object (a conditional create: one publisher at a time);
+1. upload the version folders (each object created only if absent, with its
+   SHA-256, which the store may check), then download every object and compare
+   its SHA-256 with the local file's;
+2. the ensemble's steps' configs serve ``[previous, new]`` (previous: the
+   version the ensemble pins now), then the ensemble's config pins its steps to
+   the new version: that single PUT is the switch.  The steps keep serving the
+   previous version too until the next publish replaces it: Triton reads the
+   configs one model at a time, so a server starting during a publish may read
+   the ensemble before the switch and a step after it, and must find the
+   version the ensemble pins either way;
+3. the files beside config.pbtxt (validation data, not read by Triton), then
+   the lock is released.
+
+A step's config is shared by every version it serves, so a step whose config
+changed cannot keep serving the previous version: that publish is refused
+(publish to a new prefix).  A publish that fails or is killed in 1 leaves a
+version folder no config names (the next publish takes the number after it);
+in 2 the previous versions still serve.  Credentials come from boto3's standard
+chain (environment, ``~/.aws``) and are never printed.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as pb
+
+from nexus_sli.exporter.errors import NexusError
+
+from .config import read as read_config
+
+log = logging.getLogger(__name__)
+
+CONFIG = "config.pbtxt"
+
+
+class PublishError(NexusError):
+    """The repository could not be published, or what was uploaded does not match what was sent."""
+
+
+@dataclass(frozen=True)
+class Destination:
+    """``s3://bucket/prefix``; Triton's own form ``s3://HOST:PORT/bucket/prefix`` also names the endpoint."""
+
+    bucket: str
+    prefix: str
+    endpoint_url: str | None = None
+
+    @classmethod
+    def parse(cls, url: str, endpoint_url: str | None = None) -> "Destination":
+        if not url.startswith("s3://"):
+            raise PublishError(f"--to must be an s3:// URL (s3://bucket/prefix), got {url!r}")
+        rest = url[len("s3://"):]
+        scheme = "http"
+        for given in ("https://", "http://"):
+            if rest.startswith(given):
+                scheme, rest = given[:-3], rest[len(given):]
+        parts = [p for p in rest.split("/") if p]
+        if parts and ":" in parts[0]:  # s3://HOST:PORT/bucket/prefix, as Triton names a non-AWS store
+            endpoint_url = endpoint_url or f"{scheme}://{parts.pop(0)}"
+        if not parts:
+            raise PublishError(f"{url!r} names no bucket (s3://bucket/prefix)")
+        return cls(parts[0], "/".join(parts[1:]), endpoint_url)
+
+    def key(self, *parts: str) -> str:
+        return "/".join(p.strip("/") for p in (self.prefix, *parts) if p)
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+
+@dataclass
+class LocalModel:
+    name: str
+    folder: Path
+    config: pb.ModelConfig
+    #: the highest numbered version folder (an export writes ``1``)
+    version_dir: Path
+    #: path relative to the version folder -> base64 SHA-256 (S3's ChecksumSHA256 form)
+    files: dict[str, str]
+    #: files beside config.pbtxt (the export's validation data; Triton does not read them)
+    extras: dict[str, str]
+
+
+#: Beside the models, under the prefix: present while a publish runs (created only if absent).
+LOCK = ".nexus-sli-publish.lock"
+
+
+@dataclass
+class RemoteModel:
+    versions: set[int] = field(default_factory=set)
+    config: pb.ModelConfig | None = None
+
+    @property
+    def served(self) -> list[int]:
+        """The versions the config serves: its ``specific`` list, else the latest folder."""
+        if self.config is not None and self.config.version_policy.HasField("specific"):
+            return sorted(self.config.version_policy.specific.versions)
+        return [max(self.versions)] if self.versions else []
+
+
+@dataclass
+class GroupPlan:
+    """One ensemble and its steps (or a model alone), published together under one version number."""
+
+    models: list[str]
+    ensemble: str | None
+    version: int
+    previous: dict[str, list[int]]
+    reason: str
+    uploads: list[tuple[Path, str, str]]  # (local file, key, sha256): the new version folders
+    #: the versions each model's config serves after the switch (a step: previous and new)
+    serves: dict[str, list[int]] = field(default_factory=dict)
+    #: files beside config.pbtxt, uploaded after the switch (Triton does not read them)
+    extras: list[tuple[Path, str, str]] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    destination: Destination
+    groups: list[GroupPlan]
+    #: models whose published version equals the export, and the versions they serve
+    unchanged: dict[str, list[int]]
+    #: version folders on the store that no config serves (left by an interrupted publish, or older)
+    unreferenced: dict[str, list[int]]
+    local: dict[str, LocalModel] = field(repr=False, default_factory=dict)
+
+    def describe(self) -> list[str]:
+        lines = []
+        for group in self.groups:
+            lines.append(f"{', '.join(group.models)}: new version {group.version} ({group.reason}); "
+                         f"{len(group.uploads)} files")
+            lines += [f"  + {key}" for _, key, _ in group.uploads]
+            for model in group.models:
+                serves = group.serves.get(model, [group.version])
+                lines.append(f"  ~ {self.destination.key(model, CONFIG)}: serves version "
+                             f"{', '.join(map(str, serves))}"
+                             + (f" (was {group.previous[model]})" if group.previous.get(model) else ""))
+            lines += [f"  ~ {key} (after the switch)" for _, key, _ in group.extras]
+        lines += [f"{name}: unchanged (serving version {', '.join(map(str, v))})" for name, v in self.unchanged.items()]
+        for name, versions in sorted(self.unreferenced.items()):
+            lines.append(f"{name}: version folders {', '.join(map(str, versions))} are on the store but not served (kept)")
+        return lines or ["nothing to publish"]
+
+
+def sha256_b64(data: bytes) -> str:
+    return base64.b64encode(hashlib.sha256(data).digest()).decode()
+
+
+def _file_sha(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return base64.b64encode(digest.digest()).decode()
+
+
+#: S3's limit for one PUT; larger files would need a multipart upload, which this does not do.
+MAX_OBJECT_BYTES = 5 * 1024 ** 3
+
+
+def read_local(repository: Path) -> dict[str, LocalModel]:
+    """Every model folder (one with a config.pbtxt) of an exported repository; its highest version folder."""
+    repository = Path(repository)
+    models = {}
+    for config_path in sorted(repository.glob(f"*/{CONFIG}")):
+        folder = config_path.parent
+        versions = sorted((int(p.name), p) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
+        if not versions:
+            raise PublishError(f"{folder} has no numbered version folder: not a model Triton can load")
+        version_dir = versions[-1][1]
+        too_large = [p for p in version_dir.rglob("*") if p.is_file() and p.stat().st_size > MAX_OBJECT_BYTES]
+        if too_large:
+            raise PublishError(f"{too_large[0]} is larger than one S3 PUT (5 GiB); multipart upload is not supported")
+        files = {p.relative_to(version_dir).as_posix(): _file_sha(p)
+                 for p in sorted(version_dir.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+        extras = {p.name: _file_sha(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != CONFIG}
+        models[folder.name] = LocalModel(folder.name, folder, read_config(config_path), version_dir, files, extras)
+    if not models:
+        raise PublishError(f"{repository} holds no model (run 'make export' first)")
+    return models
+
+
+def groups_of(models: dict[str, LocalModel]) -> list[list[str]]:
+    """Ensembles with the steps they use (steps first, the ensemble last); other models alone."""
+    grouped: list[list[str]] = []
+    taken: set[str] = set()
+    for name, model in sorted(models.items()):
+        if model.config.platform == "ensemble":
+            steps = [s.model_name for s in model.config.ensemble_scheduling.step]
+            missing = [s for s in steps if s not in models]
+            if missing:
+                raise PublishError(f"ensemble {name} uses {', '.join(missing)}, which {model.folder.parent} lacks")
+            grouped.append([*dict.fromkeys(steps), name])
+            taken.update(steps, [name])
+    grouped += [[name] for name in sorted(models) if name not in taken]
+    return grouped
+
+
+def _normalized(config: pb.ModelConfig) -> str:
+    """The config without what publishing sets (versions served, the ensemble's pinned step versions)."""
+    copy = pb.ModelConfig()
+    copy.CopyFrom(config)
+    copy.ClearField("version_policy")
+    for step in copy.ensemble_scheduling.step:
+        step.model_version = -1
+    return text_format.MessageToString(copy)
+
+
+def published_config(config: pb.ModelConfig, versions: list[int], pin: int | None = None) -> bytes:
+    """``config`` serving exactly ``versions``; an ensemble's steps pinned to version ``pin``."""
+    copy = pb.ModelConfig()
+    copy.CopyFrom(config)
+    copy.version_policy.specific.versions[:] = versions
+    if pin is not None:
+        for step in copy.ensemble_scheduling.step:
+            step.model_version = pin
+    return text_format.MessageToString(copy).encode()
+
+
+class Store:
+    """The few S3 calls publishing needs (boto3; credentials from its standard chain)."""
+
+    def __init__(self, destination: Destination):
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError as exc:
+            raise PublishError("publishing needs boto3: pip install 'nexus-sli[publish]'") from exc
+        self.destination = destination
+        self.bucket = destination.bucket
+        # retries in boto3's standard mode; checksums only when asked (S3-compatible stores vary)
+        # a session of its own: boto3's default one keeps the credentials it first found
+        self.client = boto3.session.Session().client("s3", endpoint_url=destination.endpoint_url,
+                                                     config=Config(retries={"mode": "standard", "max_attempts": 5},
+                                                                   request_checksum_calculation="when_required",
+                                                                   response_checksum_validation="when_required"))
+
+    def _call(self, what: str, fn, **kwargs):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(Bucket=self.bucket, **kwargs)
+        except (ClientError, BotoCoreError) as exc:
+            raise self._failed(what, exc) from None
+
+    def _failed(self, what: str, exc: Exception) -> PublishError:
+        """The store's error code and message: never the credentials."""
+        from botocore.exceptions import ClientError
+
+        if isinstance(exc, ClientError):
+            error = exc.response.get("Error", {})
+            return PublishError(f"{what} on s3://{self.bucket} failed: {error.get('Code', '?')}: "
+                                f"{error.get('Message', '')}")
+        return PublishError(f"{what} on s3://{self.bucket} failed: {exc}")
+
+    def keys(self, prefix: str) -> list[str]:
+        found, token = [], None
+        while True:
+            page = self._call("listing", self.client.list_objects_v2, Prefix=prefix,
+                              **({"ContinuationToken": token} if token else {}))
+            found += [item["Key"] for item in page.get("Contents", [])]
+            if not page.get("IsTruncated"):
+                return found
+            token = page["NextContinuationToken"]
+
+    def get(self, key: str) -> bytes:
+        return self._call(f"reading {key}", self.client.get_object, Key=key)["Body"].read()
+
+    def put(self, key: str, body: bytes, sha: str, create: bool = False) -> None:
+        """One object.  ``sha`` goes with it as ``x-amz-checksum-sha256`` (a store that checks it, as AWS
+        and SeaweedFS do, refuses a mismatch; ``verify`` does not rely on it).  ``create``: only if no
+        object has that key (``If-None-Match: *``), else :class:`ConcurrentPublishError`."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=body, ChecksumSHA256=sha,
+                                   **({"IfNoneMatch": "*"} if create else {}))
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            if create and code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                raise ConcurrentPublishError(f"s3://{self.bucket}/{key} already exists: another publish is "
+                                             "writing to this prefix (or was killed while it did)") from None
+            raise self._failed(f"uploading {key}", exc) from None
+        except BotoCoreError as exc:
+            raise self._failed(f"uploading {key}", exc) from None
+
+    def verify(self, key: str) -> str:
+        """The SHA-256 of the object's bytes as downloaded now: what a server will read, whatever
+        checksum header the store keeps."""
+        digest = hashlib.sha256()
+        body = self._call(f"reading {key}", self.client.get_object, Key=key)["Body"]
+        for block in iter(lambda: body.read(1 << 20), b""):
+            digest.update(block)
+        return base64.b64encode(digest.digest()).decode()
+
+    def checksum(self, key: str) -> str:
+        """The object's SHA-256 as the store recorded it (its ``ChecksumSHA256``, which a publish
+        verified by download when it wrote it); downloaded and hashed where the store keeps none.
+        For telling whether a published file differs from a local one."""
+        head = self._call(f"checking {key}", self.client.head_object, Key=key, ChecksumMode="ENABLED")
+        stored = head.get("ChecksumSHA256")
+        if stored and "-" not in stored:  # a multipart upload's checksum is of its parts
+            return stored
+        return self.verify(key)
+
+    def delete(self, key: str) -> None:
+        self._call(f"deleting {key}", self.client.delete_object, Key=key)
+
+
+class ConcurrentPublishError(PublishError):
+    """Another publish holds the prefix's lock or wrote the same version folder."""
+
+
+def read_remote(store: Store, names: list[str]) -> dict[str, RemoteModel]:
+    remote = {name: RemoteModel() for name in names}
+    base = store.destination.key()
+    for key in store.keys(base + "/" if base else ""):
+        parts = key[len(base):].strip("/").split("/") if base else key.split("/")
+        if len(parts) >= 2 and parts[0] in remote and parts[1].isdigit():
+            remote[parts[0]].versions.add(int(parts[1]))
+        elif parts[-1] == CONFIG and len(parts) == 2 and parts[0] in remote:
+            remote[parts[0]].config = text_format.Parse(store.get(key).decode(), pb.ModelConfig())
+    return remote
+
+
+def _changed(store: Store, local: LocalModel, remote: RemoteModel) -> str | None:
+    """Why ``local`` differs from what the store serves now, or None when it does not."""
+    if remote.config is None or not remote.served:
+        return "not published yet"
+    if _normalized(remote.config) != _normalized(local.config):
+        return "config changed"
+    version = remote.served[-1]
+    prefix = store.destination.key(local.name, str(version)) + "/"
+    stored = {k[len(prefix):] for k in store.keys(prefix) if not k.endswith("/")}
+    if stored != set(local.files):
+        return f"files differ from version {version}"
+    for name, sha in local.files.items():
+        if store.checksum(prefix + name) != sha:
+            return f"{name} differs from version {version}"
+    return None
+
+
+def plan(repository: Path, destination: Destination, store: Store | None = None) -> Plan:
+    """What publishing ``repository`` to ``destination`` would upload and switch (nothing is written)."""
+    store = store or Store(destination)
+    local = read_local(repository)
+    remote = read_remote(store, list(local))
+    groups, unchanged = [], {}
+    for names in groups_of(local):
+        reasons = {n: _changed(store, local[n], remote[n]) for n in names}
+        changed = [f"{n}: {r}" for n, r in reasons.items() if r]
+        if not changed and not _switched(names, remote):
+            changed = ["an earlier publish stopped while switching the configs"]
+        if not changed:
+            unchanged.update({n: remote[n].served for n in names})
+            continue
+        # one number for the group, above every folder on the store, partial ones included
+        version = 1 + max((v for n in names for v in remote[n].versions), default=0)
+        ensemble = names[-1] if local[names[-1]].config.platform == "ensemble" else None
+        keep = _pinned(names, remote) if ensemble else {}
+        for name, kept in keep.items():
+            if kept and _normalized(remote[name].config) != _normalized(local[name].config):
+                raise PublishError(
+                    f"{name}'s config differs from the one published at {destination}: Triton applies a "
+                    f"model's one config to every version it serves, and {name} must keep serving version "
+                    f"{kept[0]} while servers switch, under the new config it may fail to load or answer "
+                    "wrongly.  Publish this export to a new prefix and point the servers at it")
+        uploads, extras = [], []
+        for name in names:
+            model = local[name]
+            uploads += [(model.version_dir / rel, destination.key(name, str(version), rel), sha)
+                        for rel, sha in model.files.items()]
+            if not model.files:  # an ensemble's empty version folder: S3 needs an object to hold it
+                uploads.append((None, destination.key(name, str(version)) + "/", sha256_b64(b"")))
+            extras += [(model.folder / rel, destination.key(name, rel), sha) for rel, sha in model.extras.items()]
+        serves = {n: sorted(set(keep.get(n, [])) | {version}) for n in names}
+        groups.append(GroupPlan(names, ensemble, version, {n: remote[n].served for n in names}, "; ".join(changed),
+                                uploads, serves, extras))
+    unreferenced = {n: sorted(r.versions - set(r.served)) for n, r in remote.items() if r.versions - set(r.served)}
+    return Plan(destination, groups, unchanged, unreferenced, local)
+
+
+def _switched(names: list[str], remote: dict[str, RemoteModel]) -> bool:
+    """Whether the ensemble pins each step's newest served version (not so after a publish
+    stopped between the steps' configs and the ensemble's)."""
+    config = remote[names[-1]].config
+    if config is None or config.platform != "ensemble":
+        return True
+    return all(remote[step.model_name].served and step.model_version == remote[step.model_name].served[-1]
+               for step in config.ensemble_scheduling.step)
+
+
+def _pinned(names: list[str], remote: dict[str, RemoteModel]) -> dict[str, list[int]]:
+    """Per step, the version the published ensemble pins now (what its steps must keep serving
+    through the switch), where the step's folder for it is on the store."""
+    config = remote[names[-1]].config
+    if config is None or config.platform != "ensemble":
+        return {}
+    pins = {}
+    for step in config.ensemble_scheduling.step:
+        found = remote.get(step.model_name)
+        if found is not None and step.model_version in found.versions:
+            pins[step.model_name] = [step.model_version]
+    return pins
+
+
+#: Called after each uploaded object (files, then configs) with its key (tests use it to stop a publish midway).
+UploadHook = Callable[[str], None]
+
+
+def publish(repository: Path, destination: Destination, store: Store | None = None,
+            after_upload: UploadHook | None = None) -> Plan:
+    """Upload what changed as new version folders, verify every checksum, then switch the configs.
+
+    One publisher at a time per prefix: the lock object ``<prefix>/.nexus-sli-publish.lock`` is
+    created only if absent (:class:`ConcurrentPublishError` otherwise) and deleted at the end, also
+    after an error; a publish killed outright leaves it, to be deleted by hand once no publish runs."""
+    store = store or Store(destination)
+    lock = destination.key(LOCK)
+    body = f"nexus-sli publish: host {platform.node()}, pid {os.getpid()}, since {time.time():.0f}\n".encode()
+    try:
+        store.put(lock, body, sha256_b64(body), create=True)
+    except ConcurrentPublishError:
+        raise ConcurrentPublishError(
+            f"s3://{destination.bucket}/{lock} exists: another publish to {destination} is running. If none "
+            "is (one was killed), delete that object and publish again") from None
+    try:
+        result = plan(repository, destination, store)
+        for group in result.groups:
+            _upload(store, group.uploads, group, after_upload, create=True)
+            _switch(store, group, result.local, after_upload)
+            _upload(store, group.extras, group, after_upload)
+    finally:
+        store.delete(lock)
+    return result
+
+
+def _upload(store: Store, uploads: list, group: GroupPlan, after_upload: UploadHook | None,
+            create: bool = False) -> None:
+    for path, key, sha in uploads:
+        store.put(key, path.read_bytes() if path is not None else b"", sha, create=create)
+        if after_upload is not None:
+            after_upload(key)
+    for _, key, sha in uploads:
+        stored = store.verify(key)
+        if stored != sha:
+            raise PublishError(f"{key} on the store has SHA-256 {stored}, not {sha} as uploaded; nothing was "
+                               "switched, the previous versions still serve")
+    log.info("%s: version %d, %d files uploaded and verified", ", ".join(group.models), group.version,
+             len(uploads))
+
+
+def _switch(store: Store, group: GroupPlan, local: dict[str, LocalModel], after_upload: UploadHook | None) -> None:
+    """The configs, in the order that keeps every moment consistent for a server that starts then."""
+    def put(name: str, versions: list[int], pin: int | None = None) -> None:
+        body = published_config(local[name].config, versions, pin)
+        _put_config(store, store.destination.key(name, CONFIG), body, after_upload)
+
+    steps = group.models[:-1] if group.ensemble else []
+    # the ensemble pins exact step versions; its steps serve the pinned one and the new one, before
+    # and after its PUT (the next publish drops the older), so a server that reads the ensemble's
+    # config and its steps' at any moments finds the versions the ensemble names
+    for name in steps:
+        put(name, group.serves[name])
+    put(group.models[-1], [group.version], group.version if group.ensemble else None)  # the switch
+    log.info("%s now serves version %d", group.models[-1], group.version)
+
+
+def _put_config(store: Store, key: str, body: bytes, after_upload: UploadHook | None) -> None:
+    sha = sha256_b64(body)
+    store.put(key, body, sha)
+    if store.verify(key) != sha:
+        raise PublishError(f"{key} on the store does not match what was uploaded")
+    if after_upload is not None:
+        after_upload(key)

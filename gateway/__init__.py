@@ -1,0 +1,24 @@
+"""nexus-sli gateway: the HTTP APIs embedding users already code against, in front of Triton.
+
+OpenAI's ``/v1/embeddings`` and ``/v1/models``, and text-embeddings-inference's
+``/embed``, ``/rerank`` and ``/predict``, answered by forwarding to Triton over
+gRPC with :class:`nexus_sli.client.AsyncEncoderClient`.  The models and their
+tasks are read from the server (:mod:`.discovery`); nothing in the model
+repository changes.  docs/gateway.md describes the routes, limits and errors.
+"""
+
+from .config import API_KEY_ENV, GatewayConfig
+
+__all__ = ["API_KEY_ENV", "GatewayConfig", "create_app", "serve"]
+
+
+def __getattr__(name: str):
+    # The ASGI stack is imported only when used: the CLI reads the defaults above
+    # without it, and an install without the ``gateway`` extra still runs the rest.
+    if name == "create_app":
+        from .app import create_app
+        return create_app
+    if name == "serve":
+        from .server import serve
+        return serve
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

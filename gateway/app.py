@@ -1,0 +1,75 @@
+"""The ASGI application: routes, errors in each API's shape, auth, metrics, and the Triton connection."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from nexus_sli.client import ClientError
+
+from . import openai_routes, tei_routes
+from .auth import ApiKeyMiddleware
+from .backend import Backend
+from .config import GatewayConfig
+from .errors import GatewayError, api_of, from_client, from_http, render
+from .metrics import Metrics, MetricsMiddleware
+
+
+async def health(request: Request) -> Response:
+    """200 when Triton is ready; 503 (TEI's ``Unhealthy``) with ``Retry-After`` when it is not."""
+    state = request.app.state
+    if await state.backend.ready():
+        return JSONResponse({"status": "ok", "triton": state.config.triton})
+    return render(GatewayError("unavailable", f"Triton at {state.config.triton} is not ready",
+                               retry_after=state.config.retry_after_s), "tei")
+
+
+async def metrics(request: Request) -> Response:
+    return request.app.state.metrics.response()
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    """The gateway for ``config``; it connects to Triton when it starts (ASGI lifespan)."""
+    routes = [*openai_routes.ROUTES, *tei_routes.ROUTES, Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
+    counters = Metrics({route.path for route in routes})
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        app.state.backend = Backend(config.triton, config.discovery_ttl_s, config.triton_timeout_s)
+        try:
+            yield
+        finally:
+            await app.state.backend.close()
+
+    async def gateway_error(request: Request, exc: GatewayError) -> Response:
+        return render(exc, api_of(request.url.path))
+
+    async def client_error(request: Request, exc: ClientError) -> Response:
+        return render(from_client(exc, config.retry_after_s), api_of(request.url.path))
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        # Starlette's own refusals (no such route, wrong method) in the API's shape, not plain text
+        return render(from_http(exc, request), api_of(request.url.path))
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        # a bug, not a caller's mistake: still the API's shape (Starlette logs the traceback)
+        error = GatewayError("backend", f"the gateway failed on this request: {type(exc).__name__}: {exc}",
+                             code="internal_error")
+        return render(error, api_of(request.url.path))
+
+    # metrics outermost: a request refused for its API key is counted too
+    middleware = [Middleware(MetricsMiddleware, metrics=counters)]
+    if config.api_key:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={GatewayError: gateway_error, ClientError: client_error,
+                                        HTTPException: http_error, Exception: unexpected})
+    app.state.config, app.state.metrics = config, counters
+    return app

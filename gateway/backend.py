@@ -1,0 +1,82 @@
+"""The gateway's connection to Triton: task calls through ``AsyncEncoderClient``, and the
+few server calls that client does not make (discovery, readiness, token counts).
+
+Token counts (OpenAI's ``usage``) come from the served tokenizer: the ensemble's
+first step, ``<name>_tokenizer``, is a normal Triton model, so it is called with
+the same texts at the same time as the ensemble, and each row's attention-mask
+ones are its tokens (special tokens included, after the model's truncation:
+what the encoder saw).  It costs one more python-backend execution per request,
+batched by Triton like the ensemble's own; docs/gateway.md gives its measured
+cost.  The alternative, a tokenizer in the gateway, would need the repository's
+tokenizer.json on the gateway's machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import tritonclient.grpc as grpc_types
+import tritonclient.grpc.aio as grpc_aio
+
+from nexus_sli.client import AsyncEncoderClient
+from nexus_sli.client.client import client_kwargs
+from nexus_sli.client.protocol import chunks, strings, translate
+
+from .discovery import Catalog, ServedModel
+
+#: The longest the small calls (readiness, discovery) wait, whatever the inference timeout:
+#: a health probe must not hang as long as a large batch may take.
+CONTROL_TIMEOUT_S = 10.0
+
+
+class Backend:
+    """One Triton server, over gRPC.  Made inside the running event loop (gRPC's
+    asyncio channels belong to the loop that made them).  Every call has a deadline
+    (``timeout_s``; the control calls at most :data:`CONTROL_TIMEOUT_S`): a Triton that
+    hangs is answered like one that is down, with a 503."""
+
+    def __init__(self, url: str, ttl_s: float, timeout_s: float = 60.0):
+        self.url = url
+        self.timeout_s = timeout_s
+        self.control_timeout_s = min(timeout_s, CONTROL_TIMEOUT_S)
+        self.client = AsyncEncoderClient(url, protocol="grpc", timeout_s=timeout_s)
+        self.triton = grpc_aio.InferenceServerClient(url, **client_kwargs(grpc_types, "grpc"))
+        self.catalog = Catalog(self.triton, ttl_s, self.control_timeout_s)
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self.triton.is_server_ready(client_timeout=self.control_timeout_s))
+        except Exception:  # noqa: BLE001 - unreachable or too slow is not ready
+            return False
+
+    async def embed(self, model: ServedModel, texts: list[str]) -> np.ndarray:
+        """Embeddings [n, dims]."""
+        return await self.client.embed(texts, model=model.name)
+
+    async def embed_counted(self, model: ServedModel, texts: list[str]) -> tuple[np.ndarray, int]:
+        """(embeddings [n, dims], tokens the model read), the two calls made at once."""
+        vectors, tokens = await asyncio.gather(self.client.embed(texts, model=model.name),
+                                               self.count_tokens(model, texts))
+        return vectors, tokens
+
+    async def count_tokens(self, model: ServedModel, texts: list[str]) -> int:
+        if model.tokenizer is None:
+            return 0
+        counts = await asyncio.gather(*(self._tokens(model.tokenizer, chunk)
+                                        for chunk in chunks(texts, model.max_batch_size)))
+        return int(sum(counts))
+
+    async def _tokens(self, tokenizer: str, texts: list[str]) -> int:
+        tensor = grpc_types.InferInput("TEXT", [len(texts), 1], "BYTES")
+        tensor.set_data_from_numpy(strings(texts).reshape(-1, 1))
+        try:
+            result = await self.triton.infer(tokenizer, [tensor], client_timeout=self.timeout_s,
+                                             outputs=[grpc_types.InferRequestedOutput("attention_mask")])
+        except Exception as exc:  # noqa: BLE001
+            raise translate(exc, tokenizer) from None
+        return int(result.as_numpy("attention_mask").sum())
+
+    async def close(self) -> None:
+        await self.client.close()
+        await self.triton.close()

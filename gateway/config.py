@@ -1,0 +1,53 @@
+"""The gateway's settings: where Triton is, where to listen, and the request limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Environment variable read for the API key when ``--api-key`` is not given.
+API_KEY_ENV = "NEXUS_SLI_API_KEY"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Every setting of one gateway.  The defaults bind loopback only and take what
+    OpenAI's own API takes (2048 inputs per request)."""
+
+    #: Triton's gRPC address
+    triton: str = "127.0.0.1:8001"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    #: the model TEI's routes use when a request names none and it serves the route's task
+    #: (TEI serves one model; without this, the one model of that task, else a 400 asking for one)
+    tei_model: str | None = None
+    #: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``
+    api_key: str | None = None
+    #: texts per request (OpenAI's limit is 2048; LangChain sends up to 1000 at once)
+    max_inputs: int = 2048
+    #: characters per text; the model truncates to its token limit anyway, this bounds the work
+    max_input_chars: int = 100_000
+    #: bytes of one request body
+    max_body_bytes: int = 16 * 1024 * 1024
+    #: how long the list of served models is trusted before it is read again
+    discovery_ttl_s: float = 10.0
+    #: the ``Retry-After`` seconds sent with a 503
+    retry_after_s: int = 5
+    #: seconds any call to Triton may take (inference, discovery, readiness); past it the answer
+    #: is a 503, as for a Triton that is down.  A batch of 2048 texts on a CPU takes tens of seconds.
+    triton_timeout_s: float = 60.0
+
+    def __post_init__(self):
+        check_triton(self.triton)
+        if not self.triton_timeout_s > 0:
+            raise ValueError(f"triton_timeout_s must be positive, got {self.triton_timeout_s!r}")
+
+
+def check_triton(address: str) -> str:
+    """``address`` if it is one Triton gRPC address: a gateway fronts one server (replicas
+    belong behind a load balancer, or in the Python client's replica list)."""
+    if "," in address:
+        raise ValueError(f"--triton takes one Triton gRPC address, got {address!r}: one gateway per Triton "
+                         "(docs/gateway.md)")
+    if not address.strip():
+        raise ValueError("--triton is empty: give Triton's gRPC address, HOST:PORT")
+    return address

@@ -1,0 +1,153 @@
+"""Which models Triton serves, and their tasks, read from the server itself.
+
+The names come from Triton's repository index.  ``nexus-sli serve`` restricts
+the repository API to its supervisor (exporter/serving/server.py), so where the
+index is refused the names come from the statistics API instead, which lists
+every loaded model and is not restricted.  Each model's config then says what
+it is: a nexus-sli model is an ensemble with a ``task`` parameter; its first
+step is its tokenizer (used to count tokens), and its output's last dimension
+is the embedding size (or the number of labels).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from nexus_sli.client import ModelNotFoundError
+from nexus_sli.client.protocol import translate
+
+from .errors import GatewayError
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    task: str
+    #: the last dimension of the ensemble's output: embedding size, or number of labels (0 when variable)
+    dimensions: int
+    #: the ensemble's first step, the tokenizer model
+    tokenizer: str | None
+    max_batch_size: int
+    params: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ServedModel | None":
+        """The model a Triton config (JSON) describes, or None if it is not a nexus-sli task model."""
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        # the steps carry the task too (the post-processing picks its head by it): only the ensemble is the model
+        if config.get("platform") != "ensemble" or not params.get("task"):
+            return None
+        outputs = config.get("output", [])
+        dims = [int(d) for d in outputs[0].get("dims", [])] if outputs else []
+        steps = config.get("ensemble_scheduling", {}).get("step", [])
+        return cls(name=config["name"], task=params["task"], dimensions=max(dims[-1], 0) if dims else 0,
+                   tokenizer=steps[0]["model_name"] if steps else None,
+                   max_batch_size=int(config.get("max_batch_size", 0)), params=params)
+
+
+async def model_names(triton, timeout_s: float | None = None) -> list[str]:
+    """Names of the ready models: the repository index, else (restricted) the statistics API.
+    ``timeout_s``: each call's deadline; a Triton that hangs is a ServerUnavailableError."""
+    try:
+        index = await triton.get_model_repository_index(as_json=True, client_timeout=timeout_s)
+        return [m["name"] for m in index.get("models", []) if m.get("state", "READY") == "READY"]
+    except Exception as exc:  # noqa: BLE001 - refused (restricted) or unreachable: the statistics call tells which
+        if _status(exc) == "StatusCode.DEADLINE_EXCEEDED":  # hung: asking again would only wait again
+            raise translate(exc, "") from None
+    try:
+        stats = await triton.get_inference_statistics(model_name="", as_json=True, client_timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001
+        raise translate(exc, "") from None
+    return sorted({m["name"] for m in stats.get("model_stats", [])})
+
+
+def _status(exc: Exception) -> str | None:
+    status = getattr(exc, "status", None)
+    return str(status()) if callable(status) else None
+
+
+async def discover(triton, timeout_s: float | None = None) -> dict[str, ServedModel]:
+    """Every nexus-sli task model Triton serves now, by name."""
+    found = {}
+    for name in await model_names(triton, timeout_s):
+        try:
+            config = await triton.get_model_config(name, as_json=True, client_timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            error = translate(exc, name)
+            if isinstance(error, ModelNotFoundError):  # unloaded since it was listed
+                continue
+            raise error from None
+        model = ServedModel.from_config(config.get("config", config))
+        if model is not None:
+            found[name] = model
+    return found
+
+
+#: A request naming an unknown model reads the list again, at most this often: requests
+#: for a misspelt name must not turn into a stream of config reads.
+MISS_REFRESH_S = 1.0
+
+
+class Catalog:
+    """The served models, read again after ``ttl_s`` or when a request names one not seen yet."""
+
+    def __init__(self, triton, ttl_s: float, timeout_s: float | None = None):
+        self._triton, self._ttl_s, self._timeout_s = triton, ttl_s, timeout_s
+        self._models: dict[str, ServedModel] = {}
+        self._read_at = float("-inf")
+        self._lock = asyncio.Lock()
+
+    def _stale(self, max_age_s: float) -> bool:
+        return time.monotonic() - self._read_at > max_age_s
+
+    async def models(self, max_age_s: float | None = None) -> dict[str, ServedModel]:
+        """The models, read again when older than ``max_age_s`` (default: the ttl)."""
+        max_age_s = self._ttl_s if max_age_s is None else max_age_s
+        # a fresh list is answered without the lock: requests never wait behind a discovery they do not need
+        if not self._stale(max_age_s):
+            return self._models
+        async with self._lock:  # one read for every request that finds the list stale at once
+            if self._stale(max_age_s):  # again: another request may have read it while this one waited
+                self._models = await discover(self._triton, self._timeout_s)
+                self._read_at = time.monotonic()
+        return self._models
+
+    async def get(self, name: str, task: str) -> ServedModel:
+        """The model ``name``, checked to serve ``task``: 404 if unknown, 400 naming its task if another."""
+        models = await self.models()
+        if name not in models:
+            models = await self.models(max_age_s=MISS_REFRESH_S)
+        if name not in models:
+            served = ", ".join(sorted(models)) or "none"
+            raise GatewayError("not_found", f"model {name!r} is not served here; served models: {served}",
+                               param="model", code="model_not_found")
+        model = models[name]
+        if model.task != task:
+            raise GatewayError("wrong_task", f"model {name!r} serves task {model.task!r}, not {task!r}; "
+                               f"{_route_hint(model.task)}", param="model", code="wrong_task")
+        return model
+
+    async def only_for(self, task: str) -> ServedModel:
+        """TEI's routes name no model: the one model serving ``task``, else a 400 saying what to send."""
+        models = await self.models()
+        matching = sorted(n for n, m in models.items() if m.task == task)
+        if len(matching) == 1:
+            return models[matching[0]]
+        if matching:
+            raise GatewayError("invalid", f"several models serve {task!r} ({', '.join(matching)}): name one with "
+                               f"the request field \"model\"", param="model")
+        served = ", ".join(f"{n} ({m.task})" for n, m in sorted(models.items())) or "none"
+        raise GatewayError("wrong_task", f"no model here serves task {task!r}; served models: {served}",
+                           param="model", code="wrong_task")
+
+
+#: The gateway route that serves each task.
+ROUTES = {"embedding": "POST /v1/embeddings or /embed", "rerank": "POST /rerank",
+          "classification": "POST /predict"}
+
+
+def _route_hint(task: str) -> str:
+    route = ROUTES.get(task)
+    return f"use {route}" if route else "the gateway has no route for that task (use the Python client)"

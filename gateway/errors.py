@@ -1,0 +1,102 @@
+"""Errors, each answered in the caller's API's own error shape.
+
+One :class:`GatewayError` is raised everywhere; how it is written depends on the
+route: OpenAI's routes (``/v1/...``) answer ``{"error": {"message", "type",
+"param", "code"}}``, TEI's answer ``{"error", "error_type"}`` with TEI's error
+types.  The client's exceptions map onto it in :func:`from_client`.
+"""
+
+from __future__ import annotations
+
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+
+from nexus_sli.client import (
+    ClientError,
+    InvalidInputError,
+    ModelNotFoundError,
+    NoModelError,
+    RetryableError,
+    WrongTaskError,
+)
+
+#: kind -> (HTTP status, OpenAI error type, TEI error type).  TEI's types are its
+#: ``ErrorType`` enum as TEI serialises it (variant names, capitalised).
+KINDS = {
+    "invalid": (400, "invalid_request_error", "Validation"),
+    "not_found": (404, "invalid_request_error", "Validation"),
+    "wrong_task": (400, "invalid_request_error", "Validation"),
+    "too_large": (413, "invalid_request_error", "Validation"),
+    "unauthorized": (401, "invalid_request_error", "Validation"),
+    "no_route": (404, "invalid_request_error", "Validation"),
+    "method_not_allowed": (405, "invalid_request_error", "Validation"),
+    "unavailable": (503, "server_error", "Unhealthy"),
+    "backend": (500, "server_error", "Backend"),
+}
+#: TEI answers a failed inference with 424 Failed Dependency; OpenAI with a 500.
+TEI_STATUS = {"backend": 424}
+
+
+class GatewayError(Exception):
+    """A request the gateway refuses or could not serve; ``code`` is OpenAI's machine-readable code."""
+
+    def __init__(self, kind: str, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None, allow: str | None = None):
+        if kind not in KINDS:
+            raise ValueError(f"unknown error kind {kind!r}; known kinds: {', '.join(KINDS)}")
+        super().__init__(message)
+        self.kind, self.message, self.param, self.code, self.retry_after = kind, message, param, code, retry_after
+        #: the ``Allow`` header of a 405: the methods the route takes
+        self.allow = allow
+
+    def status(self, api: str) -> int:
+        return TEI_STATUS.get(self.kind, KINDS[self.kind][0]) if api == "tei" else KINDS[self.kind][0]
+
+
+def from_client(exc: ClientError, retry_after: int) -> GatewayError:
+    """The client's exception as a gateway error with the right status."""
+    message = str(exc)
+    if isinstance(exc, ModelNotFoundError):
+        return GatewayError("not_found", message, param="model", code="model_not_found")
+    if isinstance(exc, (WrongTaskError, NoModelError)):
+        return GatewayError("wrong_task", message, param="model", code="wrong_task")
+    if isinstance(exc, InvalidInputError):
+        return GatewayError("invalid", message, param="input", code="invalid_input")
+    # every retryable error (server down or too slow, model reloading, all replicas failed) is a 503
+    if isinstance(exc, RetryableError):
+        return GatewayError("unavailable", message, code="server_unavailable", retry_after=retry_after)
+    return GatewayError("backend", message, code="inference_failed")
+
+
+def from_http(exc: HTTPException, request) -> GatewayError:
+    """Starlette's own refusals (404 no such route, 405 wrong method) as gateway errors.
+    Only those two reach here: the routes raise :class:`GatewayError` themselves."""
+    if exc.status_code == 405:
+        allowed = exc.headers.get("Allow", "") if exc.headers else ""
+        return GatewayError("method_not_allowed", f"{request.method} {request.url.path} is not served; use "
+                            f"{allowed or 'another method'}", code="method_not_allowed",
+                            allow=allowed or None)
+    if exc.status_code == 404:
+        return GatewayError("no_route", f"no route {request.url.path}: OpenAI's are POST /v1/embeddings and GET "
+                            "/v1/models, TEI's POST /embed, /rerank, /predict (docs/gateway.md)",
+                            code="unknown_url")
+    return GatewayError("invalid", str(exc.detail))
+
+
+def api_of(path: str) -> str:
+    """Which API a path belongs to, and so which error shape it answers with."""
+    return "openai" if path.startswith("/v1/") or path == "/v1" else "tei"
+
+
+def render(error: GatewayError, api: str) -> JSONResponse:
+    status, openai_type, tei_type = KINDS[error.kind]
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else {}
+    if error.kind == "unauthorized":
+        headers["WWW-Authenticate"] = "Bearer"
+    if error.allow:
+        headers["Allow"] = error.allow
+    if api == "openai":
+        body = {"error": {"message": error.message, "type": openai_type, "param": error.param, "code": error.code}}
+    else:
+        body = {"error": error.message, "error_type": tei_type}
+    return JSONResponse(body, status_code=error.status(api), headers=headers)

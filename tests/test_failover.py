@@ -1,0 +1,214 @@
+"""Replicas that fail over: two real ``tritonserver`` replicas on loopback read one ``s3://``
+repository (SeaweedFS), 16 clients send load, one replica is SIGKILLed mid-run; no request
+fails, every answer is its own text's embedding, and the survivor carries the load.
+Over gRPC and over HTTP, with a fresh pair of replicas each."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+import object_store
+from nexus_sli.client import AsyncEncoderClient, EncoderClient, ReplicasFailedError, ServerUnavailableError
+from nexus_sli.client.replicas import Replicas, parse_urls
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.export.validate import validation_texts
+from nexus_sli.exporter.serving import server as serve
+from nexus_sli.exporter.triton import publish as pub
+
+BUCKET = "models"
+CLIENTS = 16
+#: requests before the kill, and after it, across all clients (bounded: a few seconds of load each)
+BEFORE, AFTER = 300, 1000
+TEXTS = validation_texts()[:48]
+
+
+def test_replicas_take_turns_and_set_a_failed_one_aside():
+    replicas = Replicas(["a", "b", "c"], down_for_s=60)
+    assert [replicas.order()[0] for _ in range(4)] == ["a", "b", "c", "a"]
+    replicas.failed_on("b")
+    assert [replicas.order() for _ in range(3)] == [["c", "a", "b"], ["c", "a", "b"], ["a", "c", "b"]]
+    replicas.succeeded("b")  # answered again (tried last, or after its time aside)
+    assert replicas.order() == ["b", "c", "a"] and replicas.served["b"] == 1 and replicas.failed["b"] == 1
+    assert parse_urls("h1:8001, h2:8001,h1:8001", "d") == ["h1:8001", "h2:8001"]
+    assert parse_urls(None, "d") == ["d"] and parse_urls(("x",), "d") == ["x"]
+    with pytest.raises(ValueError):
+        parse_urls(" , ", "d")
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_all_replicas_down_is_one_error_with_every_attempt(protocol):
+    dead = [f"127.0.0.1:{port}" for port in object_store.free_ports(2)]
+    with EncoderClient(dead, protocol=protocol, model="embedder", timeout_s=5) as client:
+        with pytest.raises(ReplicasFailedError) as failed:
+            client.embed("text")
+    assert [url for url, _ in failed.value.attempts] == dead
+    assert all(isinstance(error, ServerUnavailableError) for _, error in failed.value.attempts)
+    assert all(url in str(failed.value) for url in dead)
+    with EncoderClient(dead[:1], protocol=protocol, model="embedder", timeout_s=5) as one:  # one URL: its own error, as before
+        with pytest.raises(ServerUnavailableError):
+            one.embed("text")
+
+
+def test_attempts_caps_the_tries_and_one_attempt_raises_the_error_itself():
+    dead = [f"127.0.0.1:{port}" for port in object_store.free_ports(2)]
+    with EncoderClient(dead, model="embedder", timeout_s=5, attempts=1) as client:
+        with pytest.raises(ServerUnavailableError) as raised:
+            client.embed("text")
+        assert not isinstance(raised.value, ReplicasFailedError)
+        assert sum(client.replicas.failed.values()) == 1  # one try, and that replica is set aside
+
+    async def one_try():
+        async with AsyncEncoderClient(dead, model="embedder", timeout_s=5, attempts=1) as client:
+            await client.embed("text")
+    with pytest.raises(ServerUnavailableError) as raised:
+        asyncio.run(one_try())
+    assert not isinstance(raised.value, ReplicasFailedError)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="attempts must be a positive integer"):
+            EncoderClient(dead, attempts=bad)
+        with pytest.raises(ValueError, match="attempts must be a positive integer"):
+            AsyncEncoderClient(dead, attempts=bad)
+    assert EncoderClient(dead, attempts=5).attempts == 2 and EncoderClient(dead).attempts == 2
+
+
+def test_a_connection_closed_mid_response_is_retryable():
+    from geventhttpclient.response import HTTPConnectionClosed
+
+    from nexus_sli.client.protocol import translate
+
+    # what tritonclient's HTTP client raises when the replica dies while answering
+    assert isinstance(translate(HTTPConnectionClosed("connection closed."), "embedder"), ServerUnavailableError)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny_checkpoint):
+    """The tiny embedder published once to SeaweedFS; the AWS variables set for Triton."""
+    root = tmp_path_factory.mktemp("failover")
+    s3 = object_store.start(root / "seaweedfs")
+    checkpoint = tiny_checkpoint("bert")
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in s3.env().items():
+                patch.setenv(name, value)
+            # Triton copies each model from the store into this folder (default /tmp): the test's own
+            (root / "tmp").mkdir()
+            patch.setenv("TRITON_AWS_MOUNT_DIRECTORY", str(root / "tmp"))
+            s3.client().create_bucket(Bucket=BUCKET)
+            run_export(ExportOptions(model=str(checkpoint), name="embedder", out=root / "repo"))
+            pub.publish(root / "repo", pub.Destination.parse(f"s3://{BUCKET}/fleet", s3.endpoint))
+            yield {"s3": s3, "root": root, "reference": object_store.torch_embeddings(checkpoint, TEXTS)}
+    finally:
+        s3.stop()
+
+
+@pytest.fixture(scope="module", params=["grpc", "http"])
+def replicas(request, store):
+    """Two replicas reading the published repository, called over one protocol."""
+    protocol, servers = request.param, []
+    try:
+        for index in range(2):
+            http, grpc, metrics = object_store.free_ports(3)
+            log = open(store["root"] / f"replica-{protocol}-{index}.log", "wb")
+            process = serve.start(store["s3"].triton_url(BUCKET, "fleet"), http, grpc, metrics, stdout=log,
+                                  stderr=log)
+            servers.append({"process": process, "http": f"127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}",
+                            "url": f"127.0.0.1:{grpc if protocol == 'grpc' else http}", "log": log})
+        yield {"servers": servers, "protocol": protocol, "reference": store["reference"]}
+    finally:
+        for server in servers:
+            serve.stop(server["process"])
+            server["log"].close()
+
+
+def _kill(server: dict) -> None:
+    """A crash: SIGKILL to the server alone (its python-backend processes are ended after it)."""
+    orphans = [p for ps in server["process"].supervisor.stub_processes().values() for p in ps]
+    os.kill(server["process"].pid, signal.SIGKILL)
+    server["process"].wait(30)
+    for orphan in orphans:
+        orphan.kill()
+
+
+def _successes(http: str) -> int:
+    with urllib.request.urlopen(f"http://{http}/v2/models/embedder/stats", timeout=10) as response:
+        stats = json.loads(response.read())["model_stats"]
+    return sum(int(entry["inference_stats"]["success"]["count"]) for entry in stats)
+
+
+def test_a_replica_killed_under_load_loses_no_request(replicas):
+    victim, survivor = replicas["servers"]
+    reference = replicas["reference"]
+    urls = [victim["url"], survivor["url"]]
+    lock = threading.Lock()
+    done = {"before": 0, "after": 0}
+    killed = threading.Event()
+    stop = threading.Event()
+    wrong, failures, clients = [], [], []
+
+    def load(number: int) -> None:
+        rng = random.Random(number)
+        with EncoderClient(urls, protocol=replicas["protocol"], model="embedder", timeout_s=30) as client:
+            clients.append(client)
+            while not stop.is_set():
+                picked = rng.sample(range(len(TEXTS)), rng.randint(1, 3))
+                after = killed.is_set()  # sent after the kill: only the survivor can answer it
+                try:
+                    vectors = client.embed([TEXTS[i] for i in picked])
+                except Exception as exc:  # noqa: BLE001 - every failure is counted, none may happen
+                    failures.append(repr(exc))
+                    continue
+                if not np.allclose(vectors, reference[picked], atol=1e-4):
+                    wrong.append(picked)
+                with lock:
+                    done["after" if after else "before"] += 1
+
+    threads = [threading.Thread(target=load, args=(n,), daemon=True) for n in range(CLIENTS)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60  # a bound on the test, not a timing assertion
+    try:
+        while done["before"] < BEFORE and time.monotonic() < deadline and not failures:
+            time.sleep(0.05)
+        survivor_at_kill = _successes(survivor["http"])
+        _kill(victim)
+        killed.set()
+        while done["after"] < AFTER and time.monotonic() < deadline and not failures:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+
+    assert failures == [] and wrong == []
+    assert done["before"] >= BEFORE and done["after"] >= AFTER, done
+    # both replicas served before the kill; the victim's failures were retried on the survivor
+    assert sum(c.replicas.served[victim["url"]] for c in clients) > 0
+    assert sum(c.replicas.failed[victim["url"]] for c in clients) >= 1
+    # the survivor answered every request sent after the kill (Triton's own count says so)
+    assert _successes(survivor["http"]) - survivor_at_kill >= done["after"]
+
+
+def test_async_client_fails_over_to_the_live_replica(replicas):
+    victim, survivor = replicas["servers"]
+    if victim["process"].poll() is None:  # run alone, without the load test before it
+        _kill(victim)
+
+    async def run():
+        async with AsyncEncoderClient([victim["url"], survivor["url"]], protocol=replicas["protocol"],
+                                      model="embedder") as client:
+            vectors = await asyncio.gather(*(client.embed([text]) for text in TEXTS[:8]))
+            return np.concatenate(vectors), client.replicas
+
+    vectors, chosen = asyncio.run(run())
+    assert np.allclose(vectors, replicas["reference"][:8], atol=1e-4)
+    assert chosen.failed[victim["url"]] >= 1 and chosen.served[survivor["url"]] >= 8

@@ -1,0 +1,695 @@
+"""The HTTP gateway (OpenAI's and TEI's APIs) in front of the real Triton server, called by real clients.
+
+One Triton server for the module (the packaged MiniLM, a tiny classifier and a
+tiny reranker), and gateways started as ``nexus-sli gateway`` subprocesses on
+free ports: an open one, a strict one (API key, small limits), and one whose
+Triton is not there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import openai
+import psutil
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpc_aio
+import tritonclient.http as httpclient
+from huggingface_hub import InferenceClient
+from prometheus_client.parser import text_string_to_metric_families
+from sentence_transformers import SentenceTransformer
+from tokenizers import Tokenizer
+
+import task_models
+from nexus_sli.bench.served import Gateway
+from nexus_sli.cli.main import build_parser
+from nexus_sli.client import EncoderClient, InferenceError, ReplicasFailedError, ServerUnavailableError
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.export.source import resolve_model
+from nexus_sli.exporter.export.validate import validation_texts
+from nexus_sli.exporter.serving import server as serve
+from nexus_sli.gateway import GatewayConfig, discovery
+from nexus_sli.gateway.errors import from_client
+from nexus_sli.gateway.server import exposure_warning
+from test_serving import _cosines, _free_ports
+
+TEI = json.loads((Path(__file__).parent / "data" / "tei" / "openapi.json").read_text())
+TEXTS = validation_texts()[:24]
+READY_LINE = "gateway is ready"
+MODELS = ["classifier", "minilm", "reranker", "tiny_embedder"]
+
+
+# --- TEI's OpenAPI description as the judge of shapes -------------------------------------------
+
+def _resolve(schema: dict) -> dict:
+    while "$ref" in schema:
+        schema = TEI["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
+    return schema
+
+
+def schema_problems(value, schema: dict, where: str = "$") -> list[str]:
+    """Where ``value`` breaks ``schema`` (the OpenAPI 3.0 subset TEI's description uses)."""
+    schema = _resolve(schema)
+    if value is None and schema.get("nullable"):
+        return []
+    if "oneOf" in schema:
+        fits = [option for option in schema["oneOf"] if not schema_problems(value, option, where)]
+        return [] if len(fits) >= 1 else [f"{where}: {value!r:.60} matches none of oneOf"]
+    if "allOf" in schema:
+        return [p for option in schema["allOf"] for p in schema_problems(value, option, where)]
+    kind = schema.get("type")
+    types = {"object": dict, "array": list, "string": str, "boolean": bool, "integer": int, "number": (int, float)}
+    if kind and (not isinstance(value, types[kind]) or (kind in ("integer", "number") and isinstance(value, bool))):
+        return [f"{where}: {type(value).__name__} is not {kind}"]
+    if "enum" in schema and value not in schema["enum"]:
+        return [f"{where}: {value!r} not in {schema['enum']}"]
+    problems = []
+    if kind == "array":
+        for bound, ok in (("minItems", len(value) >= schema.get("minItems", 0)),
+                          ("maxItems", len(value) <= schema.get("maxItems", len(value)))):
+            problems += [] if ok else [f"{where}: {bound}"]
+        for i, item in enumerate(value):
+            problems += schema_problems(item, schema.get("items", {}), f"{where}[{i}]")
+    if kind == "object":
+        properties = schema.get("properties", {})
+        problems += [f"{where}: missing {k}" for k in schema.get("required", []) if k not in value]
+        problems += [f"{where}: {k} is no field of TEI's schema" for k in value if k not in properties]
+        for k, v in value.items():
+            if k in properties:
+                problems += schema_problems(v, properties[k], f"{where}.{k}")
+    return problems
+
+
+def tei_schema(name: str) -> dict:
+    return TEI["components"]["schemas"][name]
+
+
+def test_the_schema_checker_catches_wrong_shapes():
+    assert schema_problems([[0.5, 1.0]], tei_schema("EmbedResponse")) == []
+    assert schema_problems([0.5, 1.0], tei_schema("EmbedResponse")) != []
+    assert schema_problems([{"index": 0, "score": 0.5, "doc": "x"}], tei_schema("RerankResponse")) != []
+    assert schema_problems({"error": "x", "error_type": "validation"}, tei_schema("ErrorResponse")) != []
+    assert schema_problems({"error": "x", "error_type": "Validation"}, tei_schema("ErrorResponse")) == []
+
+
+# --- servers ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint):
+    root = tmp_path_factory.mktemp("gateway")
+    repo = root / "repo"
+    run_export(ExportOptions(out=repo, name="minilm"))
+    # a second embedding model, one that does not normalise (no sentence-transformers Normalize module)
+    run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name="tiny_embedder", out=repo))
+    run_export(ExportOptions(model=str(task_models.classifier(tiny_tokenizer, root / "classifier")),
+                             name="classifier", out=repo))
+    run_export(ExportOptions(model=str(task_models.reranker(tiny_tokenizer, root / "reranker")),
+                             name="reranker", out=repo))
+    http, grpc, metrics = _free_ports(3)
+    process = serve.start(repo, http, grpc, metrics)
+    yield {"repo": repo, "http": f"127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}"}
+    serve.stop(process)
+
+
+def start_gateway(triton: str, *args: str, log: Path) -> Gateway:
+    """``nexus-sli gateway`` as a user starts it, on a free port (the bench's launcher); output in ``log``."""
+    return Gateway(triton, *args, timeout_s=120, log=log).start()
+
+
+def wait_for_line(process: subprocess.Popen, log: Path, line: str, timeout: float = 120.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text()
+        if line in text:
+            return text
+        if process.poll() is not None:
+            raise AssertionError(f"exited with {process.returncode} before saying {line!r}:\n{text}")
+        time.sleep(0.1)
+    raise AssertionError(f"no {line!r} within {timeout:.0f} s:\n{log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def gateway(served, tmp_path_factory):
+    # two models serve embeddings: TEI's routes (which name none) use minilm
+    started = start_gateway(served["grpc"], "--tei-model", "minilm", log=tmp_path_factory.mktemp("gw") / "open.log")
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def strict(served, tmp_path_factory):
+    started = start_gateway(served["grpc"], "--max-inputs", "4", "--max-input-chars", "100", "--max-body-bytes",
+                            "4096", log=tmp_path_factory.mktemp("gw") / "strict.log")
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed(served, tmp_path_factory):
+    # the key from the environment variable, as a deployment would pass it; a misspelt --tei-model
+    os.environ["NEXUS_SLI_API_KEY"] = "s3cret"
+    try:
+        started = start_gateway(served["grpc"], "--tei-model", "minlm",
+                                log=tmp_path_factory.mktemp("gw") / "keyed.log")
+    finally:
+        del os.environ["NEXUS_SLI_API_KEY"]
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def orphan(tmp_path_factory):
+    """A gateway whose Triton is not running."""
+    started = start_gateway(f"127.0.0.1:{_free_ports(1)[0]}", log=tmp_path_factory.mktemp("gw") / "orphan.log")
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def hung(tmp_path_factory):
+    """A gateway whose Triton hangs: its port accepts connections and never answers."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.listen(64)
+    try:
+        started = start_gateway(f"127.0.0.1:{listener.getsockname()[1]}", "--triton-timeout", "1",
+                                log=tmp_path_factory.mktemp("gw") / "hung.log")
+        yield started
+        started.stop()
+    finally:
+        listener.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return SentenceTransformer(str(resolve_model(None).path), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def direct(served):
+    with EncoderClient(served["grpc"]) as client:
+        yield client
+
+
+def sdk(gateway: Gateway, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0)
+
+
+def call(url: str, body=None, headers: dict | None = None, raw: bytes | None = None):
+    """(status, headers, parsed JSON or text) of one plain HTTP request."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            status, head, payload = response.status, response.headers, response.read()
+    except urllib.error.HTTPError as exc:
+        status, head, payload = exc.code, exc.headers, exc.read()
+    try:
+        return status, head, json.loads(payload)
+    except ValueError:
+        return status, head, payload.decode()
+
+
+# --- OpenAI's API, through the official SDK -----------------------------------------------------
+
+def _vector(embedding) -> np.ndarray:
+    """The SDK hands back base64 as sent when the caller asked for it by name."""
+    if isinstance(embedding, str):
+        return np.frombuffer(base64.b64decode(embedding), dtype="<f4")
+    return np.array(embedding, dtype=np.float32)
+
+
+# None: the SDK's default, which asks for base64 and decodes it itself
+@pytest.mark.parametrize("encoding_format", ["float", "base64", None])
+def test_openai_sdk_embeds_like_the_client_and_sentence_transformers(gateway, direct, reference, encoding_format):
+    options = {"encoding_format": encoding_format} if encoding_format else {}
+    response = sdk(gateway).embeddings.create(model="minilm", input=TEXTS, **options)
+    assert all(isinstance(item.embedding, str) == (encoding_format == "base64") for item in response.data)
+    got = np.stack([_vector(item.embedding) for item in response.data])
+    assert [item.index for item in response.data] == list(range(len(TEXTS))) and response.model == "minilm"
+    assert got.shape == (len(TEXTS), 384)
+    assert _cosines(got, direct.embed(TEXTS, model="minilm")).min() >= 0.9999
+    assert _cosines(got, reference.encode(TEXTS, normalize_embeddings=True)).min() >= 0.9999
+    # usage counts the served tokenizer's tokens, special tokens included, after truncation
+    # to the model's length (sentence-transformers' max_seq_length; tokenizer.json says 128)
+    tokenizer = Tokenizer.from_file(str(resolve_model(None).path / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(reference.max_seq_length)
+    expected = sum(len(e.ids) for e in tokenizer.encode_batch(TEXTS))
+    assert response.usage.prompt_tokens == response.usage.total_tokens == expected
+
+
+def test_base64_is_little_endian_float32_of_the_same_vector(gateway):
+    status, _, as_floats = call(f"{gateway.url}/v1/embeddings", {"model": "minilm", "input": "one text"})
+    status64, _, as_b64 = call(f"{gateway.url}/v1/embeddings",
+                               {"model": "minilm", "input": "one text", "encoding_format": "base64"})
+    assert status == status64 == 200 and len(as_floats["data"]) == 1
+    decoded = np.frombuffer(base64.b64decode(as_b64["data"][0]["embedding"]), dtype="<f4")
+    assert np.array_equal(decoded, np.array(as_floats["data"][0]["embedding"], dtype=np.float32))
+    # TEI describes the same OpenAI-compatible route: the answer fits its schema too
+    assert schema_problems(as_b64, tei_schema("OpenAICompatResponse")) == []
+    assert as_floats["object"] == "list" and as_floats["data"][0]["object"] == "embedding"
+
+
+def test_dimensions_equal_to_the_models_is_accepted(gateway):
+    response = sdk(gateway).embeddings.create(model="minilm", input="text", dimensions=384)
+    assert len(response.data[0].embedding) == 384
+
+
+def test_models_lists_each_served_model_with_its_task(gateway, served):
+    # nexus-sli serve keeps the repository index to its supervisor: the names come from the statistics API
+    with pytest.raises(Exception, match="restricted|denied|PERMISSION|UNAVAILABLE"):
+        grpcclient.InferenceServerClient(served["grpc"]).get_model_repository_index()
+    assert sorted(m.id for m in sdk(gateway).models.list()) == MODELS
+    _, _, body = call(f"{gateway.url}/v1/models")
+    assert {m["id"]: m["task"] for m in body["data"]} == {
+        "minilm": "embedding", "tiny_embedder": "embedding", "classifier": "classification", "reranker": "rerank"}
+
+
+class WithoutStatistics(grpc_aio.InferenceServerClient):
+    """A real client to a real server, except that the statistics API fails: a discovery
+    that still finds the models read them from the repository index."""
+
+    async def get_inference_statistics(self, *args, **kwargs):
+        raise RuntimeError("the statistics API was called")
+
+
+def _names(url: str, client_class) -> list[str]:
+    async def run():
+        client = client_class(url)
+        try:
+            return sorted(await discovery.model_names(client, timeout_s=30))
+        finally:
+            await client.close()
+    return asyncio.run(run())
+
+
+def test_behind_nexus_sli_serve_the_names_come_from_the_statistics_api(served):
+    # the index is refused (restricted to the supervisor) ...
+    with pytest.raises(Exception, match="restricted|denied|PERMISSION|UNAVAILABLE"):
+        grpcclient.InferenceServerClient(served["grpc"]).get_model_repository_index()
+    # ... so without the statistics API there are no names, and with it there are
+    with pytest.raises(InferenceError, match="the statistics API was called"):
+        _names(served["grpc"], WithoutStatistics)
+    assert set(MODELS) <= set(_names(served["grpc"], grpc_aio.InferenceServerClient))
+
+
+def test_discovery_reads_the_repository_index_where_triton_allows_it(served, tmp_path):
+    """A plain tritonserver (an NGC container, say) leaves the repository API open: the names come from it."""
+    http, grpc, metrics = _free_ports(3)
+    triton = serve.TritonServer(serve.server_command(served["repo"], http, grpc, metrics), None,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        serve.wait_ready(http, triton)
+        index = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}").get_model_repository_index(as_json=True)
+        assert len(index["models"]) == 16  # four models per export: only the ensembles are served models
+        # the index is what answered: with the statistics API failing, the names still come
+        assert _names(f"127.0.0.1:{grpc}", WithoutStatistics) == sorted(m["name"] for m in index["models"])
+        open_gateway = start_gateway(f"127.0.0.1:{grpc}", log=tmp_path / "index.log")
+        try:
+            assert sorted(m.id for m in sdk(open_gateway).models.list()) == MODELS
+            assert len(sdk(open_gateway).embeddings.create(model="minilm", input="x").data) == 1
+        finally:
+            open_gateway.stop()
+    finally:
+        serve.stop(triton)
+
+
+# --- TEI's API ----------------------------------------------------------------------------------
+
+def tei(gateway: Gateway, route: str, body: dict, request_schema: str):
+    # "model" is ours: TEI serves one model, the gateway may serve several of a task
+    theirs = {k: v for k, v in body.items() if k != "model"}
+    assert schema_problems(theirs, tei_schema(request_schema)) == [], "the test sends what TEI defines"
+    return call(f"{gateway.url}{route}", body)
+
+
+def test_tei_embed(gateway, direct):
+    status, _, body = tei(gateway, "/embed", {"inputs": TEXTS[:4], "normalize": True, "truncate": True,
+                                              "model": "minilm"}, "EmbedRequest")
+    assert status == 200 and schema_problems(body, tei_schema("EmbedResponse")) == []
+    assert _cosines(np.array(body), direct.embed(TEXTS[:4], model="minilm")).min() >= 0.9999
+    status, _, single = tei(gateway, "/embed", {"inputs": TEXTS[0], "model": "minilm"}, "EmbedRequest")
+    assert status == 200 and np.array(single).shape == (1, 384)
+    assert np.allclose(single[0], body[0], atol=1e-6)
+
+
+def test_only_openais_route_runs_the_tokenizer_again_for_the_token_count(gateway, served):
+    """/embed reports no usage: its texts go through the tokenizer once (the ensemble's own step);
+    /v1/embeddings counts tokens with one more call to the same tokenizer model."""
+    stats = httpclient.InferenceServerClient(served["http"])
+
+    def tokenized() -> int:
+        return stats.get_inference_statistics("minilm_tokenizer")["model_stats"][0]["inference_count"]
+
+    before = tokenized()
+    assert tei(gateway, "/embed", {"inputs": TEXTS[:5], "model": "minilm"}, "EmbedRequest")[0] == 200
+    after_embed = tokenized()
+    assert call(f"{gateway.url}/v1/embeddings", {"model": "minilm", "input": TEXTS[:5]})[0] == 200
+    assert (after_embed - before, tokenized() - after_embed) == (5, 10)
+
+
+def test_tei_routes_need_a_model_only_where_several_serve_the_task(gateway, strict):
+    status, _, body = tei(strict, "/embed", {"inputs": "x"}, "EmbedRequest")  # no --tei-model
+    assert status == 400 and "several models serve 'embedding' (minilm, tiny_embedder)" in tei_error(body)["error"]
+    assert call(f"{strict.url}/predict", {"inputs": "x"})[0] == 200  # one classifier: no name needed
+    status, _, body = tei(gateway, "/embed", {"inputs": "x"}, "EmbedRequest")  # --tei-model minilm
+    assert status == 200 and len(body[0]) == 384
+
+
+def test_huggingface_hub_inference_client(gateway, direct):
+    """huggingface_hub's client for TEI endpoints posts to the root URL, as TEI answers it."""
+    got = InferenceClient(model=gateway.url).feature_extraction(TEXTS[:3])
+    assert _cosines(np.asarray(got), direct.embed(TEXTS[:3], model="minilm")).min() >= 0.9999
+
+
+def test_normalize_is_honoured_where_the_model_does_not_normalise(gateway, direct):
+    raw = direct.embed(TEXTS[:4], model="tiny_embedder")
+    assert not np.allclose(np.linalg.norm(raw, axis=1), 1.0, atol=1e-3)  # the served model's own vectors
+    unit = raw / np.linalg.norm(raw, axis=1, keepdims=True)
+    _, _, normalized = tei(gateway, "/embed", {"inputs": TEXTS[:4], "model": "tiny_embedder"}, "EmbedRequest")
+    assert np.allclose(normalized, unit, atol=1e-5)  # TEI's default: normalize=true
+    _, _, as_is = tei(gateway, "/embed", {"inputs": TEXTS[:4], "model": "tiny_embedder", "normalize": False},
+                      "EmbedRequest")
+    assert np.allclose(as_is, raw, atol=1e-6)
+    response = sdk(gateway).embeddings.create(model="tiny_embedder", input=TEXTS[:4], encoding_format="float")
+    assert np.allclose([item.embedding for item in response.data], unit, atol=1e-5)  # OpenAI's are unit vectors
+
+
+@pytest.mark.parametrize("return_text", [True, False])
+def test_tei_rerank(gateway, direct, return_text):
+    query, texts = TEXTS[0], TEXTS[1:9]
+    status, _, body = tei(gateway, "/rerank", {"query": query, "texts": texts, "return_text": return_text},
+                          "RerankRequest")
+    assert status == 200 and schema_problems(body, tei_schema("RerankResponse")) == []
+    expected = direct.rerank(query, texts, model="reranker")
+    assert [r["index"] for r in body] == [r.index for r in expected]
+    assert np.allclose([r["score"] for r in body], [r.score for r in expected], atol=1e-6)
+    if return_text:
+        assert [r["text"] for r in body] == [texts[r["index"]] for r in body]
+    else:
+        assert all("text" not in r for r in body)
+
+
+def test_tei_rerank_raw_scores_are_the_logits_of_the_served_sigmoid(gateway, direct):
+    query, texts = TEXTS[0], TEXTS[1:9]
+    status, _, raw = tei(gateway, "/rerank", {"query": query, "texts": texts, "raw_scores": True}, "RerankRequest")
+    assert status == 200 and schema_problems(raw, tei_schema("RerankResponse")) == []
+    expected = direct.rerank(query, texts, model="reranker")
+    assert [r["index"] for r in raw] == [r.index for r in expected]  # the same order: the logit is monotonic
+    p = np.array([r.score for r in expected], dtype=np.float64)
+    assert np.allclose([r["score"] for r in raw], np.log(p / (1 - p)), atol=1e-4)
+    assert np.allclose(1 / (1 + np.exp(-np.array([r["score"] for r in raw]))), p, atol=1e-6)
+
+
+def test_tei_predict_single_and_batch(gateway, direct):
+    status, _, single = tei(gateway, "/predict", {"inputs": TEXTS[0]}, "PredictRequest")
+    assert status == 200 and schema_problems(single, tei_schema("PredictResponse")) == []
+    expected = direct.classify(TEXTS[:3], model="classifier", top_k=3)
+    assert [p["label"] for p in single] == [lab.label for lab in expected[0]]
+    status, _, batch = tei(gateway, "/predict", {"inputs": [[t] for t in TEXTS[:3]]}, "PredictRequest")
+    assert status == 200 and schema_problems(batch, tei_schema("PredictResponse")) == []
+    assert [[p["label"] for p in row] for row in batch] == [[lab.label for lab in row] for row in expected]
+    assert np.allclose([[p["score"] for p in row] for row in batch],
+                       [[lab.score for lab in row] for row in expected], atol=1e-6)
+
+
+# --- errors, each in its API's shape ------------------------------------------------------------
+
+def openai_error(status: int, body) -> dict:
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def tei_error(body) -> dict:
+    assert schema_problems(body, tei_schema("ErrorResponse")) == [], body
+    return body
+
+
+@pytest.mark.parametrize("request_body, status, words", [
+    ({"model": "nope", "input": "x"}, 404, "'nope' is not served"),
+    ({"model": "classifier", "input": "x"}, 400, "serves task 'classification'"),
+    ({"model": "minilm", "input": [[101, 2023, 102]]}, 400, "check_embedding_ctx_length=False"),
+    ({"model": "minilm", "input": [101, 2023, 102]}, 400, "token ids"),
+    ({"model": "minilm", "input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+    ({"model": "minilm", "input": "x", "dimensions": 128}, 400, "384-dimensional"),
+    ({"input": "x"}, 400, "model is required"),
+    ({"model": "minilm", "input": []}, 400, "empty"),
+    ({"model": "minilm", "input": "lone \udc80 surrogate"}, 400, "cannot be sent as UTF-8"),
+])
+def test_openai_errors(gateway, request_body, status, words):
+    got, _, body = call(f"{gateway.url}/v1/embeddings", request_body)
+    assert got == status and words in openai_error(got, body)["message"]
+
+
+def test_openai_sdk_raises_its_own_exceptions(gateway):
+    with pytest.raises(openai.NotFoundError) as found:
+        sdk(gateway).embeddings.create(model="nope", input="x")
+    assert found.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="classification"):
+        sdk(gateway).embeddings.create(model="classifier", input="x")
+
+
+@pytest.mark.parametrize("route, request_body, status, words", [
+    ("/embed", {"inputs": "x", "model": "nope"}, 404, "'nope' is not served"),
+    ("/rerank", {"query": "q", "texts": ["a"], "model": "minilm"}, 400, "serves task 'embedding'"),
+    ("/predict", {"inputs": "x", "model": "reranker"}, 400, "serves task 'rerank'"),
+    ("/embed", {"inputs": "x", "normalize": False, "model": "minilm"}, 400, "normalize=false"),
+    ("/embed", {"inputs": [[101, 102]]}, 400, "token ids"),
+    ("/predict", {"inputs": "x", "raw_scores": True}, 400, "raw_scores"),
+    ("/embed", {"inputs": ["fine", "\ud800"]}, 400, "inputs[1] cannot be sent as UTF-8"),
+    ("/predict", {"inputs": ["first", "second"]}, 400, "pair"),
+    ("/embed", {"inputs": "x", "truncation_direction": "Left"}, 400, "truncation_direction"),
+])
+def test_tei_errors(gateway, route, request_body, status, words):
+    got, _, body = call(f"{gateway.url}{route}", request_body)
+    assert got == status and words in tei_error(body)["error"]
+
+
+def test_bad_json_is_a_400_in_each_shape(gateway):
+    got, _, body = call(f"{gateway.url}/v1/embeddings", raw=b"{not json")
+    assert got == 400 and "not valid JSON" in openai_error(got, body)["message"]
+    got, _, body = call(f"{gateway.url}/embed", raw=b"[1, 2]")
+    assert got == 400 and "JSON object" in tei_error(body)["error"]
+    # nested past the parser's recursion limit: still a 400, not a crash
+    got, _, body = call(f"{gateway.url}/v1/embeddings", raw=b"[" * 100_000)
+    assert got == 400 and "nested too deeply" in openai_error(got, body)["message"]
+    got, _, body = call(f"{gateway.url}/rerank", raw=b'{"query": ' + b"[" * 100_000)
+    assert got == 400 and "nested too deeply" in tei_error(body)["error"]
+
+
+def test_unknown_routes_and_methods_answer_in_each_apis_shape(gateway):
+    got, _, body = call(f"{gateway.url}/v1/nope", {"model": "minilm", "input": "x"})
+    assert got == 404 and "/v1/embeddings" in openai_error(got, body)["message"]
+    got, _, body = call(f"{gateway.url}/nope", {"inputs": "x"})
+    assert got == 404 and "/embed" in tei_error(body)["error"]
+    got, head, body = call(f"{gateway.url}/v1/embeddings")  # a GET
+    assert got == 405 and "POST" in head["Allow"] and "GET /v1/embeddings" in openai_error(got, body)["message"]
+    got, head, body = call(f"{gateway.url}/embed")
+    assert got == 405 and "POST" in head["Allow"] and tei_error(body)["error_type"] == "Validation"
+    with pytest.raises(openai.NotFoundError):
+        sdk(gateway).completions.create(model="minilm", prompt="x")  # a route OpenAI has and the gateway does not
+
+
+def test_limits_are_413_with_the_limit_in_the_message(strict):
+    got, _, body = call(f"{strict.url}/v1/embeddings", {"model": "minilm", "input": ["a"] * 5})
+    assert got == 413 and "at most 4" in openai_error(got, body)["message"]
+    got, _, body = call(f"{strict.url}/embed", {"inputs": ["a"] * 5})
+    assert got == 413 and "at most 4" in tei_error(body)["error"]
+    got, _, body = call(f"{strict.url}/v1/embeddings", {"model": "minilm", "input": ["a" * 101]})
+    assert got == 413 and "at most 100 per text" in openai_error(got, body)["message"]
+    got, _, body = call(f"{strict.url}/rerank", {"query": "q", "texts": ["a"] * 5})
+    assert got == 413 and "at most 4" in tei_error(body)["error"]
+    got, _, body = call(f"{strict.url}/v1/embeddings", {"model": "minilm", "input": ["a" * 90] * 4,
+                                                        "user": "x" * 5000})
+    assert got == 413 and "4096 bytes" in openai_error(got, body)["message"]
+    got, _, body = call(f"{strict.url}/v1/embeddings", {"model": "minilm", "input": ["a" * 100] * 4})
+    assert got == 200 and len(body["data"]) == 4  # at the limits, served
+
+
+def test_a_chunked_body_past_the_limit_is_413_while_it_streams(strict):
+    """No Content-Length to refuse it by: the limit is counted as the chunks arrive."""
+    parts = [b'{"model": "minilm", "input": ["' + b"a" * 3000, b"a" * 3000 + b'"]}']
+    connection = http.client.HTTPConnection("127.0.0.1", strict.port, timeout=120)
+    try:
+        connection.request("POST", "/v1/embeddings", body=iter(parts), encode_chunked=True,
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        status, body = response.status, json.loads(response.read())
+    finally:
+        connection.close()
+    assert status == 413 and "4096 bytes" in openai_error(status, body)["message"]
+    assert openai_error(status, body)["code"] == "body_too_large"
+
+
+def test_api_key(keyed):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        got, head, body = call(f"{keyed.url}/v1/embeddings", {"model": "minilm", "input": "x"}, headers)
+        assert got == 401 and openai_error(got, body)["code"] == "invalid_api_key"
+        assert head["WWW-Authenticate"] == "Bearer"
+    got, _, body = call(f"{keyed.url}/embed", {"inputs": "x"})
+    assert got == 401 and "Authorization: Bearer" in tei_error(body)["error"]
+    got, _, _ = call(f"{keyed.url}/metrics")
+    assert got == 401
+    assert call(f"{keyed.url}/health")[0] == 200  # probes carry no key
+    with pytest.raises(openai.AuthenticationError):
+        sdk(keyed, "wrong").embeddings.create(model="minilm", input="x")
+    assert len(sdk(keyed, "s3cret").embeddings.create(model="minilm", input="x").data) == 1
+    got, _, body = call(f"{keyed.url}/embed", {"inputs": "x", "model": "minilm"}, {"Authorization": "Bearer s3cret"})
+    assert got == 200 and len(body) == 1
+
+
+def test_a_misspelt_tei_model_is_named_not_ignored(keyed):
+    """The keyed gateway runs with --tei-model minlm (sic): a request naming no model is told so."""
+    got, _, body = call(f"{keyed.url}/embed", {"inputs": "x"}, {"Authorization": "Bearer s3cret"})
+    message = tei_error(body)["error"]
+    assert got == 404 and "--tei-model 'minlm'" in message and "minilm, tiny_embedder" in message
+    got, _, body = call(f"{keyed.url}/rerank", {"query": "q", "texts": ["a"]}, {"Authorization": "Bearer s3cret"})
+    assert got == 404 and "--tei-model 'minlm'" in tei_error(body)["error"] and "reranker" in body["error"]
+
+
+def test_a_triton_that_hangs_is_503_with_retry_after_and_the_gateway_stops_with_0(hung):
+    """Its port accepts connections and never answers: every call's deadline (--triton-timeout 1) passes."""
+    got, head, body = call(f"{hung.url}/v1/embeddings", {"model": "minilm", "input": "x"})
+    assert got == 503 and int(head["Retry-After"]) > 0
+    assert "did not answer within" in openai_error(got, body)["message"]
+    got, head, body = call(f"{hung.url}/embed", {"inputs": "x"})
+    assert got == 503 and int(head["Retry-After"]) > 0 and tei_error(body)["error_type"] == "Unhealthy"
+    got, head, body = call(f"{hung.url}/health")
+    assert got == 503 and int(head["Retry-After"]) > 0
+    # SIGTERM, as a process manager stops it: a clean stop, exit code 0 (not death by the signal)
+    assert hung.stop() == 0, hung.output()
+
+
+def test_triton_unavailable_is_503_with_retry_after(orphan):
+    got, head, body = call(f"{orphan.url}/v1/embeddings", {"model": "minilm", "input": "x"})
+    assert got == 503 and int(head["Retry-After"]) > 0
+    assert "unreachable" in openai_error(got, body)["message"]
+    got, head, body = call(f"{orphan.url}/embed", {"inputs": "x"})
+    assert got == 503 and int(head["Retry-After"]) > 0 and tei_error(body)["error_type"] == "Unhealthy"
+    got, head, body = call(f"{orphan.url}/health")
+    assert got == 503 and int(head["Retry-After"]) > 0 and tei_error(body)["error_type"] == "Unhealthy"
+    with pytest.raises(openai.InternalServerError) as raised:
+        sdk(orphan).embeddings.create(model="minilm", input="x")
+    assert raised.value.status_code == 503
+
+
+# --- batching, metrics, serve -------------------------------------------------------------------
+
+def test_32_concurrent_requests_are_merged_by_triton_and_answered_each(gateway, served, direct):
+    stats = httpclient.InferenceServerClient(served["http"])
+
+    def counts():
+        model = stats.get_inference_statistics("minilm_encoder")["model_stats"][0]
+        return model["inference_count"], model["execution_count"]
+
+    texts = validation_texts()[:32]
+
+    async def send_all():
+        async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
+            await client.models.list()  # connected before the burst
+            answers = await asyncio.gather(*(client.embeddings.create(model="minilm", input=t, encoding_format="float")
+                                             for t in texts))
+        return np.array([a.data[0].embedding for a in answers], dtype=np.float32)
+
+    before = counts()
+    got = asyncio.run(send_all())
+    after = counts()
+    inferences, executions = after[0] - before[0], after[1] - before[1]
+    assert inferences == 32 and executions < inferences, f"{executions} encoder executions for {inferences} requests"
+    assert _cosines(got, direct.embed(texts, model="minilm")).min() >= 0.9999  # each got its own text's
+
+
+def test_metrics_are_prometheus_text(gateway):
+    assert call(f"{gateway.url}/v1/embeddings", {"model": "minilm", "input": "counted"})[0] == 200
+    assert call(f"{gateway.url}/v1/embeddings", {"model": "nope", "input": "counted"})[0] == 404
+    with urllib.request.urlopen(f"{gateway.url}/metrics") as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    requests = {(s.labels["route"], s.labels["status"]): s.value
+                for s in families["nexus_sli_gateway_requests"].samples if s.name.endswith("_total")}
+    assert requests[("/v1/embeddings", "200")] >= 1 and requests[("/v1/embeddings", "404")] >= 1
+    latency = families["nexus_sli_gateway_request_duration_seconds"]
+    buckets = [s for s in latency.samples if s.name.endswith("_bucket") and s.labels["route"] == "/v1/embeddings"]
+    assert buckets and max(s.value for s in buckets if s.labels["le"] == "+Inf") >= 2
+
+
+@pytest.mark.parametrize("stopped", ["serve", "gateway"])
+def test_serve_starts_the_gateway_beside_triton_and_stopping_one_stops_both(served, tmp_path, stopped):
+    http, grpc, metrics, port = _free_ports(4)
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "nexus_sli.cli.main", "serve", "--model-repository",
+                                    str(served["repo"]), "--http-port", str(http), "--grpc-port", str(grpc),
+                                    "--metrics-port", str(metrics), "--gateway-port", str(port)],
+                                   stdout=out, stderr=subprocess.STDOUT)
+    try:
+        text = wait_for_line(process, log, READY_LINE, timeout=240)
+        assert f"http://127.0.0.1:{port}/v1" in text and "Triton is ready" in text
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert len(client.embeddings.create(model="minilm", input="through make serve").data[0].embedding) == 384
+        if stopped == "serve":  # what Ctrl-C or a process manager does
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(60) == 0
+        else:  # the gateway ends on its own: Triton is not left running without it
+            gateway_process = next(p for p in psutil.Process(process.pid).children()
+                                   if "gateway" in p.cmdline())
+            gateway_process.terminate()
+            # the gateway's clean stop exits 0, and so does serve with it (not 241 from a code of -15)
+            assert process.wait(60) == 0
+            assert "the process beside Triton exited (code 0)" in log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    for url in (f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{http}/v2/health/ready"):
+        with pytest.raises(OSError):  # both are gone
+            urllib.request.urlopen(url, timeout=5)
+
+
+def test_every_retryable_client_error_is_a_503():
+    failed = ReplicasFailedError([("a:8001", ServerUnavailableError("down")), ("b:8001", ServerUnavailableError("down"))])
+    for exc in (failed, ServerUnavailableError("down")):
+        error = from_client(exc, retry_after=5)
+        assert (error.status("openai"), error.status("tei"), error.retry_after) == (503, 503, 5)
+
+
+def test_one_triton_per_gateway():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["gateway", "--triton", "a:8001,b:8001"])
+    with pytest.raises(ValueError, match="one Triton"):
+        GatewayConfig(triton="a:8001,b:8001")
+
+
+def test_binding_beyond_loopback_without_a_key_is_warned():
+    for host in ("0.0.0.0", "::", "10.1.2.3", "gateway.example"):
+        warning = exposure_warning(GatewayConfig(host=host))
+        assert warning is not None and "NEXUS_SLI_API_KEY" in warning and "process list" in warning
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        assert exposure_warning(GatewayConfig(host=host)) is None
+    assert exposure_warning(GatewayConfig(host="0.0.0.0", api_key="k")) is None
+
+
+def test_cli_defaults_are_loopback_and_the_documented_ports():
+    args = build_parser().parse_args(["gateway"])
+    assert (args.host, args.port, args.triton) == ("127.0.0.1", 8080, "127.0.0.1:8001")
+    assert build_parser().parse_args(["serve"]).gateway_port == 8080
+
+
+def test_the_cli_needs_no_asgi_stack_until_the_gateway_runs():
+    # an install without the gateway extra still runs every other command
+    code = "import sys, nexus_sli.cli.main; print(*(m in sys.modules for m in ('starlette', 'uvicorn', 'openai')))"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert found == ["False", "False", "False"]

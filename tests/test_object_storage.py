@@ -1,0 +1,372 @@
+"""``nexus-sli publish`` to a real S3-compatible server (SeaweedFS on loopback), and the real
+``tritonserver`` serving from it: checksums, new version folders, a failed publish that
+leaves the published version serving, dry runs, credentials that are never printed, and the
+Kubernetes Deployment's own tritonserver arguments run against the store."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as pb
+
+import object_store
+from nexus_sli.cli.main import main
+from nexus_sli.client import EncoderClient
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.serving import server as serve
+from nexus_sli.exporter.triton import publish as pub
+
+BUCKET = "models"
+MODELS = ("embedder_tokenizer", "embedder_encoder", "embedder_postprocess", "embedder")
+TEXTS = ["the first text", "another one, a little longer than the first", "short", "ünïcödé text ✓"]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    server = object_store.start(tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in server.env().items():  # boto3 and Triton read the same standard variables
+                patch.setenv(name, value)
+            # Triton copies each model from the store into this folder (default /tmp): the test's own
+            patch.setenv("TRITON_AWS_MOUNT_DIRECTORY", str(tmp_path_factory.mktemp("triton-tmp")))
+            server.client().create_bucket(Bucket=BUCKET)
+            yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, tiny_tokenizer):
+    """Two exports of one model name: version "a" and a retrained "b" (other weights)."""
+    from tiny_models import build_tiny
+
+    root = tmp_path_factory.mktemp("publish")
+    made = {}
+    for label, seed in (("a", 0), ("b", 1)):
+        checkpoint = build_tiny("bert", root / f"checkpoint_{label}", tiny_tokenizer, seed=seed)
+        run_export(ExportOptions(model=str(checkpoint), name="embedder", out=root / f"repo_{label}"))
+        made[label] = {"repo": root / f"repo_{label}", "reference": object_store.torch_embeddings(checkpoint, TEXTS)}
+    return made
+
+
+def _destination(s3, prefix: str) -> pub.Destination:
+    return pub.Destination.parse(f"s3://{BUCKET}/{prefix}", s3.endpoint)
+
+
+def _keys(s3, prefix: str) -> set[str]:
+    pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/")
+    return {item["Key"] for page in pages for item in page.get("Contents", [])}
+
+
+def _config(s3, prefix: str, model: str) -> pb.ModelConfig:
+    body = s3.client().get_object(Bucket=BUCKET, Key=f"{prefix}/{model}/config.pbtxt")["Body"].read()
+    return text_format.Parse(body.decode(), pb.ModelConfig())
+
+
+def _configs_bytes(s3, prefix: str) -> dict[str, bytes]:
+    return {m: s3.client().get_object(Bucket=BUCKET, Key=f"{prefix}/{m}/config.pbtxt")["Body"].read() for m in MODELS}
+
+
+def test_destinations_parse_as_triton_names_them():
+    assert pub.Destination.parse("s3://bucket/a/b/") == pub.Destination("bucket", "a/b", None)
+    assert pub.Destination.parse("s3://10.0.0.5:9000/bucket/repo") == pub.Destination("bucket", "repo",
+                                                                                      "http://10.0.0.5:9000")
+    assert pub.Destination.parse("s3://https://store:443/bucket") == pub.Destination("bucket", "", "https://store:443")
+    assert pub.Destination.parse("s3://b/p", "http://x:1").endpoint_url == "http://x:1"
+    for bad in ("/local/folder", "s3://", "gs://bucket/p"):
+        with pytest.raises(pub.PublishError):
+            pub.Destination.parse(bad)
+
+
+def test_dry_run_lists_every_file_and_writes_nothing(s3, exports, capsys):
+    code = main(["publish", "--repository", str(exports["a"]["repo"]), "--to", f"s3://{BUCKET}/dry",
+                 "--endpoint-url", s3.endpoint, "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0 and _keys(s3, "dry") == set()
+    assert "new version 1" in out and "dry/embedder_encoder/1/model.onnx" in out
+    assert "dry/embedder/1/" in out  # the ensemble's empty version folder needs an object on S3
+    for model in MODELS:
+        assert f"dry/{model}/config.pbtxt: serves version 1" in out
+
+
+def test_publish_uploads_verified_files_and_pins_the_version(s3, exports):
+    repo = exports["a"]["repo"]
+    plan = pub.publish(repo, _destination(s3, "pinned"))
+    assert [g.version for g in plan.groups] == [1]
+    local = pub.read_local(repo)
+    client = s3.client()
+    for name, model in local.items():
+        for rel, sha in model.files.items():
+            head = client.head_object(Bucket=BUCKET, Key=f"pinned/{name}/1/{rel}", ChecksumMode="ENABLED")
+            assert head["ChecksumSHA256"] == sha, (name, rel)
+        config = _config(s3, "pinned", name)
+        assert list(config.version_policy.specific.versions) == [1]
+    assert [s.model_version for s in _config(s3, "pinned", "embedder").ensemble_scheduling.step] == [1, 1, 1]
+    # the same export again: nothing new, no version 2
+    again = pub.publish(repo, _destination(s3, "pinned"))
+    assert again.groups == [] and again.unchanged == {m: [1] for m in MODELS}
+    assert not any("/2/" in key for key in _keys(s3, "pinned"))
+
+
+def test_a_checksum_that_differs_after_upload_stops_the_publish_before_any_switch(s3, exports):
+    pub.publish(exports["a"]["repo"], _destination(s3, "tampered"))
+    before = _configs_bytes(s3, "tampered")
+    client = s3.client()
+
+    def tamper(key: str) -> None:  # another writer replaces the object between upload and verification
+        if key.endswith("model.onnx"):
+            client.put_object(Bucket=BUCKET, Key=key, Body=b"not the model")
+
+    with pytest.raises(pub.PublishError, match="SHA-256"):
+        pub.publish(exports["b"]["repo"], _destination(s3, "tampered"), after_upload=tamper)
+    assert _configs_bytes(s3, "tampered") == before
+
+
+def _embed(grpc_url: str) -> np.ndarray:
+    with EncoderClient(grpc_url, model="embedder") as client:
+        return client.embed(TEXTS)
+
+
+def _serve(s3, prefix: str, log):
+    http, grpc, metrics = object_store.free_ports(3)
+    process = serve.start(s3.triton_url(BUCKET, prefix), http, grpc, metrics, stdout=log, stderr=log)
+    return process, f"127.0.0.1:{grpc}"
+
+
+def _extras(s3, prefix: str) -> bytes:
+    return s3.client().get_object(Bucket=BUCKET, Key=f"{prefix}/embedder_encoder/validation.json")["Body"].read()
+
+
+def test_a_failed_publish_leaves_the_published_version_serving(s3, exports, tmp_path):
+    destination = _destination(s3, "prod")
+    pub.publish(exports["a"]["repo"], destination)
+    before, extras = _configs_bytes(s3, "prod"), _extras(s3, "prod")
+    uploaded = []
+
+    def fail_midway(key: str) -> None:
+        uploaded.append(key)
+        if len(uploaded) == 4:
+            raise ConnectionError("network gone (injected)")
+
+    with pytest.raises(ConnectionError):
+        pub.publish(exports["b"]["repo"], destination, after_upload=fail_midway)
+    assert _configs_bytes(s3, "prod") == before
+    # the validation data beside the configs goes up after the switch: still the live export's
+    assert _extras(s3, "prod") == extras
+    assert any("/2/" in key for key in _keys(s3, "prod"))  # the partial version folder is there, unserved
+
+    log = open(tmp_path / "server.log", "wb")
+    process, grpc = _serve(s3, "prod", log)
+    try:
+        assert np.allclose(_embed(grpc), exports["a"]["reference"], atol=1e-4)
+        # the supervisor finds the python-backend processes in Triton's local copies of the models
+        counts = process.supervisor.stub_counts()
+        assert counts.get("embedder_tokenizer") == 1 and counts.get("embedder_postprocess") == 1
+
+        plan = pub.plan(exports["b"]["repo"], destination)
+        assert plan.unreferenced == {"embedder_tokenizer": [2]}  # four of the tokenizer's five files got there
+        assert [g.version for g in plan.groups] == [3]  # never reuses the interrupted folder's number
+        pub.publish(exports["b"]["repo"], destination)
+        # the steps keep the version the ensemble pinned until the next publish; the ensemble pins 3
+        for step in MODELS[:-1]:
+            assert list(_config(s3, "prod", step).version_policy.specific.versions) == [1, 3]
+        assert [s.model_version for s in _config(s3, "prod", "embedder").ensemble_scheduling.step] == [3, 3, 3]
+        assert _extras(s3, "prod") == (exports["b"]["repo"] / "embedder_encoder" / "validation.json").read_bytes()
+        # the running server still serves what it loaded (nothing polls the store)
+        assert np.allclose(_embed(grpc), exports["a"]["reference"], atol=1e-4)
+        # a python-backend process killed after that publish: the supervisor loads every model again
+        # from the store, the ensemble last, so the replica serves the new set whole, never a mix
+        stub = process.supervisor.stub_processes()["embedder_tokenizer"][0]
+        stub.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not process.supervisor.restarts and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [model for _, model in process.supervisor.restarts] == ["embedder_tokenizer"]
+        served = _embed(grpc)
+        assert np.allclose(served, exports["b"]["reference"], atol=1e-4)
+        assert not np.allclose(served, exports["a"]["reference"], atol=1e-2)
+    finally:
+        serve.stop(process)
+
+    # a fresh server loads both step versions and the ensemble's pinned set: the new export
+    process, grpc = _serve(s3, "prod", log)
+    try:
+        assert np.allclose(_embed(grpc), exports["b"]["reference"], atol=1e-4)
+    finally:
+        serve.stop(process)
+        log.close()
+
+
+def test_a_publish_stopped_while_switching_keeps_one_consistent_set_and_is_finished_next_time(s3, exports):
+    destination = _destination(s3, "switching")
+    pub.publish(exports["a"]["repo"], destination)
+
+    def stop_before_the_ensemble(key: str) -> None:
+        if key.endswith("embedder_postprocess/config.pbtxt"):
+            raise KeyboardInterrupt  # killed between the steps' switch and the ensemble's
+
+    with pytest.raises(KeyboardInterrupt):
+        pub.publish(exports["b"]["repo"], destination, after_upload=stop_before_the_ensemble)
+    # the steps serve both versions, the ensemble still pins the previous one: a starting server loads version 1
+    for step in MODELS[:-1]:
+        assert list(_config(s3, "switching", step).version_policy.specific.versions) == [1, 2]
+    ensemble = _config(s3, "switching", "embedder")
+    assert list(ensemble.version_policy.specific.versions) == [1]
+    assert [step.model_version for step in ensemble.ensemble_scheduling.step] == [1, 1, 1]
+    # the next publish sees the unfinished switch although every file is there, and finishes with a new
+    # version; the steps keep the version the ensemble pinned (1), not the never-switched 2
+    finished = pub.publish(exports["b"]["repo"], destination)
+    assert [g.version for g in finished.groups] == [3] and "switching" in finished.groups[0].reason
+    for step in MODELS[:-1]:
+        assert list(_config(s3, "switching", step).version_policy.specific.versions) == [1, 3]
+    ensemble = _config(s3, "switching", "embedder")
+    assert list(ensemble.version_policy.specific.versions) == [3]
+    assert [step.model_version for step in ensemble.ensemble_scheduling.step] == [3, 3, 3]
+    assert pub.plan(exports["b"]["repo"], destination).groups == []
+    # the publish after that drops version 1: the steps serve the pinned 3 and the new 4
+    pub.publish(exports["a"]["repo"], destination)
+    for step in MODELS[:-1]:
+        assert list(_config(s3, "switching", step).version_policy.specific.versions) == [3, 4]
+
+
+def test_a_step_whose_config_changed_is_refused_not_applied_to_the_previous_version(s3, exports, tmp_path):
+    destination = _destination(s3, "reconfigured")
+    pub.publish(exports["a"]["repo"], destination)
+    before, keys = _configs_bytes(s3, "reconfigured"), _keys(s3, "reconfigured")
+    changed = tmp_path / "repo"
+    shutil.copytree(exports["b"]["repo"], changed)
+    path = changed / "embedder_encoder" / "config.pbtxt"
+    config = text_format.Parse(path.read_text(), pb.ModelConfig())
+    config.max_batch_size += 1  # what another export of other limits would change
+    path.write_text(text_format.MessageToString(config))
+    for run in (pub.plan, pub.publish):  # --dry-run says so too
+        with pytest.raises(pub.PublishError, match="embedder_encoder's config differs.*new prefix"):
+            run(changed, destination)
+    assert _configs_bytes(s3, "reconfigured") == before and _keys(s3, "reconfigured") == keys
+    pub.publish(changed, _destination(s3, "reconfigured-2"))  # a new prefix takes it
+
+
+def test_the_store_refuses_an_object_whose_checksum_differs(s3):
+    store = pub.Store(_destination(s3, "checksums"))
+    with pytest.raises(pub.PublishError, match="BadDigest"):
+        store.put("checksums/x", b"what was sent", pub.sha256_b64(b"what the sender hashed"))
+    assert _keys(s3, "checksums") == set()
+
+
+def test_one_publisher_at_a_time(s3, exports):
+    destination = _destination(s3, "concurrent")
+    client = s3.client()
+    # a lock left by another publish: nothing is written
+    client.put_object(Bucket=BUCKET, Key=f"concurrent/{pub.LOCK}", Body=b"another publish")
+    with pytest.raises(pub.ConcurrentPublishError, match="another publish"):
+        pub.publish(exports["a"]["repo"], destination)
+    assert _keys(s3, "concurrent") == {f"concurrent/{pub.LOCK}"}
+    client.delete_object(Bucket=BUCKET, Key=f"concurrent/{pub.LOCK}")
+    # a publisher that took the same version number (one that ignores the lock) is not overwritten
+    plan = pub.plan(exports["a"]["repo"], destination)
+    theirs = plan.groups[0].uploads[1][1]
+
+    def other_writer(key: str) -> None:
+        if key == plan.groups[0].uploads[0][1]:
+            client.put_object(Bucket=BUCKET, Key=theirs, Body=b"the other publish's file")
+
+    with pytest.raises(pub.ConcurrentPublishError, match="already exists"):
+        pub.publish(exports["a"]["repo"], destination, after_upload=other_writer)
+    assert client.get_object(Bucket=BUCKET, Key=theirs)["Body"].read() == b"the other publish's file"
+    assert not any(key.endswith("config.pbtxt") for key in _keys(s3, "concurrent"))
+    assert f"concurrent/{pub.LOCK}" not in _keys(s3, "concurrent")  # released after the error
+
+
+def test_credentials_are_never_printed(s3, exports, capsys, monkeypatch):
+    args = ["publish", "--repository", str(exports["a"]["repo"]), "--to", f"s3://{BUCKET}/creds",
+            "--endpoint-url", s3.endpoint]
+    assert main(args) == 0
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "a-wrong-secret-value")
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert "SignatureDoesNotMatch" in err or "AccessDenied" in err
+    for secret in (object_store.SECRET_KEY, "a-wrong-secret-value"):
+        assert secret not in out and secret not in err
+
+
+def test_a_prefix_with_nothing_published_stops_the_server(s3, tmp_path):
+    # no local check applies to a URL: Triton's own ("repository path is not a valid directory") ends it
+    with open(tmp_path / "server.log", "wb") as log, pytest.raises(serve.ServerError, match="exited with code"):
+        serve.start(s3.triton_url(BUCKET, "nothing/published"), *object_store.free_ports(3), stdout=log, stderr=log)
+    assert b"repository path is not a valid directory" in (tmp_path / "server.log").read_bytes()
+
+
+def test_gpu_on_cpu_cannot_apply_to_an_object_store(s3):
+    with pytest.raises(serve.ServerError, match="local shadow"):
+        serve.start(s3.triton_url(BUCKET, "prod"), *object_store.free_ports(3), gpu_on_cpu=True)
+
+
+def test_the_serve_command_passes_an_s3_url_intact(monkeypatch):
+    # Path("s3://host:port/b") would fold the '//': the command must hand Triton the URL as given
+    seen = []
+    monkeypatch.setattr(serve, "serve_forever", lambda repository, *args, **kwargs: seen.append(repository) or 0)
+    assert main(["serve", "--model-repository", "s3://127.0.0.1:9000/models/prod"]) == 0
+    assert seen == ["s3://127.0.0.1:9000/models/prod"]
+    assert serve.server_args(seen[0], 1, 2, 3)[0] == "--model-repository=s3://127.0.0.1:9000/models/prod"
+
+
+def test_the_kubernetes_command_line_serves_from_object_storage(s3, exports, tmp_path):
+    """The rendered Deployment's tritonserver arguments, run here as the kubelet would (its
+    $(VAR)s substituted), on Triton 2.51: they serve the published repository, refuse the
+    restricted APIs without the Secret's header, and export the autoscaler's two counters."""
+    import re
+    import secrets
+    import shutil
+    import subprocess
+    import urllib.error
+    import urllib.request
+
+    from test_k8s import render
+
+    pub.publish(exports["a"]["repo"], _destination(s3, "k8s"))
+    (deployment,) = [d for d in render("cpu") if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    http, grpc, metrics = object_store.free_ports(3)
+    key = secrets.token_urlsafe(24)
+    values = {"MODEL_REPOSITORY": s3.triton_url(BUCKET, "k8s"), "NEXUS_SLI_ADMIN_KEY": key}
+    # the pod's fixed ports and wildcard address become free loopback ones here: nothing else changes
+    local = {"--http-port=8000": f"--http-port={http}", "--grpc-port=8001": f"--grpc-port={grpc}",
+             "--metrics-port=8002": f"--metrics-port={metrics}"}
+    assert container["args"][0] == "tritonserver"  # run by the image's entrypoint in the pod
+    args = [local.get(a, a.replace("=0.0.0.0", "=127.0.0.1")) for a in container["args"][1:]]
+    args = [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], a) for a in args]
+    # the same binary and backends `nexus-sli serve` uses here (the pod's image has its own)
+    base = serve.server_command(values["MODEL_REPOSITORY"], http, grpc, metrics)
+    argv = [base.argv[0], *args, *([f"--backend-directory={base.backend_dir}"] if base.backend_dir else [])]
+    with open(tmp_path / "server.log", "wb") as log:
+        process = subprocess.Popen(argv, env=base.env, stdout=log, stderr=log)
+    try:
+        serve.wait_ready(http, process)
+        assert np.allclose(_embed(f"127.0.0.1:{grpc}"), exports["a"]["reference"], atol=1e-4)
+        index = f"http://127.0.0.1:{http}/v2/repository/index"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(index, data=b"{}", method="POST"), timeout=10)
+        assert refused.value.code == 403
+        allowed = urllib.request.Request(index, data=b"{}", method="POST", headers={serve.ADMIN_HEADER: key})
+        with urllib.request.urlopen(allowed, timeout=10) as response:
+            assert response.status == 200
+        # model control is off: even with the header, models cannot be loaded or unloaded
+        unload = urllib.request.Request(f"http://127.0.0.1:{http}/v2/repository/models/embedder/unload",
+                                        data=b"{}", method="POST", headers={serve.ADMIN_HEADER: key})
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(unload, timeout=10)
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as response:
+            scraped = response.read().decode()
+        for counter in ("nv_inference_queue_duration_us", "nv_inference_request_success"):
+            assert re.search(rf'^{counter}{{model="embedder_encoder",version="1"}} \d+', scraped, re.MULTILINE)
+    finally:
+        process.terminate()
+        process.wait(30)
+        if base.temporary_backend_dir:
+            shutil.rmtree(base.backend_dir, ignore_errors=True)
