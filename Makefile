@@ -37,11 +37,11 @@ export: install
 		$(if $(ACCELERATOR),--accelerator '$(ACCELERATOR)') $(if $(NAME),--name '$(NAME)') --out '$(OUT)' \
 		$(if $(NO_CACHE),--no-cache)
 
-# OUT to object storage as new version folders: make publish TO=s3://bucket/prefix [ENDPOINT_URL=...] [DRY_RUN=1]
+# OUT to object storage as new version folders: make publish TO=s3://bucket/prefix [ENDPOINT_URL=...] [DRY_RUN=1] [PRUNE=1]
 # (credentials from the standard AWS environment; docs/deployment.md).
 publish: install
 	$(BIN)/nexus-sli publish --repository '$(OUT)' --to '$(TO)' \
-		$(if $(ENDPOINT_URL),--endpoint-url '$(ENDPOINT_URL)') $(if $(DRY_RUN),--dry-run)
+		$(if $(ENDPOINT_URL),--endpoint-url '$(ENDPOINT_URL)') $(if $(DRY_RUN),--dry-run) $(if $(PRUNE),--prune)
 
 # Exports the default model first when OUT holds no model yet.
 serve: install

@@ -17,6 +17,9 @@ def add_parser(commands) -> None:
                          help="the S3 endpoint of an S3-compatible store (MinIO, SeaweedFS, Ceph, ...); credentials "
                               "come from the standard AWS environment or ~/.aws, never from the command line")
     publish.add_argument("--dry-run", action="store_true", help="list what would be uploaded and switched; write nothing")
+    publish.add_argument("--prune", action="store_true",
+                         help="after the switch, delete the version folders no config serves (servers copy every "
+                              "version folder of a model when they load it); needs s3:DeleteObject")
     publish.set_defaults(run=run)
 
 
@@ -24,7 +27,10 @@ def run(args: argparse.Namespace) -> int:
     from nexus_sli.exporter.triton.publish import Destination, plan, publish
 
     destination = Destination.parse(args.to, args.endpoint_url)
-    result = (plan if args.dry_run else publish)(Path(args.repository), destination)
+    if args.dry_run:
+        result = plan(Path(args.repository), destination)
+    else:
+        result = publish(Path(args.repository), destination, prune=args.prune)
     print(f"{'would publish' if args.dry_run else 'published'} {args.repository} -> {destination}")
     for line in result.describe():
         print(line)

@@ -17,5 +17,6 @@ from .errors import (
 from .results import Answer, Entity, Label, Ranked
 
 __all__ = ["AsyncEncoderClient", "EncoderClient", "ClientError", "InferenceError", "InvalidInputError",
-           "ModelNotFoundError", "ModelUnavailableError", "NoModelError", "ReplicasFailedError", "RetryableError", "ServerUnavailableError", "WrongTaskError",
+           "ModelNotFoundError", "ModelUnavailableError", "NoModelError", "ReplicasFailedError", "RetryableError",
+           "ServerUnavailableError", "WrongTaskError",
            "Answer", "Entity", "Label", "Ranked"]

@@ -113,9 +113,10 @@ def translate(exc: Exception, model: str) -> Exception:
     # that died while answering: geventhttpclient's HTTPConnectionClosed), both retryable
     transport = isinstance(exc, (OSError, http.client.HTTPException))
     kind = ServerUnavailableError if transport else _BY_STATUS.get(str(status), InferenceError)
-    if kind is ServerUnavailableError and str(status) == "StatusCode.DEADLINE_EXCEEDED":
-        return kind(f"Triton server did not answer within the client's timeout ({text.splitlines()[0]}); "
-                    "check that it is not stuck or overloaded, then retry")
+    if isinstance(exc, TimeoutError) or str(status) == "StatusCode.DEADLINE_EXCEEDED":
+        said = text.splitlines()[0] if text else type(exc).__name__
+        return ServerUnavailableError(f"Triton server did not answer within the client's timeout ({said}); "
+                                      "check that it is not stuck or overloaded, then retry")
     if kind is ServerUnavailableError:
         return kind(f"Triton server unreachable ({text.splitlines()[0] if text else type(exc).__name__}); "
                     "check that it runs and the URL is right, then retry")

@@ -53,8 +53,9 @@ class _Server(uvicorn.Server):
             try:
                 yield
             finally:
-                # uvicorn's own list of the signals it caught, read once we are done: nothing to re-raise
-                self._captured_signals.clear()
+                # uvicorn's own (private) list of the signals it caught, read once we are done: nothing
+                # to re-raise.  Where a uvicorn lacks it, the signal is re-raised as uvicorn intends.
+                getattr(self, "_captured_signals", []).clear()
 
 
 async def _serve(server: uvicorn.Server, config: GatewayConfig) -> None:

@@ -80,7 +80,9 @@ def start(folder: Path, timeout: float = 60.0) -> S3Server:
              "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc", "debug.port", "metricsPort")
     ports = dict(zip(names, free_ports(len(names))))
     (folder / "data").mkdir(exist_ok=True)
-    argv = [weed_binary(), "mini", f"-dir={folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+    # its logs and unix sockets in its own folder: by default they pile up in /tmp, one set per run
+    argv = [weed_binary(), f"-logdir={folder}", "mini", f"-dir={folder / 'data'}", "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1", f"-s3.localSocket={folder / 's3.sock'}", f"-filer.localSocket={folder / 'filer.sock'}",
             *(f"-{name}={port}" for name, port in ports.items()), "-webdav=false", "-admin.ui=false",
             "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={folder / 's3.json'}",
             # small volumes: the default preallocates space this test data never needs

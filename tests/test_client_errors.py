@@ -47,6 +47,10 @@ def test_tritons_own_errors_are_sorted_by_transport_status():
     assert type(translate(server_error("whatever", "400"), "m")) is InvalidInputError
     assert type(translate(server_error("whatever", "StatusCode.UNAVAILABLE"), "m")) is ServerUnavailableError
     assert type(translate(ConnectionRefusedError(111, "Connection refused"), "m")) is ServerUnavailableError
+    # a server that hangs past the client's deadline is treated as one that is down: retryable
+    for slow in (server_error("Deadline Exceeded", "StatusCode.DEADLINE_EXCEEDED"), TimeoutError()):
+        error = translate(slow, "m")
+        assert type(error) is ServerUnavailableError and "did not answer within" in str(error)
 
 
 def test_marking_refuses_unknown_codes_and_finds_none_in_plain_text():

@@ -54,7 +54,8 @@ def test_all_replicas_down_is_one_error_with_every_attempt(protocol):
     assert [url for url, _ in failed.value.attempts] == dead
     assert all(isinstance(error, ServerUnavailableError) for _, error in failed.value.attempts)
     assert all(url in str(failed.value) for url in dead)
-    with EncoderClient(dead[:1], protocol=protocol, model="embedder", timeout_s=5) as one:  # one URL: its own error, as before
+    # one URL: its own error, as before
+    with EncoderClient(dead[:1], protocol=protocol, model="embedder", timeout_s=5) as one:
         with pytest.raises(ServerUnavailableError):
             one.embed("text")
 

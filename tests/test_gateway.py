@@ -42,7 +42,7 @@ from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.serving import server as serve
-from nexus_sli.gateway import GatewayConfig, discovery
+from nexus_sli.gateway import GatewayConfig, create_app, discovery
 from nexus_sli.gateway.errors import from_client
 from nexus_sli.gateway.server import exposure_warning
 from test_serving import _cosines, _free_ports
@@ -660,10 +660,29 @@ def test_serve_starts_the_gateway_beside_triton_and_stopping_one_stops_both(serv
 
 
 def test_every_retryable_client_error_is_a_503():
-    failed = ReplicasFailedError([("a:8001", ServerUnavailableError("down")), ("b:8001", ServerUnavailableError("down"))])
+    down = ServerUnavailableError("down")
+    failed = ReplicasFailedError([("a:8001", down), ("b:8001", down)])
     for exc in (failed, ServerUnavailableError("down")):
         error = from_client(exc, retry_after=5)
         assert (error.status("openai"), error.status("tei"), error.retry_after) == (503, 503, 5)
+
+
+def test_a_fault_in_the_gateway_is_a_500_in_the_apis_shape():
+    """No real request makes the gateway fail, so a route that raises is added to a real app."""
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    async def broken(request):
+        raise RuntimeError("a bug")
+
+    app = create_app(GatewayConfig())
+    app.router.routes += [Route("/v1/broken", broken), Route("/broken", broken)]
+    client = TestClient(app, raise_server_exceptions=False)  # no lifespan: Triton is not needed
+    response = client.get("/v1/broken")
+    error = openai_error(response.status_code, response.json())
+    assert response.status_code == 500 and error["code"] == "internal_error" and "a bug" in error["message"]
+    response = client.get("/broken")
+    assert response.status_code == 424 and tei_error(response.json())["error_type"] == "Backend"
 
 
 def test_one_triton_per_gateway():

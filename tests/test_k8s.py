@@ -141,7 +141,8 @@ def test_probes_security_and_shutdown(rendered):
     rolling = kinds["Deployment"]["spec"]["strategy"]["rollingUpdate"]
     if overlay == "gpu":  # no spare GPU for a surge pod: replace one at a time, the others keep serving
         assert (rolling["maxSurge"], rolling["maxUnavailable"]) == (0, 1)
-        assert kinds["Deployment"]["spec"]["replicas"] >= 2 and kinds["HorizontalPodAutoscaler"]["spec"]["minReplicas"] >= 2
+        assert kinds["Deployment"]["spec"]["replicas"] >= 2
+        assert kinds["HorizontalPodAutoscaler"]["spec"]["minReplicas"] >= 2
         assert kinds["PodDisruptionBudget"]["spec"]["minAvailable"] >= 1
     else:  # a new pod ready before an old one goes
         assert (rolling["maxSurge"], rolling["maxUnavailable"]) == (1, 0)

@@ -229,10 +229,16 @@ def test_a_publish_stopped_while_switching_keeps_one_consistent_set_and_is_finis
     assert list(ensemble.version_policy.specific.versions) == [3]
     assert [step.model_version for step in ensemble.ensemble_scheduling.step] == [3, 3, 3]
     assert pub.plan(exports["b"]["repo"], destination).groups == []
-    # the publish after that drops version 1: the steps serve the pinned 3 and the new 4
-    pub.publish(exports["a"]["repo"], destination)
+    # the publish after that drops version 1: the steps serve the pinned 3 and the new 4; --prune then
+    # deletes every version folder no config serves (servers copy a model's whole folder on load)
+    done = pub.publish(exports["a"]["repo"], destination, prune=True)
     for step in MODELS[:-1]:
         assert list(_config(s3, "switching", step).version_policy.specific.versions) == [3, 4]
+    assert done.pruned == {"embedder_tokenizer": [1, 2], "embedder_encoder": [1, 2], "embedder_postprocess": [1, 2],
+                           "embedder": [1, 2, 3]}
+    folders = {tuple(key.split("/")[1:3]) for key in _keys(s3, "switching") if key.count("/") >= 3}
+    assert folders == {(m, v) for m in MODELS[:-1] for v in ("3", "4")} | {("embedder", "4")}
+    assert "deleted (served by no config)" in "\n".join(done.describe())
 
 
 def test_a_step_whose_config_changed_is_refused_not_applied_to_the_previous_version(s3, exports, tmp_path):

@@ -144,6 +144,8 @@ class Plan:
     #: version folders on the store that no config serves (left by an interrupted publish, or older)
     unreferenced: dict[str, list[int]]
     local: dict[str, LocalModel] = field(repr=False, default_factory=dict)
+    #: version folders deleted after the switch (``--prune``): none a config serves
+    pruned: dict[str, list[int]] = field(default_factory=dict)
 
     def describe(self) -> list[str]:
         lines = []
@@ -158,8 +160,13 @@ class Plan:
                              + (f" (was {group.previous[model]})" if group.previous.get(model) else ""))
             lines += [f"  ~ {key} (after the switch)" for _, key, _ in group.extras]
         lines += [f"{name}: unchanged (serving version {', '.join(map(str, v))})" for name, v in self.unchanged.items()]
-        for name, versions in sorted(self.unreferenced.items()):
-            lines.append(f"{name}: version folders {', '.join(map(str, versions))} are on the store but not served (kept)")
+        if self.pruned:
+            lines += [f"{name}: version folders {', '.join(map(str, v))} deleted (served by no config)"
+                      for name, v in sorted(self.pruned.items())]
+        else:
+            for name, versions in sorted(self.unreferenced.items()):
+                lines.append(f"{name}: version folders {', '.join(map(str, versions))} are on the store but not "
+                             "served (kept; --prune deletes them)")
         return lines or ["nothing to publish"]
 
 
@@ -430,12 +437,16 @@ UploadHook = Callable[[str], None]
 
 
 def publish(repository: Path, destination: Destination, store: Store | None = None,
-            after_upload: UploadHook | None = None) -> Plan:
+            after_upload: UploadHook | None = None, prune: bool = False) -> Plan:
     """Upload what changed as new version folders, verify every checksum, then switch the configs.
 
     One publisher at a time per prefix: the lock object ``<prefix>/.nexus-sli-publish.lock`` is
     created only if absent (:class:`ConcurrentPublishError` otherwise) and deleted at the end, also
-    after an error; a publish killed outright leaves it, to be deleted by hand once no publish runs."""
+    after an error; a publish killed outright leaves it, to be deleted by hand once no publish runs.
+
+    ``prune``: after the switch, delete the version folders of the repository's models that no
+    config serves any more (servers copy a model's whole folder, every version in it, when they
+    load it).  The versions the configs serve, the previous one included, stay."""
     store = store or Store(destination)
     lock = destination.key(LOCK)
     body = f"nexus-sli publish: host {platform.node()}, pid {os.getpid()}, since {time.time():.0f}\n".encode()
@@ -451,9 +462,27 @@ def publish(repository: Path, destination: Destination, store: Store | None = No
             _upload(store, group.uploads, group, after_upload, create=True)
             _switch(store, group, result.local, after_upload)
             _upload(store, group.extras, group, after_upload)
+        if prune:
+            result.pruned = _prune(store, list(result.local))
     finally:
         store.delete(lock)
     return result
+
+
+def _prune(store: Store, names: list[str]) -> dict[str, list[int]]:
+    """Delete the version folders of ``names`` that no published config serves; what was deleted."""
+    pruned = {}
+    for name, remote in read_remote(store, names).items():
+        if remote.config is None:
+            continue
+        stale = sorted(remote.versions - set(remote.served))
+        for version in stale:
+            for key in store.keys(store.destination.key(name, str(version)) + "/"):
+                store.delete(key)
+        if stale:
+            pruned[name] = stale
+            log.info("%s: deleted version folders %s (served by no config)", name, ", ".join(map(str, stale)))
+    return pruned
 
 
 def _upload(store: Store, uploads: list, group: GroupPlan, after_upload: UploadHook | None,
