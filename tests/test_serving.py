@@ -75,7 +75,10 @@ def test_configs_parse_back_through_the_schema(server):
     tokenizer = triton_config.read(server["repo"] / f"{NAME}_tokenizer" / "config.pbtxt")
     assert [o.name for o in tokenizer.output] == [i.name for i in encoder.input]
     assert tokenizer.backend == "python" and tokenizer.HasField("dynamic_batching")
-    assert tokenizer.dynamic_batching.max_queue_delay_microseconds == triton_config.TOKENIZER_QUEUE_DELAY_US > 0
+    # the python steps batch what queued while they ran, without waiting (a lone query would pay it)
+    assert tokenizer.dynamic_batching.max_queue_delay_microseconds == triton_config.TOKENIZER_QUEUE_DELAY_US == 0
+    post = triton_config.read(server["repo"] / f"{NAME}_postprocess" / "config.pbtxt")
+    assert post.HasField("dynamic_batching") and post.dynamic_batching.max_queue_delay_microseconds == 0
     # an ensemble has no batcher of its own; its steps batch
     assert not ensemble.HasField("dynamic_batching")
 

@@ -22,9 +22,11 @@ import numpy as np
 
 from nexus_sli.client import EncoderClient
 
-from ..runners import GraphEncoder, ServedFacts
+from ..harness import short_queries
+from ..runners import GraphEncoder, ServedFacts, token_counts
 from ..served import Server
-from . import MODEL, bench_repository, served_inputs
+from ..texts import bench_texts
+from . import MODEL, QUERIES, bench_repository
 
 STEPS = ("_tokenizer", "_encoder", "_postprocess")
 PARTS = ("queue", "compute_input", "compute_infer", "compute_output")
@@ -53,9 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     repo = Path(argv[0]) if argv else bench_repository()
     model = argv[1] if len(argv) > 1 else MODEL
-    _, _, queries = served_inputs()
+    facts = ServedFacts.read(repo, model)
+    texts = bench_texts()
+    queries = short_queries(texts, token_counts(facts, texts), QUERIES)
     names = [model, *(model + step for step in STEPS)]
-    in_process = GraphEncoder.for_model(repo, ServedFacts.read(repo, model))
+    in_process = GraphEncoder.for_model(repo, facts)
     with Server(repo) as server, EncoderClient(server.url("grpc"), model=model) as client:
         for text in queries[:20]:  # warm-up
             client.embed(text)

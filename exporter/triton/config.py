@@ -18,12 +18,18 @@ from nexus_sli.tasks import get_task, spec
 
 #: Requests Triton may merge into one execution of each step.
 MAX_BATCH_SIZE = 64
-#: How long a step waits for more requests to merge (microseconds).  Short:
-#: a lone request pays it at every step, and under load requests queue up while
-#: the step runs anyway (Triton then merges everything waiting).
+#: How long the encoder waits for more requests to merge (microseconds).  Short:
+#: a lone request pays it, and under load requests queue up while the step runs
+#: anyway (Triton then merges everything waiting).
 QUEUE_DELAY_US = 500
-#: The tokenizer waits as long: the encoder merges what it sends regardless.
-TOKENIZER_QUEUE_DELAY_US = 500
+#: The python steps do not wait: a lone query paid every step's delay (0.6 ms
+#: queued per step, from Triton's statistics), while the encoder merges what the
+#: tokenizer sends regardless.  Measured with bench/experiments/queue_delay.py:
+#: single-query p50 3.7 ms instead of 4.7-5.1 ms, 16 concurrent clients within
+#: noise (BENCHMARKS.md, "What was tried").  Under load each still merges what
+#: queued while it ran.
+TOKENIZER_QUEUE_DELAY_US = 0
+POSTPROCESS_QUEUE_DELAY_US = 0
 #: Every token row is padded to this width (or the model's limit when shorter),
 #: so all requests share one shape and the encoder's batcher merges them all;
 #: the encoder cuts each batch to its longest real token before computing.
@@ -138,6 +144,7 @@ def _model(name: str, inputs, outputs, batched: bool, params: dict | None = None
         config.parameters[key].string_value = str(value)
     config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=1)
     if batched:
+        config.dynamic_batching.SetInParent()  # batching on even where the delay is 0 (proto3's default)
         config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
     return config
 
@@ -203,7 +210,8 @@ def _accelerate(config: pb.ModelConfig, accelerators, input_names: list[str], ma
 
 
 def postprocess_config(name: str, lay: Layout, params: dict[str, str]) -> pb.ModelConfig:
-    config = _model(name, [lay.tensor(n) for n in lay.post_inputs], lay.outputs, lay.batched, params)
+    config = _model(name, [lay.tensor(n) for n in lay.post_inputs], lay.outputs, lay.batched, params,
+                    POSTPROCESS_QUEUE_DELAY_US)
     config.backend = "python"
     return config
 
