@@ -73,6 +73,11 @@ def peak_flops(flags: set[str], vendor: str, precision: str, cores: int, ghz: fl
     return cores * ghz * 1e9 * table[key], key
 
 
+def number_format(precision: str) -> str:
+    """The arithmetic a bench row's precision label runs in (``openvino-bf16``, ``bf16 autocast``: bf16)."""
+    return next((f for f in ("int8", "bf16", "fp16") if f in precision), "fp32")
+
+
 def mean_flops(shape: EncoderShape, token_counts: list[int]) -> float:
     """FLOPs per text, averaged over the texts actually sent (attention grows with the square)."""
     return sum(shape.flops_per_text(n) for n in token_counts) / len(token_counts)
@@ -114,14 +119,17 @@ def summary(model_dir, token_counts: list[int], rows: list[dict], modes: tuple[s
               "vendor": info.get("vendor_id", "unknown"), "cpu_family": family, "peaks": {}, "rows": []}
     if ghz is None:
         return result
-    for precision in sorted({r["precision"] for r in rows} | {"fp32"}):
-        found = peak_flops(flags, result["vendor"], precision, cores, ghz, family)
+    for number in sorted({number_format(r["precision"]) for r in rows} | {"fp32"}):
+        found = peak_flops(flags, result["vendor"], number, cores, ghz, family)
         if found:
-            result["peaks"][precision] = {"flops": found[0], "instruction_set": found[1]}
+            result["peaks"][number] = {"flops": found[0], "instruction_set": found[1]}
     for row in rows:
-        peak = result["peaks"].get(row["precision"])
+        peak = result["peaks"].get(number_format(row["precision"]))
         if row["mode"] in modes and peak and row["texts_per_s"]:
-            result["rows"].append({"path": row["path"], "precision": row["precision"], "protocol": row["protocol"],
+            count = row.get("threads")
+            threads = f" ({count} torch thread{'s' if count > 1 else ''})" if count else ""
+            result["rows"].append({"path": row["path"] + threads, "precision": row["precision"],
+                                   "protocol": row["protocol"],
                                    "mode": row["mode"], "texts_per_s": row["texts_per_s"],
                                    "gflops": round(row["texts_per_s"] * flops / 1e9, 2),
                                    "share_of_peak": round(fraction_of_peak(row["texts_per_s"], flops, peak["flops"]), 4)})

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nexus_sli.bench.compute_limit import EncoderShape, fraction_of_peak, instruction_set, mean_flops, peak_flops
+from nexus_sli.bench.compute_limit import (EncoderShape, fraction_of_peak, instruction_set, mean_flops, number_format,
+                                           peak_flops)
 
 MINILM = EncoderShape(layers=6, hidden=384, intermediate=1536)
 
@@ -57,3 +58,8 @@ def test_the_summary_reads_the_packaged_model_and_rates_each_throughput_row():
     row = limit["rows"][0]
     assert row["share_of_peak"] == pytest.approx(100.0 * limit["flops_per_text"] / limit["peaks"]["fp32"]["flops"],
                                                  rel=1e-3)
+
+
+def test_bench_precision_labels_map_to_their_arithmetic():
+    assert [number_format(p) for p in ("fp32", "int8", "openvino-bf16", "bf16 autocast", "openvino-int8", "fp16")] \
+        == ["fp32", "int8", "bf16", "bf16", "int8", "fp16"]
