@@ -8,12 +8,14 @@ Docker is not available on this project's machines, so the image is not built he
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
-import dockerfile
 import pytest
 from packaging.requirements import Requirement
 
@@ -26,8 +28,18 @@ DISTRIBUTIONS = {"numpy": "numpy", "tokenizers": "tokenizers"}
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 
-def _commands():
-    return dockerfile.parse_file(str(DOCKERFILE))
+#: The parser is Docker's own Go code (a Go runtime in a C extension).  A full run once died of a
+#: segfault, with no Python trace, right around this module's first parse; whether the Go runtime
+#: beside torch's and gRPC's threads caused it was not established, but a crash in an interpreter of
+#: its own fails one test instead of the whole run.
+_PARSE = ("import dockerfile, json, sys; print(json.dumps([{'cmd': c.cmd, 'value': list(c.value), 'json': c.json} "
+          "for c in dockerfile.parse_file(sys.argv[1])]))")
+
+
+def _commands() -> list[SimpleNamespace]:
+    """The Dockerfile's instructions (``cmd``, ``value`` as a tuple, ``json``), as Docker parses them."""
+    out = subprocess.run([sys.executable, "-c", _PARSE, str(DOCKERFILE)], capture_output=True, text=True, check=True)
+    return [SimpleNamespace(cmd=c["cmd"], value=tuple(c["value"]), json=c["json"]) for c in json.loads(out.stdout)]
 
 
 def _installed() -> dict[str, Requirement]:
