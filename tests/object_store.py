@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ports import free_ports  # noqa: F401 - the tests take it from here
+from nexus_sli.bench.served import free_ports  # noqa: F401 - the tests take it from here
 
 ACCESS_KEY = "nexus-sli-test"
 SECRET_KEY = "nexus-sli-test-secret"

@@ -146,17 +146,22 @@ def test_install_switches_by_renames_and_records_each_gpu(copy):
     assert both.default_model_filename == "model.sm90.plan"
 
 
-def test_a_crash_before_the_config_is_renamed_leaves_the_onnx_model_whole(copy, monkeypatch):
-    folder = copy / "gpu_encoder"
-    config = tc.read(folder / "config.pbtxt")
+def _crash_when_replacing(monkeypatch, name: str) -> None:
+    """The install's renames fail ("disk full") at the file called ``name``, and only there."""
     real = bp._replace
 
-    def crash_on_config(path, data):
-        if path.name == "config.pbtxt":
+    def crash(path, data):
+        if path.name == name:
             raise OSError("disk full")
         real(path, data)
 
-    monkeypatch.setattr(bp, "_replace", crash_on_config)
+    monkeypatch.setattr(bp, "_replace", crash)
+
+
+def test_a_crash_before_the_config_is_renamed_leaves_the_onnx_model_whole(copy, monkeypatch):
+    folder = copy / "gpu_encoder"
+    config = tc.read(folder / "config.pbtxt")
+    _crash_when_replacing(monkeypatch, "config.pbtxt")
     before = (folder / "validation.json").read_text()
     with pytest.raises(OSError):
         bp.install(folder, config, b"engine", _record("8.6", folder))
@@ -169,14 +174,7 @@ def test_a_crash_before_the_config_is_renamed_leaves_the_onnx_model_whole(copy, 
 def test_a_crash_after_the_config_leaves_the_plan_served_and_no_record_of_another(copy, monkeypatch):
     folder = copy / "gpu_encoder"
     config = tc.read(folder / "config.pbtxt")
-    real = bp._replace
-
-    def crash_on_record(path, data):
-        if path.name == "validation.json":
-            raise OSError("disk full")
-        real(path, data)
-
-    monkeypatch.setattr(bp, "_replace", crash_on_record)
+    _crash_when_replacing(monkeypatch, "validation.json")
     with pytest.raises(OSError):
         bp.install(folder, config, b"engine", _record("8.6", folder))
     on_disk = tc.read(folder / "config.pbtxt")

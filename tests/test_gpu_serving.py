@@ -27,7 +27,7 @@ from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.serving import gpu_on_cpu, server as serve
 from nexus_sli.exporter.triton import config as tc
 
-from ports import free_ports as _free_ports
+from nexus_sli.bench.served import free_ports as _free_ports
 
 NAME = "minilm_gpu"
 pytestmark = pytest.mark.skipif(gpu_on_cpu.gpu_visible(), reason="a GPU is visible: the CPU override is not used")

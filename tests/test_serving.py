@@ -19,7 +19,7 @@ from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.targets.cpu import supports_bf16
 from nexus_sli.exporter.export.validate import validation_texts
 
-from ports import free_ports as _free_ports
+from nexus_sli.bench.served import free_ports as _free_ports
 
 NAME = "all_minilm_l6_v2"
 
