@@ -58,7 +58,8 @@ test: install
 test-load: install
 	NEXUS_SLI_LOAD_REPORT='$(LOAD_REPORT)' $(BIN)/python -m pytest -q -s -m load tests/test_load.py
 
-# The bench serves its own repository: exported (fp32 + int8) again when the exporter changed.
+# The bench serves its own repository: exported (every configuration it serves, and an auto export
+# beside it in bench/.repo-auto that says which is the default) again when the exporter changed.
 BENCH_REPO := bench/.repo
 $(BENCH_REPO)/.exported: $(VENV)/.installed $(shell find exporter tasks -name "*.py")
 	$(BIN)/nexus-sli bench --repo '$(BENCH_REPO)' --export-only --reexport

@@ -16,7 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for latest.json, latest.md, latest.png (default: bench/results)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer texts, one repetition, gRPC only, no PyTorch peers (a smoke run)")
-    parser.add_argument("--repetitions", type=int, default=0, help="timed repetitions (default: 3, quick: 1)")
+    parser.add_argument("--repetitions", type=int, default=0,
+                        help="at least this many timed repetitions (default: 3, quick: 1); the full run adds "
+                             "more while a target's paired ratios spread by 10%% or more, within its cap")
     parser.add_argument("--reexport", action="store_true",
                         help="export again even when the repository already holds this model")
     parser.add_argument("--export-only", action="store_true", help="export what the bench serves, measure nothing")
@@ -49,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"repository": str(options.repository), "models": ensure_exported(options)}))
         return 0
     results = run_bench(options)
+    statuses = [t["status"] for t in results["targets"]]
     print(json.dumps({"out": str(options.out), "duration_s": results["duration_s"],
+                      "repetitions": results["settings"]["repetitions"],
                       "targets_met": sum(t["met"] for t in results["targets"]),
-                      "targets": len(results["targets"])}))
+                      "targets": len(results["targets"]),
+                      "statuses": {s: statuses.count(s) for s in dict.fromkeys(statuses)}}))
     return 0

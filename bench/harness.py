@@ -3,9 +3,12 @@ interleaved repetition by repetition, and summarise.
 
 Interleaving (every path once per repetition, then again) spreads the noise of a
 shared machine over all paths alike, so the ratios in one run stay comparable.
-The throughput rows on the text set are sliced: repetition r of R times every
-R-th text from offset r, the same slice for every path, so the repetitions
-together cover the whole set once and the fidelity figures cover all of it.
+The throughput rows on the text set are sliced: with S slices, repetition r times
+every S-th text from offset r mod S, the same slice for every path, so any S
+repetitions together cover the whole set once and the fidelity figures cover all
+of it, however many repetitions the run adds to settle its targets
+(:class:`Repetitions`).  The targets divide each path's figure in repetition r by
+the reference's in the same repetition (bench/targets.py).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class Plan:
     """How much a run measures; ``FULL`` and ``QUICK`` below."""
 
     texts: int | None           # None: the whole bench text set
-    repetitions: int
+    repetitions: int            # at least this many (the full run adds more to settle targets); also the slices
     latency_queries: int
     latency_budget_s: float     # per path and repetition: single queries stop once it is spent
     seq_lens: tuple[int, ...]
@@ -56,9 +59,10 @@ class Plan:
     protocols: tuple[str, ...]
     torch_peers: bool
     warmup_texts: int
+    peers: bool = False         # fastembed and infinity-emb, each in its own venv (bench/peers.py)
 
 
-FULL = Plan(None, 3, 100, 10.0, SEQ_LENS, 4096, ("grpc", "http"), True, 32)
+FULL = Plan(None, 3, 100, 10.0, SEQ_LENS, 4096, ("grpc", "http"), True, 32, peers=True)
 QUICK = Plan(96, 1, 16, 3.0, (16, 64), 2048, ("grpc",), False, 32)
 
 
@@ -88,22 +92,88 @@ class Setup:
     queries: list[str]
     sweep: dict[int, list[str]]
     skipped: list[dict] = field(default_factory=list)
+    #: the peers' requirements, installed versions and settings (bench/peers.py), per peer
+    peers: dict = field(default_factory=dict)
+    #: what ``auto`` exports on this machine (:func:`default_configuration`); None: unknown
+    default: dict | None = None
 
 
-def variants() -> dict[str, tuple[str, str, str]]:
+def variants(default: dict | None = None) -> dict[str, tuple[str, str, str]]:
     """Each served configuration the bench measures: label -> (backend, precision, name suffix).
-    OpenVINO bf16 only where the CPU has bf16 (elsewhere the exporter would make fp32)."""
+    OpenVINO bf16 only where the CPU has bf16 (elsewhere the exporter would make fp32).
+    ``default`` (:func:`default_configuration`): what ``auto`` exports here, added when it is
+    none of these, so that the targets are always judged on a served default."""
     ov_float = "bf16" if machine.supports_bf16() else "fp32"
-    return {"fp32": ("onnxruntime", "fp32", ""), "int8": ("onnxruntime", "int8", "_int8"),
-            f"openvino-{ov_float}": ("openvino", ov_float, f"_ov_{ov_float}"),
-            "openvino-int8": ("openvino", "int8", "_ov_int8")}
+    found = {"fp32": ("onnxruntime", "fp32", ""), "int8": ("onnxruntime", "int8", "_int8"),
+             f"openvino-{ov_float}": ("openvino", ov_float, f"_ov_{ov_float}"),
+             "openvino-int8": ("openvino", "int8", "_ov_int8")}
+    if default is not None and default["label"] not in found:
+        found[default["label"]] = (default["backend"], default["precision"], _suffix(default["label"]))
+    return found
 
 
-def model_names(model: str | None) -> tuple[ModelSource, dict[str, str]]:
+def variant_label(backend: str, precision: str) -> str:
+    """The label of the served rows of ``backend`` at ``precision`` (the rows' precision column)."""
+    if backend == "onnxruntime":
+        return precision
+    return f"{'openvino' if backend == 'openvino' else backend}-{precision}"
+
+
+def _suffix(label: str) -> str:
+    """The repository-name suffix of a label outside the fixed variants (``openvino-fp32`` -> ``_ov_fp32``)."""
+    backend, _, precision = label.rpartition("-")
+    short = {"openvino": "ov", "": ""}.get(backend, backend.replace("-", "_"))
+    return "_".join(["", *filter(None, (short, precision))])
+
+
+def model_names(model: str | None, default: dict | None = None) -> tuple[ModelSource, dict[str, str]]:
     """The model source, and the repository name of its export in each configuration."""
     source = resolve_model(model)
     base = check_name(source.default_name)
-    return source, {label: f"{base}{suffix}" for label, (_, _, suffix) in variants().items()}
+    return source, {label: f"{base}{suffix}" for label, (_, _, suffix) in variants(default).items()}
+
+
+def auto_folder(repository: Path) -> Path:
+    """Where the bench's ``auto`` export goes: beside the served repository, not in it (Triton
+    loads every folder of its repository)."""
+    repository = Path(repository)
+    return repository.parent / f"{repository.name}-auto"
+
+
+def default_configuration(options: "BenchOptions", export: bool = True) -> dict | None:
+    """The configuration ``auto`` (what ``make export`` runs) exports on this machine, read from
+    an auto export's validation.json: its ``measured`` table and the row it kept.  The export is
+    made into :func:`auto_folder` unless one of this model is there (``reexport``: always);
+    the choice is measured by the exporter, never inferred from CPU flags here.  None when the
+    auto export fails (the targets then say the default is unknown)."""
+    from nexus_sli.exporter.errors import NexusError
+    from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+
+    source = resolve_model(options.model)
+    folder, name = auto_folder(options.repository), check_name(source.default_name)
+    report = folder / f"{name}_encoder" / "validation.json"
+    fresh = report.is_file() and json.loads(report.read_text()).get("model") == source.model_id
+    if export and (options.reexport or not fresh):
+        log.info("exporting %s with backend and precision auto into %s: the configuration the targets judge",
+                 source.model_id, folder)
+        try:
+            run_export(ExportOptions(model=options.model, precision="auto", backend="auto", name=name, out=folder))
+        except NexusError as exc:
+            log.warning("the auto export failed, so the default configuration is unknown: %s", exc)
+            return None
+    if not report.is_file():
+        return None
+    return chosen_configuration(json.loads(report.read_text()), report)
+
+
+def chosen_configuration(report: dict, path: Path | None = None) -> dict:
+    """The row an auto export kept, as the bench's label, with the export's measured table."""
+    chosen = next(row for row in report["measured"] if row["chosen"])
+    return {"label": variant_label(chosen["backend"], chosen["precision"]), "backend": chosen["backend"],
+            "precision": chosen["precision"], "graph": chosen["graph"], "source": None if path is None else str(path),
+            "measured": [{k: row.get(k) for k in ("backend", "precision", "graph", "passed", "cosine_min",
+                                                  "cosine_mean", "timings_ms", "score_ms", "chosen")}
+                         for row in report["measured"]]}
 
 
 #: Configurations whose export failed validation, with the reason (kept beside the exports).
@@ -117,11 +187,12 @@ def ensure_exported(options: BenchOptions) -> dict[str, str]:
     from nexus_sli.exporter.errors import ValidationError
     from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 
-    source, names = model_names(options.model)
+    default = default_configuration(options)
+    source, names = model_names(options.model, default)
     skipped_file = Path(options.repository) / SKIPPED_FILE
     skipped = json.loads(skipped_file.read_text()) if skipped_file.is_file() and not options.reexport else {}
     for label, name in names.items():
-        backend, precision, _ = variants()[label]
+        backend, precision, _ = variants(default)[label]
         report = Path(options.repository) / f"{name}_encoder" / "validation.json"
         if label in skipped or (not options.reexport and report.is_file()
                                 and json.loads(report.read_text()).get("model") == source.model_id):
@@ -172,11 +243,16 @@ def prepare(options: BenchOptions, plan: Plan) -> Setup:
 
     names = ensure_exported(options)
     source, _ = model_names(options.model)
+    default = default_configuration(options, export=False)  # ensure_exported made it
+    if default is not None and default["label"] in names:
+        # the bench's own export of that configuration picks its graph by timing too: say which it serves
+        served = Path(options.repository) / f"{names[default['label']]}_encoder" / "validation.json"
+        default["served_graph"] = json.loads(served.read_text()).get("graph")
     facts = {p: ServedFacts.read(Path(options.repository), name) for p, name in names.items()}
     texts = text_set.subset(text_set.bench_texts(), plan.texts or 10**9)
     tokens = token_counts(facts["fp32"], texts)
     setup = Setup(source.model_id, Path(source.path), Path(options.repository), names, facts, texts, tokens,
-                  short_queries(texts, tokens, plan.latency_queries), {})
+                  short_queries(texts, tokens, plan.latency_queries), {}, default=default)
     setup.skipped.extend(export_skips(options.repository))
     setup.sweep = _sweep(facts["fp32"], texts, plan, setup.skipped)
     return setup
@@ -190,6 +266,7 @@ class InProcess:
     baseline: bool = False      # a baseline candidate: the fastest candidate of each mode is the reference
     threads: int | None = None  # torch intra-op threads (None: not a torch path)
     torch: bool = False
+    latency: bool = False       # also timed on single queries (the default graph: target (c)'s overhead)
 
 
 def _baselines(setup: Setup) -> list[InProcess]:
@@ -221,9 +298,10 @@ def _peers(setup: Setup, plan: Plan) -> list[InProcess]:
             peers.append(InProcess("pytorch", "bf16 autocast", TorchEncoder(model, fp32, bf16=True), torch=True))
         else:
             setup.skipped.append({"path": "pytorch bf16", "mode": "all", "reason": "the CPU has no bf16 support"})
+    default = setup.default["label"] if setup.default else None
     for label in setup.names:
         encoder = GraphEncoder.for_model(setup.repository, setup.facts[label])
-        peers.append(InProcess(encoder.path, variants()[label][1], encoder))
+        peers.append(InProcess(encoder.path, variants(setup.default)[label][1], encoder, latency=label == default))
     return peers
 
 
@@ -265,9 +343,10 @@ def in_process_measurements(setup: Setup, plan: Plan, encoders: list[InProcess])
         common = dict(path=p.path, precision=p.precision, protocol="in-process", baseline=p.baseline,
                       threads=p.threads)
         measurements.append(Measurement(mode=BATCH32, run=timed(p.encoder), **groups["set"], **common))
-        if p.baseline:
+        if p.baseline or p.latency:
             measurements.append(Measurement(mode=LATENCY1, run=one_by_one(p.encoder, plan.latency_budget_s),
                                             **groups["latency"], **common))
+        if p.baseline:
             measurements += [Measurement(mode=SEQ_LEN, run=timed(p.encoder), **group, **common)
                              for group in groups["seq"].values()]
     return measurements
@@ -323,14 +402,77 @@ def _idle_rss(server, samples: int = 5) -> list[int]:
     return values
 
 
-def run_repetitions(measurements: list[Measurement], repetitions: int, sampler) -> None:
-    for repetition in range(repetitions):
+@dataclass
+class Repetitions:
+    """How many timed repetitions a run makes, and a record of the ones it made.
+
+    At least ``minimum``; after that one more while a target's paired ratios spread by
+    :data:`targets.SPREAD_LIMIT` or more, up to ``maximum`` and while one more repetition
+    (at the mean duration so far) still fits in ``budget_s``.  Sliced rows time slice
+    ``r % slices`` in repetition r (:meth:`Measurement.time_once`)."""
+
+    minimum: int
+    maximum: int
+    slices: int
+    budget_s: float
+    default: dict | None = None
+    seconds: list[float] = field(default_factory=list)
+    stopped: str = ""
+
+    @classmethod
+    def for_plan(cls, plan: "Plan", asked: int | None, default: dict | None) -> "Repetitions":
+        minimum = asked or plan.repetitions
+        extra = (FULL_MAX_REPETITIONS if plan is FULL else minimum)
+        # slices: the plan's repetition count, so its minimum covers the set once (fewer when fewer are asked)
+        return cls(minimum, max(minimum, extra), min(plan.repetitions, minimum), REPETITION_BUDGET_S, default)
+
+    @property
+    def done(self) -> int:
+        return len(self.seconds)
+
+    def another(self, measurements: list[Measurement]) -> bool:
+        """Whether to time one more repetition (and why not, in ``stopped``)."""
+        from .targets import evaluate, unsettled
+
+        if self.done < self.minimum:
+            return True
+        spread = unsettled(evaluate(rows(measurements), self.default))
+        if not spread:
+            self.stopped = "every measured target's spread is under the limit" if self.done > 1 else "one repetition"
+        elif self.done >= self.maximum:
+            self.stopped = f"the cap of {self.maximum} repetitions, {len(spread)} comparison(s) still spread"
+        elif sum(self.seconds) + float(np.mean(self.seconds)) > self.budget_s:
+            self.stopped = f"the {self.budget_s:.0f} s budget, {len(spread)} comparison(s) still spread"
+        else:
+            log.info("%d comparison(s) spread by %s or more: one more repetition", len(spread),
+                     ", ".join(f"{t['spread']:.0%}" for t in spread))
+            return True
+        return False
+
+    def record(self) -> dict:
+        return {"repetitions": self.done, "minimum": self.minimum, "maximum": self.maximum, "slices": self.slices,
+                "budget_s": self.budget_s, "repetition_s": [round(x, 1) for x in self.seconds],
+                "stopped": self.stopped}
+
+
+#: the full run adds repetitions up to this many while a target's spread is at 10% or more ...
+FULL_MAX_REPETITIONS = 8
+#: ... and while one more fits in this many seconds of repetitions (make bench stays under ~10 minutes)
+REPETITION_BUDGET_S = 330.0
+
+
+def run_repetitions(measurements: list[Measurement], repetitions: Repetitions, sampler) -> None:
+    """Every measurement once per repetition, interleaved, for as many repetitions as
+    ``repetitions`` asks (:class:`Repetitions`)."""
+    while repetitions.another(measurements):
         started = time.perf_counter()
         for m in measurements:
             sampler.active(m.served)
-            m.time_once(repetition, repetitions)
+            m.time_once(repetitions.done, repetitions.slices)
         sampler.active(False)
-        log.info("repetition %d of %d: %.1f s", repetition + 1, repetitions, time.perf_counter() - started)
+        repetitions.seconds.append(time.perf_counter() - started)
+        log.info("repetition %d (at least %d, at most %d): %.1f s", repetitions.done, repetitions.minimum,
+                 repetitions.maximum, repetitions.seconds[-1])
 
 
 def _row(m: Measurement, reference: Measurement, baseline_batch: Measurement) -> dict:
@@ -349,6 +491,11 @@ def _row(m: Measurement, reference: Measurement, baseline_batch: Measurement) ->
         "p50_ms": None if p50 is None else round(p50, 3), "p99_ms": None if p99 is None else round(p99, 3),
         "cosine_mean": round(float(cos.mean()), 7), "cosine_min": round(float(cos.min()), 7),
         "ratio_vs_baseline": None if ratio is None else round(ratio, 3), "baseline": m is reference,
+        "peer": m.peer,
+        # repetition by repetition, for the targets' paired ratios (bench/targets.py)
+        "texts_per_s_reps": [round(x, 3) for x in m.rates()],
+        "p50_ms_reps": [None if x is None else round(x, 4) for x in m.percentiles_ms(50)],
+        "p99_ms_reps": [None if x is None else round(x, 4) for x in m.percentiles_ms(99)],
     }
 
 
@@ -381,15 +528,31 @@ def _memory(idle: list[int], load: list[int], processes: int) -> dict:
             "samples_under_load": len(load), "processes": processes}
 
 
-def measure(setup: Setup, plan: Plan, repetitions: int) -> tuple[list[Measurement], dict, dict]:
+def _peer_processes(setup: Setup, plan: Plan):
+    """fastembed and infinity-emb, installed and started (or skipped with the reason), stopped on exit."""
+    from .peers import NoPeers, Peers
+
+    if not plan.peers:
+        setup.skipped.append({"path": "fastembed, infinity-emb (peers)", "mode": "all",
+                              "reason": "a quick run leaves the peers out: the full bench (make bench) runs them"})
+        return NoPeers()
+    fp32 = setup.facts["fp32"]
+    peers = Peers(setup.model_id, setup.model_dir, fp32, setup.skipped)
+    setup.peers = peers.info
+    return peers
+
+
+def measure(setup: Setup, plan: Plan, repetitions: "Repetitions") -> tuple[list[Measurement], dict, dict]:
     from .served import Gateway, RssSampler, Server
 
     baselines, peers = _baselines(setup), _peers(setup, plan)
     threads = calibrate_torch_threads(baselines, peers, setup.texts[:plan.warmup_texts])
     measurements = in_process_measurements(setup, plan, [*baselines, *peers])
     clients: list = []
-    with Server(setup.repository) as server, Gateway(server.url("grpc")) as gateway:
+    with _peer_processes(setup, plan) as peer_processes, Server(setup.repository) as server, \
+            Gateway(server.url("grpc")) as gateway:
         try:
+            measurements += peer_processes.measurements(_groups(setup), plan.latency_budget_s)
             measurements += served_measurements(setup, plan, server, clients)
             measurements += gateway_measurements(setup, plan, gateway, clients)
             log.info("warming up %d measurements", len(measurements))
@@ -427,9 +590,9 @@ def run_bench(options: BenchOptions) -> dict:
 
     started = time.perf_counter()
     plan = QUICK if options.quick else FULL
-    repetitions = options.repetitions or plan.repetitions
     info = machine.machine_info()
     setup = prepare(options, plan)
+    repetitions = Repetitions.for_plan(plan, options.repetitions, setup.default)
     measurements, memory, threads = measure(setup, plan, repetitions)
     table = rows(measurements)
     stats = text_set.length_stats(token_counts(setup.facts["fp32"], setup.texts, truncate=False),
@@ -443,7 +606,9 @@ def run_bench(options: BenchOptions) -> dict:
         "served_models": setup.names,
         "machine": info,
         "libraries": machine.library_versions(),
-        "settings": {"repetitions": repetitions, "batch_size": 32, "concurrent_clients": 16,
+        "default_configuration": setup.default,
+        "settings": {"repetitions": repetitions.done, "repetition_plan": repetitions.record(),
+                     "batch_size": 32, "concurrent_clients": 16,
                      "latency_queries": len(setup.queries), "protocols": list(plan.protocols),
                      "latency_budget_s": plan.latency_budget_s, "seq_lens": sorted(setup.sweep),
                      "warmup_texts": plan.warmup_texts, "torch_threads": threads},
@@ -451,7 +616,8 @@ def run_bench(options: BenchOptions) -> dict:
         "server_memory": memory,
         "rows": table,
         "skipped": setup.skipped,
-        "targets": evaluate(table),
+        "peers": setup.peers,
+        "targets": evaluate(table, setup.default),
         "compute_limit": compute_limit.summary(setup.model_dir, setup.tokens, table, (BATCH32, CONCURRENT16)),
         "duration_s": round(time.perf_counter() - started, 1),
     }

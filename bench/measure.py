@@ -49,6 +49,7 @@ class Measurement:
     seq_len: int | None = None
     threads: int | None = None      # torch intra-op threads, for the torch paths
     sliced: bool = False            # each repetition runs its own slice of ``texts``
+    peer: str | None = None         # a library or server users pick instead: "in-process" or "server"
     samples: list[Sample] = field(default_factory=list)
 
     @property
@@ -59,10 +60,12 @@ class Measurement:
     def warm_up(self, texts: list[str]) -> None:
         self.run(texts)
 
-    def time_once(self, repetition: int = 0, repetitions: int = 1) -> Sample:
-        """Repetition ``repetition``: sliced measurements run every ``repetitions``-th text from
-        that offset, so the repetitions together cover the whole list once."""
-        indices = list(range(repetition, len(self.texts), repetitions) if self.sliced else range(len(self.texts)))
+    def time_once(self, repetition: int = 0, slices: int = 1) -> Sample:
+        """Repetition ``repetition``: sliced measurements run slice ``repetition % slices`` (every
+        ``slices``-th text from that offset), so any ``slices`` consecutive repetitions cover the
+        whole list once, however many repetitions the run ends up adding."""
+        start = repetition % slices
+        indices = list(range(start, len(self.texts), slices) if self.sliced else range(len(self.texts)))
         sample = self.run([self.texts[i] for i in indices])
         sample.indices = indices[:sample.count]
         sample.tokens = sum(self.token_counts[i] for i in sample.indices)
@@ -74,6 +77,14 @@ class Measurement:
 
     def tokens_per_s(self) -> float:
         return float(np.median([s.tokens / s.seconds for s in self.samples]))
+
+    def rates(self) -> list[float]:
+        """texts/s of each repetition, in repetition order (what paired ratios divide)."""
+        return [s.count / s.seconds for s in self.samples]
+
+    def percentiles_ms(self, q: float) -> list[float | None]:
+        """The ``q``-th latency percentile of each repetition (None where it timed no request)."""
+        return [float(np.percentile(s.latencies_ms, q)) if s.latencies_ms else None for s in self.samples]
 
     def texts_timed(self) -> int:
         return sum(s.count for s in self.samples)

@@ -161,7 +161,10 @@ class TorchEncoder:
 class GraphEncoder:
     """The exported encoder the server runs, in process: ONNX Runtime on
     ``<name>_encoder/1/model.onnx``, or OpenVINO on its ONNX or IR with the
-    config's precision hint (the exporter's own validation session)."""
+    config's precision hint (the exporter's own validation session).  A graph
+    that ends in the pooling (``[batch, hidden]`` out) answers the embeddings
+    itself; an older graph's token states are pooled here as its ensemble's
+    post-processing does."""
 
     def __init__(self, session, facts: ServedFacts, path: str):
         self.session, self.path = session, path
@@ -187,8 +190,11 @@ class GraphEncoder:
         out: list[np.ndarray | None] = [None] * len(texts)
         for batch in sorted_batches([len(e.ids) for e in encodings]):
             feeds, mask = _feeds([encodings[i] for i in batch], self.inputs, self.facts.pad_id)
-            (hidden,) = self.session.run([self.output], feeds)
-            vectors = self.embedder(hidden, mask[:, :hidden.shape[1]])  # the graph cuts trailing padding
+            (output,) = self.session.run([self.output], feeds)
+            if output.ndim == 2:  # [batch, hidden]: pooled (and normalised) in the graph
+                vectors = output
+            else:
+                vectors = self.embedder(output, mask[:, :output.shape[1]])  # the graph cuts trailing padding
             for row, index in enumerate(batch):
                 out[index] = vectors[row]
         return np.stack(out)

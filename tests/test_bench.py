@@ -3,16 +3,20 @@
 Not timed, and no figure is asserted: this only proves that the harness still
 exports, serves, measures every path and writes well-formed results, so it
 cannot rot silently.  (The tiny checkpoint has no sentence-transformers folder,
-so the baseline is the PyTorch fallback.)
+so the baseline is the PyTorch fallback.)  Issue 14's targets and their paired
+per-repetition arithmetic are checked on synthetic rows, whose figures are known.
 """
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from nexus_sli.bench.harness import variants
+from nexus_sli.bench import targets as bench_targets
+from nexus_sli.bench.harness import Repetitions, chosen_configuration, run_repetitions, variant_label, variants
+from nexus_sli.bench.measure import Measurement, Sample
 from nexus_sli.bench.texts import bench_texts, generate_from_sources, length_stats
 from nexus_sli.cli.main import main
 from nexus_sli.exporter.targets.cpu import supports_bf16
@@ -112,6 +116,19 @@ def test_machine_memory_text_set_and_targets_are_recorded(quick):
     assert results["server_memory"]["idle_mb"] > 0 and results["server_memory"]["processes"] >= 1
     assert results["text_set"]["texts"] > 0 and sum(results["text_set"]["histogram"].values()) == results["text_set"]["texts"]
     assert results["targets"] and all(isinstance(t["met"], bool) for t in results["targets"])
+    # the targets are judged on what the auto export kept, served and run in process on single queries
+    default = results["default_configuration"]
+    assert default and sum(r["chosen"] for r in default["measured"]) == 1
+    rows = results["rows"]
+    assert any(r["path"] == "triton" and r["precision"] == default["label"] for r in rows)
+    assert any(r["protocol"] == "in-process" and r["mode"] == "latency1" and not r["baseline"]
+               and (r["path"], r["precision"]) == (default["backend"], default["precision"]) for r in rows)
+    # one repetition: every row keeps it, and no target can be settled (met) on it
+    assert results["settings"]["repetitions"] == 1
+    assert all(len(r["texts_per_s_reps"]) == 1 for r in rows)
+    speed = [t for t in results["targets"] if "fidelity" not in t["target"]]
+    assert len(speed) == 8 and not any(t["met"] for t in speed)
+    assert {t["status"] for t in speed} <= {"not settled", "not met", "not measured"}
     assert results["command"].startswith("nexus-sli bench") and "--quick" in results["command"]
 
 
@@ -127,6 +144,199 @@ def test_benchmarks_page_carries_the_latest_run_and_what_was_tried(quick):
 
     results, out = quick
     page = benchmarks_page(results, (out / "latest.md").read_text())
-    assert page.startswith("# Benchmarks") and "## Latest run" in page and "### Targets (issue 6)" in page
+    assert page.startswith("# Benchmarks") and "## Latest run" in page and "### Targets (issue 14)" in page
     assert page.rstrip().endswith(TRIED.read_text().rstrip())
     assert "## What was tried" in TRIED.read_text()
+
+
+# --- issue 14's targets on synthetic rows: paired per-repetition ratios ----------------------------
+
+DEFAULT = {"label": "fp32", "backend": "onnxruntime", "precision": "fp32"}
+
+
+def _synthetic(path, mode, *, rates=None, p50=None, p99=None, precision="fp32", protocol="in-process",
+               baseline=False, peer=None, cosine=(1.0, 1.0)):
+    """One row as harness._row writes it, with only what the targets read."""
+    reps = rates or p50
+    return {"path": path, "precision": precision, "protocol": protocol, "mode": mode, "baseline": baseline,
+            "peer": peer, "repetitions": len(reps), "cosine_mean": cosine[0], "cosine_min": cosine[1],
+            "texts_per_s": float(sorted(rates)[len(rates) // 2]) if rates else 1.0,
+            "p50_ms": float(sorted(p50)[len(p50) // 2]) if p50 else None,
+            "texts_per_s_reps": rates or [], "p50_ms_reps": p50 or [], "p99_ms_reps": p99 or []}
+
+
+def _run_rows(served_batch=(300, 330, 305), served_concurrent=(240, 250, 245), served_p50=(5.0, 5.2, 5.1),
+              served_p99=(6.0, 6.1, 6.0), graph_p50=(3.6, 3.7, 3.6), cosine=(0.9999, 0.999), peers=True):
+    """A run on three repetitions: the baseline slows down in the second (a noisy neighbour), the
+    served default slows with it, so the paired ratios agree where medians of each alone would not."""
+    rows = [
+        _synthetic("sentence-transformers", "batch32", rates=[100, 110, 101], baseline=True),
+        _synthetic("sentence-transformers", "latency1", p50=[7.0, 7.4, 7.1], baseline=True),
+        _synthetic("onnxruntime", "latency1", p50=list(graph_p50)),
+        _synthetic("triton", "batch32", rates=list(served_batch), protocol="grpc", cosine=cosine),
+        _synthetic("triton", "concurrent16", rates=list(served_concurrent), protocol="grpc", cosine=cosine),
+        _synthetic("triton", "latency1", p50=list(served_p50), p99=list(served_p99), protocol="grpc", cosine=cosine),
+        # another configuration, faster but not the default: never judged
+        _synthetic("triton", "batch32", rates=[900, 990, 910], precision="int8", protocol="grpc"),
+    ]
+    if peers:
+        rows += [
+            _synthetic("fastembed", "batch32", rates=[200, 220, 205], peer="in-process"),
+            _synthetic("infinity-emb torch", "batch32", rates=[150, 160, 150], protocol="http", peer="server"),
+            _synthetic("infinity-emb torch", "concurrent16", rates=[120, 125, 121], protocol="http", peer="server"),
+            _synthetic("infinity-emb torch", "latency1", p50=[9.0, 9.5, 9.1], protocol="http", peer="server"),
+            _synthetic("infinity-emb optimum", "latency1", p50=[6.0, 6.3, 6.1], protocol="http", peer="server"),
+        ]
+    return rows
+
+
+def _by_comparison(results: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(t["target"][:3], t["comparison"].split(" (")[0].split(":")[0]): t for t in results}
+
+
+def test_paired_ratio_arithmetic():
+    assert bench_targets.paired_ratios([300, 330, None, 50], [100, 110, 90, 0]) == [3.0, 3.0]
+    assert bench_targets.paired_differences([5.0, 5.5], [3.5, 3.0, 1.0]) == [1.5, 2.5]
+    assert bench_targets.spread([3.0]) is None
+    assert bench_targets.spread([1.0, 1.0, 1.3]) == pytest.approx(0.15)     # IQR 1.0..1.15 over median 1.0
+    # one disturbed repetition out of five leaves the interquartile range alone: more repetitions settle
+    assert bench_targets.spread([1.0, 1.0, 1.0, 1.0, 1.3]) == 0.0
+    assert bench_targets.spread([-1.0, -1.2, -1.1]) == pytest.approx(0.1 / 1.1)
+
+
+def test_targets_met_on_paired_ratios():
+    results = bench_targets.evaluate(_run_rows(), DEFAULT)
+    found = _by_comparison(results)
+    batch = found[("(a)", "vs sentence-transformers encode(batch_size=32)")]
+    assert batch["per_repetition"] == [3.0, 3.0, pytest.approx(305 / 101)] and batch["status"] == "met"
+    assert batch["config"].startswith("served fp32 (onnxruntime fp32") and batch["config"].endswith("over grpc")
+    # the fastest peer, in-process or server, is fastembed; paired repetition by repetition
+    peer = found[("(a)", "vs the fastest peer")]
+    assert "fastembed" in peer["comparison"] and peer["median"] == pytest.approx(1.5) and peer["met"]
+    assert found[("(b)", "vs the fastest peer server")]["median"] == pytest.approx(2.0)
+    # (c): the lowest peer server p50 decides "every peer server's"; overhead in ms against the graph in process
+    assert "infinity-emb optimum" in found[("(c)", "p50 vs every peer server's")]["comparison"]
+    overhead = found[("(c)", "serving overhead")]
+    assert overhead["per_repetition"] == [pytest.approx(1.4), pytest.approx(1.5), pytest.approx(1.5)]
+    assert overhead["required"] == "<= 2.00 ms"
+    speed = [t for t in results if "fidelity" not in t["target"]]
+    assert len(speed) == 8 and all(t["status"] == "met" and t["met"] for t in speed), speed
+    assert bench_targets.unsettled(results) == []
+    fidelity = [t for t in results if "fidelity" in t["target"]]
+    assert len(fidelity) == 1 and not fidelity[0]["met"] and "0.999" in fidelity[0]["gap"]
+
+
+def test_target_not_met_reports_the_gap():
+    results = bench_targets.evaluate(_run_rows(served_batch=(184, 202, 186), served_p50=(8.0, 8.5, 8.1),
+                                               served_p99=(15.0, 16.0, 15.5)), DEFAULT)
+    found = _by_comparison(results)
+    batch = found[("(a)", "vs sentence-transformers encode(batch_size=32)")]
+    assert batch["status"] == "not met" and not batch["met"]
+    assert batch["median"] == pytest.approx(1.84) and "1.36x short" in batch["gap"]
+    latency = found[("(c)", "p50 vs sentence-transformers's batch-1 p50")]
+    assert latency["status"] == "not met" and "allowed" in latency["gap"] and "over" in latency["gap"]
+    overhead = found[("(c)", "serving overhead")]
+    assert overhead["median"] == pytest.approx(4.5) and "2.50 ms over" in overhead["gap"]
+    assert found[("(c)", "p99 vs its own p50")]["status"] == "not met"
+
+
+def test_target_whose_repetitions_disagree_is_not_settled():
+    # the baseline's repetitions are 100, 110, 101: these served figures give ratios 2.6, 3.6, 2.75
+    results = bench_targets.evaluate(_run_rows(served_batch=(260, 396, 277.75)), DEFAULT)
+    batch = _by_comparison(results)[("(a)", "vs sentence-transformers encode(batch_size=32)")]
+    assert batch["median"] == pytest.approx(2.75) and batch["spread"] >= 0.10
+    assert batch["status"] == "not settled" and not batch["met"] and batch["gap"].startswith("spread ")
+    assert batch in bench_targets.unsettled(results)
+
+
+def test_no_peer_measured_is_said_and_never_met():
+    results = bench_targets.evaluate(_run_rows(peers=False), DEFAULT)
+    peer_rows = [t for t in results if "peer" in t["comparison"]]
+    assert len(peer_rows) == 3
+    assert all(t["status"] == "not measured" and not t["met"] and "no peer" in t["gap"] for t in peer_rows)
+    assert _by_comparison(results)[("(a)", "vs sentence-transformers encode(batch_size=32)")]["met"]
+
+
+def test_speed_of_a_configuration_that_does_not_qualify_never_counts():
+    results = bench_targets.evaluate(_run_rows(cosine=(0.996, 0.963)), DEFAULT)
+    speed = [t for t in results if "fidelity" not in t["target"]]
+    assert all(t["status"] == "not met" and "does not qualify" in t["gap"] and "0.9630" in t["gap"] for t in speed)
+    assert bench_targets.unsettled(results) == []  # more repetitions cannot change that
+
+
+def test_unknown_default_configuration_judges_nothing():
+    results = bench_targets.evaluate(_run_rows(), None)
+    speed = [t for t in results if "fidelity" not in t["target"]]
+    assert speed and all(t["status"] == "not measured" and not t["met"] for t in speed)
+
+
+def test_auto_choice_maps_to_the_bench_label():
+    report = {"measured": [
+        {"backend": "onnxruntime", "precision": "fp32", "graph": "plain", "passed": True, "score_ms": 9.0,
+         "chosen": False},
+        {"backend": "openvino", "precision": "bf16", "graph": "plain", "passed": True, "score_ms": 5.0, "chosen": True},
+        {"backend": "openvino", "precision": "int8", "graph": "plain", "passed": False, "score_ms": None,
+         "chosen": False}]}
+    chosen = chosen_configuration(report)
+    assert (chosen["label"], chosen["backend"], chosen["precision"]) == ("openvino-bf16", "openvino", "bf16")
+    assert len(chosen["measured"]) == 3
+    assert variant_label("onnxruntime", "int8") == "int8"
+    # a default outside the fixed variants is added to what the bench exports and serves
+    odd = {"label": "openvino-fp16", "backend": "openvino", "precision": "fp16"}
+    assert variants(odd)["openvino-fp16"] == ("openvino", "fp16", "_ov_fp16") and "openvino-fp16" not in variants()
+
+
+class _NoSampler:
+    def active(self, on: bool) -> None:
+        pass
+
+
+def _scripted(path: str, seconds: list[float], texts: list[str], **kwargs) -> Measurement:
+    """A measurement whose repetitions take the given seconds (no clock involved)."""
+    durations = iter(seconds)
+
+    def run(batch: list[str]) -> Sample:
+        return Sample(next(durations), [], np.ones((len(batch), 4)))
+    return Measurement(path, "fp32", kwargs.pop("protocol", "in-process"), "batch32", texts, [3] * len(texts), run,
+                       sliced=True, **kwargs)
+
+
+def _repeat(served_seconds: list[float], minimum=3, maximum=6) -> tuple[Repetitions, list[Measurement]]:
+    texts = [f"text {i}" for i in range(10)]
+    measurements = [_scripted("sentence-transformers", [1.0] * 10, texts, baseline=True),
+                    _scripted("triton", served_seconds, texts, protocol="grpc", served=True)]
+    repetitions = Repetitions(minimum, maximum, 3, budget_s=1e9, default=DEFAULT)
+    run_repetitions(measurements, repetitions, _NoSampler())
+    return repetitions, measurements
+
+
+def test_repetitions_stop_once_paired_ratios_agree():
+    repetitions, measurements = _repeat([0.5] * 10)
+    assert repetitions.done == 3 and "under the limit" in repetitions.stopped
+    # three slices of a ten-text set: every text timed once, each repetition its own slice
+    assert [s.indices for s in measurements[1].samples] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+
+
+def test_repetitions_are_added_while_spread_then_capped():
+    repetitions, measurements = _repeat([0.5, 0.25, 0.5, 0.25, 0.5, 0.25, 0.5, 0.25])
+    assert repetitions.done == 6 and "cap of 6" in repetitions.stopped
+    # open-ended: repetition r times slice r mod 3, so the fidelity still covers the whole set
+    assert [s.indices[0] for s in measurements[0].samples] == [0, 1, 2, 0, 1, 2]
+    assert not np.isnan(measurements[1].embeddings()).any()
+
+
+def test_targets_table_names_the_cpu_status_spread_and_gap():
+    from nexus_sli.bench.report import cpu_line, targets_table
+
+    results = bench_targets.evaluate(_run_rows(served_batch=(260, 396, 277.75), peers=False), DEFAULT)
+    lines = targets_table(results)
+    batch = next(line for line in lines if "(a)" in line and "sentence-transformers" in line)
+    assert "| 2.75x |" in batch and "not settled: spread" in batch and "| 3 |" in batch
+    assert any("vs the fastest peer" in line and "**not measured**" in line and "no peer was measured" in line
+               for line in lines)
+    overhead = next(line for line in lines if "serving overhead" in line)
+    assert "<= 2.00 ms | 1.50 ms | 3.3% | 3 | met |" in overhead
+    machine = {"cpu_model": "AMD EPYC", "cores": 2, "usable_cores": 2,
+               "flags": {"avx2": True, "avx512f": True, "avx512_vnni": True, "amx_bf16": False}}
+    assert cpu_line(machine) == ("CPU: AMD EPYC, 2 usable cores; instruction sets: AVX2, AVX-512, VNNI; "
+                                 "without AMX-BF16.")

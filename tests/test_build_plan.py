@@ -27,6 +27,7 @@ from nexus_sli.exporter.errors import GPURuntimeUnavailableError, NexusError, Pl
 from nexus_sli.exporter.export import build_plan as bp
 from nexus_sli.exporter.export import fp16
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.export.pooling import PREFIX as POOLING_PREFIX
 from nexus_sli.exporter.serving import gpu_on_cpu
 from nexus_sli.exporter.targets import TARGETS, serving_target
 from nexus_sli.exporter.targets import tensorrt_plan as trt_plan
@@ -101,11 +102,17 @@ def test_every_op_the_fp16_graph_keeps_in_fp32_is_pinned_in_tensorrt(repo):
     assert trt_plan.wants_fp32("REDUCE", "AVG")
     assert not trt_plan.wants_fp32("ELEMENTWISE", "SUM") and not trt_plan.wants_fp32("REDUCE", "MAX")
     assert not trt_plan.wants_fp32("MATRIX_MULTIPLY", None)
+    # the pooling at the end of the graph: pinned by its nodes' names, whatever the layer type
+    pooling = [n.name for n in onnx.load(str(repo / "gpu_encoder" / "1" / "model.onnx")).graph.node
+               if n.name.startswith(POOLING_PREFIX)]
+    assert pooling and all(trt_plan.wants_fp32("REDUCE", "SUM", name) for name in pooling)
 
 
 def test_an_engine_whose_tensors_differ_from_the_config_is_caught(repo):
     expected = bp.io_types(tc.read(repo / "gpu_encoder" / "config.pbtxt"))
-    assert expected["input_ids"] == "TYPE_INT64" and expected["last_hidden_state"] == "TYPE_FP32"
+    # the graph ends in the pooling: its one output is the embedding, fp32 (keep_io_types, fp32 pooling)
+    assert expected["input_ids"] == "TYPE_INT64" and expected["EMBEDDING"] == "TYPE_FP32"
+    assert "last_hidden_state" not in expected
     assert trt_plan.io_type_mismatches(expected, dict(expected)) == []
     int32 = {**expected, "input_ids": "TYPE_INT32"}
     assert trt_plan.io_type_mismatches(expected, int32) == [

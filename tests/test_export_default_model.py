@@ -37,6 +37,10 @@ def test_default_name_and_fp32_parity(repo):
     assert report["max_abs_diff"] <= 1e-4 and report["thresholds"] == {"max_abs_diff": 1e-4}
     assert report["texts"] >= 200
     assert (report["pooling"], report["normalize"], report["max_length"]) == ("mean", True, 256)
+    # the graph ends in the pooling: validation compared its [batch, 384] embeddings as they come
+    assert report["pooled_in_graph"] is True and report["cosine_min"] > 0.99999
+    graph = onnx.load(str(repo / "all_minilm_l6_v2_encoder" / "1" / "model.onnx")).graph
+    assert [o.name for o in graph.output] == ["EMBEDDING"]
 
 
 def test_int8_fidelity(repo):

@@ -22,7 +22,8 @@ from nexus_sli.exporter.serving import server as serve
 from nexus_sli.exporter.triton import publish as pub
 
 BUCKET = "models"
-MODELS = ("embedder_tokenizer", "embedder_encoder", "embedder_postprocess", "embedder")
+#: the embedding ensemble's models: its encoder graph pools, so there is no post-processing step
+MODELS = ("embedder_tokenizer", "embedder_encoder", "embedder")
 TEXTS = ["the first text", "another one, a little longer than the first", "short", "ünïcödé text ✓"]
 
 
@@ -107,7 +108,7 @@ def test_publish_uploads_verified_files_and_pins_the_version(s3, exports):
             assert head["ChecksumSHA256"] == sha, (name, rel)
         config = _config(s3, "pinned", name)
         assert list(config.version_policy.specific.versions) == [1]
-    assert [s.model_version for s in _config(s3, "pinned", "embedder").ensemble_scheduling.step] == [1, 1, 1]
+    assert [s.model_version for s in _config(s3, "pinned", "embedder").ensemble_scheduling.step] == [1, 1]
     # the same export again: nothing new, no version 2
     again = pub.publish(repo, _destination(s3, "pinned"))
     assert again.groups == [] and again.unchanged == {m: [1] for m in MODELS}
@@ -167,7 +168,7 @@ def test_a_failed_publish_leaves_the_published_version_serving(s3, exports, tmp_
         assert np.allclose(_embed(grpc), exports["a"]["reference"], atol=1e-4)
         # the supervisor finds the python-backend processes in Triton's local copies of the models
         counts = process.supervisor.stub_counts()
-        assert counts.get("embedder_tokenizer") == 1 and counts.get("embedder_postprocess") == 1
+        assert counts.get("embedder_tokenizer") == 1
 
         plan = pub.plan(exports["b"]["repo"], destination)
         assert plan.unreferenced == {"embedder_tokenizer": [2]}  # four of the tokenizer's five files got there
@@ -176,7 +177,7 @@ def test_a_failed_publish_leaves_the_published_version_serving(s3, exports, tmp_
         # the steps keep the version the ensemble pinned until the next publish; the ensemble pins 3
         for step in MODELS[:-1]:
             assert list(_config(s3, "prod", step).version_policy.specific.versions) == [1, 3]
-        assert [s.model_version for s in _config(s3, "prod", "embedder").ensemble_scheduling.step] == [3, 3, 3]
+        assert [s.model_version for s in _config(s3, "prod", "embedder").ensemble_scheduling.step] == [3, 3]
         assert _extras(s3, "prod") == (exports["b"]["repo"] / "embedder_encoder" / "validation.json").read_bytes()
         # the running server still serves what it loaded (nothing polls the store)
         assert np.allclose(_embed(grpc), exports["a"]["reference"], atol=1e-4)
@@ -208,7 +209,7 @@ def test_a_publish_stopped_while_switching_keeps_one_consistent_set_and_is_finis
     pub.publish(exports["a"]["repo"], destination)
 
     def stop_before_the_ensemble(key: str) -> None:
-        if key.endswith("embedder_postprocess/config.pbtxt"):
+        if key.endswith("embedder_encoder/config.pbtxt"):  # the last step's config
             raise KeyboardInterrupt  # killed between the steps' switch and the ensemble's
 
     with pytest.raises(KeyboardInterrupt):
@@ -218,7 +219,7 @@ def test_a_publish_stopped_while_switching_keeps_one_consistent_set_and_is_finis
         assert list(_config(s3, "switching", step).version_policy.specific.versions) == [1, 2]
     ensemble = _config(s3, "switching", "embedder")
     assert list(ensemble.version_policy.specific.versions) == [1]
-    assert [step.model_version for step in ensemble.ensemble_scheduling.step] == [1, 1, 1]
+    assert [step.model_version for step in ensemble.ensemble_scheduling.step] == [1, 1]
     # the next publish sees the unfinished switch although every file is there, and finishes with a new
     # version; the steps keep the version the ensemble pinned (1), not the never-switched 2
     finished = pub.publish(exports["b"]["repo"], destination)
@@ -227,15 +228,14 @@ def test_a_publish_stopped_while_switching_keeps_one_consistent_set_and_is_finis
         assert list(_config(s3, "switching", step).version_policy.specific.versions) == [1, 3]
     ensemble = _config(s3, "switching", "embedder")
     assert list(ensemble.version_policy.specific.versions) == [3]
-    assert [step.model_version for step in ensemble.ensemble_scheduling.step] == [3, 3, 3]
+    assert [step.model_version for step in ensemble.ensemble_scheduling.step] == [3, 3]
     assert pub.plan(exports["b"]["repo"], destination).groups == []
     # the publish after that drops version 1: the steps serve the pinned 3 and the new 4; --prune then
     # deletes every version folder no config serves (servers copy a model's whole folder on load)
     done = pub.publish(exports["a"]["repo"], destination, prune=True)
     for step in MODELS[:-1]:
         assert list(_config(s3, "switching", step).version_policy.specific.versions) == [3, 4]
-    assert done.pruned == {"embedder_tokenizer": [1, 2], "embedder_encoder": [1, 2], "embedder_postprocess": [1, 2],
-                           "embedder": [1, 2, 3]}
+    assert done.pruned == {"embedder_tokenizer": [1, 2], "embedder_encoder": [1, 2], "embedder": [1, 2, 3]}
     folders = {tuple(key.split("/")[1:3]) for key in _keys(s3, "switching") if key.count("/") >= 3}
     assert folders == {(m, v) for m in MODELS[:-1] for v in ("3", "4")} | {("embedder", "4")}
     assert "deleted (served by no config)" in "\n".join(done.describe())

@@ -66,13 +66,16 @@ def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint):
     repo = root / "repo"
     checkpoints = {
         "embedder": tiny_checkpoint("bert"),
+        "legacy": tiny_checkpoint("bert"),  # exported below with the python post-processing step
         "classifier": task_models.classifier(tiny_tokenizer, root / "classifier"),
         "tagger": task_models.tagger(tiny_tokenizer, root / "tagger"),
         "reranker": task_models.reranker(tiny_tokenizer, root / "reranker"),
         "reader": task_models.reader(tiny_tokenizer, root / "reader"),
     }
     for name, path in checkpoints.items():  # the tiny bert is a BertModel: an embedding model
-        run_export(ExportOptions(model=str(path), name=name, out=repo))
+        # "legacy": the earlier embedding ensemble (tokenizer -> encoder -> python pooling), as a repository
+        # exported before pooling moved into the graph; "embedder" pools in its encoder graph
+        run_export(ExportOptions(model=str(path), name=name, out=repo, pool_in_graph=name != "legacy"))
     ports = dict(zip(("http", "grpc", "metrics"), _free_ports(3)))
     state = {"repo": repo, "checkpoints": checkpoints, "ports": ports, "log": root / "server.log",
              "http": f"127.0.0.1:{ports['http']}", "grpc": f"127.0.0.1:{ports['grpc']}"}
@@ -282,10 +285,10 @@ STEP_CASES = [
     ("embedder_encoder", "inputs of different lengths", {**_ids(4), "attention_mask": np.ones((1, 2), np.int64)},
      r"inputs must all have one shape"),
     ("embedder_tokenizer", "invalid UTF-8", _texts([b"ok", b"\x80"]), r"TEXT item 1 is not valid UTF-8"),
-    ("embedder_postprocess", "mask for fewer tokens than the states",
+    ("legacy_postprocess", "mask for fewer tokens than the states",
      {"last_hidden_state": np.ones((1, 4, HIDDEN), np.float32), "attention_mask": np.ones((1, 2), np.int64)},
      r"embedding post-processing failed for this request"),
-    ("embedder_postprocess", "NaN states", {"last_hidden_state": np.full((1, 4, HIDDEN), np.nan, np.float32),
+    ("legacy_postprocess", "NaN states", {"last_hidden_state": np.full((1, 4, HIDDEN), np.nan, np.float32),
                                             "attention_mask": np.ones((1, 4), np.int64)},
      _all_nan("EMBEDDING", (1, HIDDEN))),
     ("classifier_postprocess", "infinite logits", {"logits": np.array([[np.inf, -np.inf, np.nan]], np.float32)},
@@ -319,7 +322,7 @@ def test_bad_requests_do_not_fail_the_requests_batched_with_them(served, raw):
     with EncoderClient(served["grpc"]) as client:
         expected = {t: client.embed(t, model="embedder") for t in TEXTS}
     bad = [("embedder_encoder", STEP_CASES[0][2]), ("embedder_tokenizer", STEP_CASES[2][2]),
-           ("embedder_postprocess", STEP_CASES[3][2])]
+           ("legacy_postprocess", STEP_CASES[3][2])]
 
     def send_bad(i):  # over gRPC: tritonclient's HTTP client is not for sharing between threads
         model, inputs = bad[i % len(bad)]
@@ -474,16 +477,17 @@ def _kill_export_at(command, delay):
 class _Prober(threading.Thread):
     """Embeds ``TEXTS`` again and again through one client; records what came back."""
 
-    def __init__(self, url, protocol="grpc"):
+    def __init__(self, url, protocol="grpc", model="embedder"):
         super().__init__(daemon=True)
         self.client = EncoderClient(url, protocol=protocol)
+        self.model = model
         self.stopping = threading.Event()
         self.results: list[tuple[float, object]] = []  # (time, vectors or the exception)
 
     def run(self):
         while not self.stopping.is_set():
             try:
-                self.results.append((time.monotonic(), self.client.embed(TEXTS, model="embedder")))
+                self.results.append((time.monotonic(), self.client.embed(TEXTS, model=self.model)))
             except Exception as exc:  # noqa: BLE001 - recorded and checked by the test
                 self.results.append((time.monotonic(), exc))
                 time.sleep(0.05)
@@ -531,8 +535,9 @@ def test_killed_exports_while_serving_then_restart_on_the_same_ports(served):
     assert not failures, f"the served model failed while exports were killed (seed {seed}): {failures[:3]}"
     assert len(results) > 10 and all(np.allclose(r, reference, atol=1e-5) for _, r in results)
     assert any(killed), f"no export was killed (delays {delays}, seed {seed})"
-    for model in ("embedder", "embedder_tokenizer", "embedder_encoder", "embedder_postprocess"):
+    for model in ("embedder", "embedder_tokenizer", "embedder_encoder"):
         triton_config.read(repo / model / "config.pbtxt")
+    assert not (repo / "embedder_postprocess").exists()  # its encoder graph pools
     assert not [p for p in repo.iterdir() if p.name.startswith(".")], "nothing of a dead export inside OUT"
 
     grpc_client, http_client = EncoderClient(served["grpc"]), EncoderClient(served["http"], protocol="http")
@@ -556,16 +561,18 @@ def test_killed_exports_while_serving_then_restart_on_the_same_ports(served):
         client.close()
 
 
-@pytest.mark.parametrize("step", ["tokenizer", "encoder", "postprocess"])
-def test_killed_worker_is_restarted_and_clients_get_retryable_errors(served, step, caplog):
+@pytest.mark.parametrize("ensemble, step", [("embedder", "tokenizer"), ("embedder", "encoder"),
+                                            ("legacy", "postprocess")])
+def test_killed_worker_is_restarted_and_clients_get_retryable_errors(served, ensemble, step, caplog):
     """A python-backend process killed under load: requests meanwhile fail with a
     clear, retryable error, the server reloads the model, and answers are right again."""
     caplog.set_level(logging.INFO, logger="nexus_sli")
     process = served["process"]
-    supervisor, model = process.supervisor, f"embedder_{step}"
+    supervisor, model = process.supervisor, f"{ensemble}_{step}"
     with EncoderClient(served["grpc"]) as client:
-        reference = client.embed(TEXTS, model="embedder")
-    probers = [_Prober(served["grpc" if i % 2 else "http"], "grpc" if i % 2 else "http") for i in range(6)]
+        reference = client.embed(TEXTS, model=ensemble)
+    probers = [_Prober(served["grpc" if i % 2 else "http"], "grpc" if i % 2 else "http", ensemble)
+               for i in range(6)]
     for prober in probers:
         prober.start()
     _wait_until(lambda: all(prober.results for prober in probers), "every prober to get an answer")

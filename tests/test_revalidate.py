@@ -26,6 +26,8 @@ def repo(tiny_checkpoint, tmp_path_factory):
     run_export(ExportOptions(model=model, name="gpu", out=out, task="embedding", device="gpu", backend="auto",
                              precision="auto"))
     run_export(ExportOptions(model=str(tiny_checkpoint("roberta")), name="other", out=out, task="embedding"))
+    # the earlier layout: token states out, pooled by the python post-processing step
+    run_export(ExportOptions(model=model, name="legacy", out=out, task="embedding", pool_in_graph=False))
     return out
 
 
@@ -77,3 +79,19 @@ def test_the_command_prints_the_figures_and_explains_bad_input(repo, tmp_path, c
     (copy / "fp32_encoder" / "reference.npz").unlink()
     with pytest.raises(NexusError, match="export the model again"):
         revalidate(copy, "fp32")
+
+
+def test_a_repository_exported_before_pooling_moved_into_the_graph_validates_again(repo, tmp_path):
+    """Its validation.json has no ``pooled_in_graph`` (nor ``outputs``): the graph's token states are pooled
+    on both sides as before.  A pooled graph put in its place fails on the output names."""
+    copy = tmp_path / "repo"
+    shutil.copytree(repo / "legacy_encoder", copy / "legacy_encoder")
+    path = copy / "legacy_encoder" / "validation.json"
+    exported = json.loads(path.read_text())
+    assert exported["pooled_in_graph"] is False and exported["outputs"] == ["last_hidden_state"]
+    path.write_text(json.dumps({k: v for k, v in exported.items() if k not in ("pooled_in_graph", "outputs")}))
+    record = revalidate(copy, "legacy")
+    assert record["passed"] and record["max_abs_diff"] <= 1e-4 and record["cosine_min"] > 0.9999
+    shutil.copyfile(repo / "fp32_encoder" / "1" / "model.onnx", copy / "legacy_encoder" / "1" / "model.onnx")
+    with pytest.raises(ValidationError, match="graph outputs \\['EMBEDDING'\\]"):
+        revalidate(copy, "legacy")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -29,7 +30,9 @@ def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("served")
     run_export(ExportOptions(out=repo))
     run_export(ExportOptions(out=repo, precision="int8", name="minilm_int8"))
-    run_export(ExportOptions(out=repo, name="minilm_strict", truncate=False))
+    # also the earlier layout, tokenizer -> encoder -> python post-processing (as repositories exported
+    # before pooling moved into the graph): it must keep serving, and the client reads it the same
+    run_export(ExportOptions(out=repo, name="minilm_strict", truncate=False, pool_in_graph=False))
     # bf16 where this CPU has it, else fp32 (the exporter falls back and says so)
     run_export(ExportOptions(out=repo, name="minilm_openvino", backend="openvino", precision="bf16"))
     http_port, grpc_port, metrics_port = _free_ports(3)
@@ -65,10 +68,13 @@ def _cosines(a, b):
 def test_configs_parse_back_through_the_schema(server):
     ensemble = triton_config.read(server["repo"] / NAME / "config.pbtxt")
     assert ensemble.platform == "ensemble" and ensemble.parameters["task"].string_value == "embedding"
-    assert [s.model_name for s in ensemble.ensemble_scheduling.step] == [
-        f"{NAME}_tokenizer", f"{NAME}_encoder", f"{NAME}_postprocess"]
+    # the encoder graph pools and normalises: no post-processing step
+    assert [s.model_name for s in ensemble.ensemble_scheduling.step] == [f"{NAME}_tokenizer", f"{NAME}_encoder"]
+    assert not (server["repo"] / f"{NAME}_postprocess").exists()
     encoder = triton_config.read(server["repo"] / f"{NAME}_encoder" / "config.pbtxt")
     assert encoder.platform == "onnxruntime_onnx" and encoder.max_batch_size > 0
+    assert [(o.name, list(o.dims)) for o in encoder.output] == [("EMBEDDING", [384])]
+    assert [(o.name, list(o.dims)) for o in ensemble.output] == [("EMBEDDING", [384])]
     assert [i.name for i in encoder.input] == ["input_ids", "attention_mask", "token_type_ids"]
     assert encoder.model_warmup and encoder.HasField("dynamic_batching")
     assert encoder.dynamic_batching.max_queue_delay_microseconds == triton_config.QUEUE_DELAY_US > 0
@@ -77,7 +83,7 @@ def test_configs_parse_back_through_the_schema(server):
     assert tokenizer.backend == "python" and tokenizer.HasField("dynamic_batching")
     # the python steps batch what queued while they ran, without waiting (a lone query would pay it)
     assert tokenizer.dynamic_batching.max_queue_delay_microseconds == triton_config.TOKENIZER_QUEUE_DELAY_US == 0
-    post = triton_config.read(server["repo"] / f"{NAME}_postprocess" / "config.pbtxt")
+    post = triton_config.read(server["repo"] / "minilm_strict_postprocess" / "config.pbtxt")
     assert post.HasField("dynamic_batching") and post.dynamic_batching.max_queue_delay_microseconds == 0
     # an ensemble has no batcher of its own; its steps batch
     assert not ensemble.HasField("dynamic_batching")
@@ -90,6 +96,20 @@ def test_served_embeddings_match_sentence_transformers(server, reference, protoc
     expected = reference.encode(texts, normalize_embeddings=True)
     assert served.shape == (64, 384)
     assert _cosines(served, expected).min() >= 0.9999
+
+
+def test_a_repository_with_the_python_post_processing_step_still_serves_the_same(server, reference):
+    """minilm_strict has the earlier three-step ensemble: the client reads it as it reads the pooled one."""
+    from nexus_sli.client import EncoderClient
+
+    strict = triton_config.read(server["repo"] / "minilm_strict" / "config.pbtxt")
+    assert [s.model_name for s in strict.ensemble_scheduling.step][-1] == "minilm_strict_postprocess"
+    texts = [t for t in validation_texts() if len(t) < 400][:40]  # minilm_strict refuses texts past 256 tokens
+    with EncoderClient(server["grpc"]) as client:
+        older, pooled = client.embed(texts, model="minilm_strict"), client.embed(texts, model=NAME)
+    assert older.shape == pooled.shape == (40, 384)
+    assert _cosines(older, reference.encode(texts, normalize_embeddings=True)).min() >= 0.9999
+    assert np.abs(older - pooled).max() < 1e-5
 
 
 def test_served_int8_meets_its_thresholds(server, reference):
@@ -141,7 +161,12 @@ def test_concurrent_single_texts_share_encoder_executions(server):
     before = counts()
     with ThreadPoolExecutor(len(texts)) as pool:
         results = list(pool.map(send, range(len(texts))))
-    after = counts()
+    # the encoder is the ensemble's last step: Triton may answer before it has counted the execution
+    for _ in range(100):
+        after = counts()
+        if after[0] - before[0] >= 32:
+            break
+        time.sleep(0.05)
     inferences, executions = after[0] - before[0], after[1] - before[1]
     assert inferences == 32 and all(r.shape == (1, 384) for r in results)
     assert executions <= inferences / 4, f"{executions} encoder executions for {inferences} requests"

@@ -20,6 +20,15 @@ def bench_repository() -> Path:
     return repository_root() / "bench" / ".repo"
 
 
+def steps_of(repo: Path, model: str) -> list[str]:
+    """The models the ensemble ``model`` chains, in order (tokenizer, encoder, and a post-processing
+    step except where the encoder graph pools)."""
+    from nexus_sli.exporter.triton import config as triton_config
+
+    ensemble = triton_config.read(repo / model / "config.pbtxt")
+    return [step.model_name for step in ensemble.ensemble_scheduling.step]
+
+
 def served_inputs() -> tuple[Path, list[str], list[str]]:
     """The bench repository, the bench texts, and the bench's short queries among them."""
     repo, texts = bench_repository(), bench_texts()

@@ -29,7 +29,12 @@ from nexus_sli.exporter.triton.python_models.encoding import encode, l2_normaliz
 
 
 def _embeddings(run, feeds_list: list[dict]) -> list[np.ndarray]:
-    return [l2_normalize(pool(run(feeds), feeds["attention_mask"], "mean")) for feeds in feeds_list]
+    return [l2_normalize(_pooled(run(feeds), feeds["attention_mask"])) for feeds in feeds_list]
+
+
+def _pooled(output: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """A graph that pools answers [batch, hidden]; an earlier one's token states are mean-pooled here."""
+    return output if output.ndim == 2 else pool(output, mask[:, :output.shape[1]], "mean")
 
 
 def _cosines(a: list[np.ndarray], b: list[np.ndarray]) -> np.ndarray:

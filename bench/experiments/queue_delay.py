@@ -26,18 +26,19 @@ from ..harness import short_queries
 from ..runners import ServedFacts, token_counts
 from ..served import Server, ServedEmbedder
 from ..texts import bench_texts
-from . import MODEL, QUERIES, bench_repository
+from . import MODEL, QUERIES, bench_repository, steps_of
 
-STEPS = ("_tokenizer", "_encoder", "_postprocess")
-#: (tokenizer, encoder, post-processing) delays in microseconds
+#: (tokenizer, encoder, post-processing) delays in microseconds; an ensemble without a
+#: post-processing step (embeddings pool in the encoder graph) uses the first two
 SETTINGS = ((0, 0, 0), (500, 500, 500), (0, 500, 0), (0, 2000, 0), (2000, 2000, 2000))
 
 
 def _repository(source: Path, model: str, target: Path, delays_us: tuple[int, int, int]) -> Path:
-    for suffix in ("", *STEPS):
-        shutil.copytree(source / f"{model}{suffix}", target / f"{model}{suffix}")
-    for suffix, delay in zip(STEPS, delays_us):
-        config_path = target / f"{model}{suffix}" / "config.pbtxt"
+    steps = steps_of(source, model)
+    for name in (model, *steps):
+        shutil.copytree(source / name, target / name)
+    for name, delay in zip(steps, delays_us):
+        config_path = target / name / "config.pbtxt"
         config = triton_config.read(config_path)
         config.dynamic_batching.max_queue_delay_microseconds = delay
         triton_config.write(config, config_path.parent)

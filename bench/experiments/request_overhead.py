@@ -26,9 +26,8 @@ from ..harness import short_queries
 from ..runners import GraphEncoder, ServedFacts, token_counts
 from ..served import Server
 from ..texts import bench_texts
-from . import MODEL, QUERIES, bench_repository
+from . import MODEL, QUERIES, bench_repository, steps_of
 
-STEPS = ("_tokenizer", "_encoder", "_postprocess")
 PARTS = ("queue", "compute_input", "compute_infer", "compute_output")
 
 
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     facts = ServedFacts.read(repo, model)
     texts = bench_texts()
     queries = short_queries(texts, token_counts(facts, texts), QUERIES)
-    names = [model, *(model + step for step in STEPS)]
+    names = [model, *steps_of(repo, model)]
     in_process = GraphEncoder.for_model(repo, facts)
     with Server(repo) as server, EncoderClient(server.url("grpc"), model=model) as client:
         for text in queries[:20]:  # warm-up

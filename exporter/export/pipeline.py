@@ -2,7 +2,8 @@
 
     model source -> layer walk -> plain ONNX -> PyTorch reference (once)
       -> for every configuration of :func:`targets.plan`: the target's candidate
-         graphs, each validated, and timed on the bench's workload if it passed
+         graphs (embeddings: ending in the pooling), each validated, and timed on
+         the bench's workload if it passed
       -> the fastest passing graph of all -> the Triton repository (staged, then published)
 
 Every other module does one step and knows nothing of the others.
@@ -28,6 +29,7 @@ from . import stored_reference
 from .checkpoint import Checkpoint
 from .handler import get_registry
 from .onnx_export import export_onnx, model_input_names
+from .pooling import Pooling
 from .report import ValidationReport
 from .source import check_name, load_config, max_sequence_length, normalizes, pooling_mode, resolve_model, tokenizer_file
 from .timing import Workload, time_side_by_side, workloads
@@ -57,6 +59,10 @@ class ExportOptions:
     cache: bool = True
     #: None: $NEXUS_SLI_CACHE_DIR, else ~/.cache/nexus-sli/layers (the LayerCache default)
     cache_dir: Path | None = None
+    #: embeddings: pooling and normalisation at the end of the encoder graph, the ensemble
+    #: tokenizer -> encoder (:mod:`pooling`); False writes the earlier tokenizer -> encoder ->
+    #: python post-processing ensemble.  Internal: bench/experiments/pooling_in_graph.py measures both.
+    pool_in_graph: bool = True
 
 
 @dataclass
@@ -138,7 +144,8 @@ def run_export(options: ExportOptions) -> ExportResult:
         _log_table(attempts, chosen)
         report = _report(options, prepared, attempts, attempt, chosen)
         _write(stage.root, name, prepared, attempt, chosen, report)
-        models = stage.publish()
+        # an earlier export of this name may have had a post-processing step the new ensemble lacks
+        models = stage.publish(retire=(f"{name}_postprocess",) if prepared.graph.pooled else ())
         write_readme(Path(options.out))
     log.info("wrote %s", ", ".join(str(m) for m in models))
     return ExportResult(name, models, report)
@@ -163,8 +170,12 @@ def _prepare(options: ExportOptions, source, work: Path) -> Prepared:
         text_batches(tokenizer, input_names, pad_id, max_length, pairs=task.pair),
     )
     embedder = Embedder(pooling_mode(source.path), normalizes(source.path)) if task.name == "embedding" else None
+    pooling = None
+    if embedder is not None and options.pool_in_graph:  # each target appends it to its candidates
+        pooling = Pooling(embedder.pooling, embedder.normalize, task.output_names()[0], task.client_output,
+                          family.hidden_size(config))
     graph = ExportedGraph(work / "plain.onnx", work, family, config, task, input_names, tokenizer, pad_id,
-                          max_length)
+                          max_length, pooling)
     loads = workloads(tokenizer, input_names, pad_id, max_length, pairs=task.pair)
     return Prepared(source, config, task, family, tokenizer_path, graph, reference, embedder, walked, loads)
 
@@ -204,7 +215,8 @@ def _attempt(configuration: Configuration, prepared: Prepared) -> Attempt:
     for candidate in attempt.candidates:
         runner = target.runner(candidate, precision)
         candidate.report = compare(runner, prepared.reference, precision, prepared.embedder, prepared.task,
-                                   target.name, limits, target.trims_padding)
+                                   target.name, limits, target.trims_padding,
+                                   prepared.task.client_output if graph.pooled else None)
         log.info("%s %s, %s graph: %s", target.name, precision, candidate.graph, candidate.report.summary())
         if candidate.report.passed:  # a graph that cannot be exported need not be timed
             attempt.runners[candidate.graph] = runner
@@ -288,18 +300,22 @@ def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt],
         "max_length": prepared.graph.max_length,
         "pooling": embedder.pooling if embedder else None,
         "normalize": embedder.normalize if embedder else None,
+        # the graph's one output is the pooled embedding (validation compares it as it comes)
+        "pooled_in_graph": prepared.graph.pooled,
+        "outputs": [prepared.task.client_output] if prepared.graph.pooled else prepared.task.output_names(),
         "walk": prepared.walk,
     }
 
 
 def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: Candidate, report: dict) -> None:
-    """The four models into the staging root, the chosen graph as the encoder's model file."""
+    """The models into the staging root, the chosen graph as the encoder's model file."""
     task, config, embedder = prepared.task, prepared.config, prepared.embedder
     configuration = attempt.configuration
     facts = ServingFacts(prepared.graph.input_names, prepared.family.hidden_size(config),
                          int(getattr(config, "num_labels", 0) or 0), prepared.graph.max_length, prepared.graph.pad_id,
                          report["truncate"], task.post_params(config, embedder),
-                         configuration.target.serving(configuration.precision), f"model{chosen.path.suffix}")
+                         configuration.target.serving(configuration.precision), f"model{chosen.path.suffix}",
+                         prepared.graph.pooled)
     write_models(root, name, task.name, facts, prepared.tokenizer_path)
     encoder_dir = root / f"{name}_encoder"
     for file in chosen.files():

@@ -156,28 +156,37 @@ def text_batches(tokenizer, input_names: list[str], pad_id: int, max_length: int
     ]
 
 
-def _masked_max_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> float:
+def _masked_max_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None) -> float:
     diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
-    if diff.ndim >= 2 and diff.shape[:2] == mask.shape:
+    if mask is not None and diff.ndim >= 2 and diff.shape[:2] == mask.shape:
         diff = diff[mask.astype(bool)]  # padded positions carry no meaning
     return float(diff.max()) if diff.size else 0.0
 
 
 def compare(session: Any, reference: Reference, precision: str, embedder: Embedder | None,
             task: TaskSpec | None = None, backend: str = "onnxruntime",
-            limits: dict[str, float] | None = None, trims_padding: bool = True) -> ValidationReport:
+            limits: dict[str, float] | None = None, trims_padding: bool = True,
+            pooled: str | None = None) -> ValidationReport:
     """Run ``session`` on the reference inputs: names, then shapes and values, then
     fidelity against ``limits`` (default: :func:`thresholds`), every failure collected.
 
     Per-token outputs (``task.per_token``) of a graph that ``trims_padding`` must
     come back cut to the batch's longest real token (:func:`trimmed_length`), and
     are compared with PyTorch's over that length; other graphs answer at the
-    padded width."""
+    padded width.
+
+    ``pooled``: the name of the one output of a graph that ends in the pooling
+    (:mod:`pooling`); that output is compared as it comes, ``[batch, hidden]``,
+    with PyTorch's token states pooled by ``embedder`` (the python pooling runs on
+    the reference only, never on the graph's answer)."""
     limits = limits or thresholds(task, precision)
     measures = Measures()
+    if pooled is not None:
+        reference = _pooled_reference(reference, embedder, pooled)
     failures = _name_failures(session, reference)
     if not failures:
-        failures = _run_batches(session, reference, embedder, task, backend, measures, trims_padding)
+        failures = _run_batches(session, reference, embedder, task, backend, measures,
+                                trims_padding and pooled is None, pooled is not None)
     texts = sum(len(b["input_ids"]) for b in reference.batches[reference.first_text:])
     report = ValidationReport.from_measures(precision, backend, limits, texts, measures, failures)
     if not failures:
@@ -196,8 +205,18 @@ def _name_failures(session: Any, reference: Reference) -> list[Failure]:
     return failures
 
 
+def _pooled_reference(reference: Reference, embedder: Embedder | None, output: str) -> Reference:
+    """``reference`` with PyTorch's token states pooled as the served embedding (``embedder``)."""
+    if embedder is None:
+        raise ValueError("a graph that pools needs the embedder that says how (pooling, normalisation)")
+    pooled = Reference(reference.input_names, [output], text_batches=reference.text_batches)
+    for feeds, outputs in zip(reference.batches, reference.outputs):
+        pooled.add(feeds, [embedder(outputs[0], feeds["attention_mask"])])
+    return pooled
+
+
 def _run_batches(session: Any, reference: Reference, embedder: Embedder | None, task: TaskSpec | None,
-                 backend: str, measures: Measures, trims_padding: bool) -> list[Failure]:
+                 backend: str, measures: Measures, trims_padding: bool, pooled: bool = False) -> list[Failure]:
     """Every reference batch through ``session``: shapes and values always, fidelity on
     the text batches while nothing has failed."""
     failures: list[Failure] = []
@@ -208,9 +227,10 @@ def _run_batches(session: Any, reference: Reference, embedder: Embedder | None, 
             return [*failures, RuntimeFailure(f"{backend} failed on input shape {feeds['input_ids'].shape}: "
                                               f"{str(exc)[:300]}")]
         expected, mask = _aligned(task if trims_padding else None, expected, feeds["attention_mask"])
-        failures.extend(_compare_outputs(reference.output_names, got, expected, mask, measures))
+        # pooled vectors have no token axis to mask (a [batch, hidden] could match the mask's shape)
+        failures.extend(_compare_outputs(reference.output_names, got, expected, None if pooled else mask, measures))
         if index >= reference.first_text and not failures:
-            _measure_fidelity(got, expected, mask, embedder, task, measures)
+            _measure_fidelity(got, expected, mask, embedder, task, measures, pooled)
     return failures
 
 
@@ -222,19 +242,25 @@ def _aligned(task: TaskSpec | None, expected: list[np.ndarray], mask: np.ndarray
     return [e[:, :length] for e in expected], mask[:, :length]
 
 
-def _compare_outputs(names: list[str], got, expected, mask: np.ndarray, measures: Measures) -> list[Failure]:
+def _compare_outputs(names: list[str], got, expected, mask: np.ndarray | None, measures: Measures) -> list[Failure]:
     failures: list[Failure] = []
     for name, g, e in zip(names, got, expected):
         if g.shape != e.shape:
-            failures.append(ShapeMismatch(f"{name}: shape {g.shape} != {e.shape} for mask shape {mask.shape}"))
+            inputs = f"mask shape {mask.shape}" if mask is not None else "the batch's inputs"
+            failures.append(ShapeMismatch(f"{name}: shape {g.shape} != {e.shape} for {inputs}"))
             continue
         measures.max_abs_diff = max(measures.max_abs_diff, _masked_max_diff(g, e, mask))
     return failures
 
 
 def _measure_fidelity(got, expected, mask: np.ndarray, embedder: Embedder | None, task: TaskSpec | None,
-                      measures: Measures) -> None:
-    if embedder is not None:
+                      measures: Measures, pooled: bool = False) -> None:
+    """Cosines of the embeddings (pooled here by ``embedder``, or compared as they came from a graph
+    that pools), and argmax agreement for tasks that decide."""
+    if pooled:
+        a, b = l2_normalize(got[0].astype(np.float64)), l2_normalize(expected[0].astype(np.float64))
+        measures.cosines.extend(np.sum(a * b, axis=-1).tolist())
+    elif embedder is not None:
         a, b = l2_normalize(embedder(got[0], mask)), l2_normalize(embedder(expected[0], mask))
         measures.cosines.extend(np.sum(a * b, axis=-1).tolist())
     if task is not None and task.agreement:

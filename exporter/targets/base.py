@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export.padding_trim import add_padding_trim
+from nexus_sli.exporter.export.pooling import Pooling
 from nexus_sli.exporter.export.quantize import ffn_output_matmuls
 from nexus_sli.exporter.triton.config import EncoderServing
 
@@ -34,11 +35,25 @@ class ExportedGraph:
     tokenizer: Any
     pad_id: int
     max_length: int
+    #: embeddings pooled in the graph (:mod:`export.pooling`): every candidate ends in the pooling and
+    #: answers ``[batch, hidden]``; None: the candidates answer token states
+    pooling: Pooling | None = None
+
+    @property
+    def pooled(self) -> bool:
+        return self.pooling is not None
+
+    def pooled_graph(self, path: Path) -> Path:
+        """``path`` with the pooling appended where this export pools (targets call it after lowering
+        the precision, so the pooling stays fp32), else ``path`` itself."""
+        if self.pooling is None:
+            return path
+        return self.pooling.append(path, self.work / f"{path.stem}.pooled.onnx")
 
     def trimmed(self, path: Path) -> Path:
-        """``path`` with the padding trim in front (see :mod:`padding_trim`)."""
-        per_token = self.task.output_names() if self.task.per_token else []
-        return add_padding_trim(path, self.work / f"{path.stem}.trim.onnx", per_token)
+        """``path`` pooled (:meth:`pooled_graph`) and with the padding trim in front (see :mod:`padding_trim`)."""
+        per_token = self.task.output_names() if self.task.per_token and not self.pooled else []
+        return add_padding_trim(self.pooled_graph(path), self.work / f"{path.stem}.trim.onnx", per_token)
 
     def ffn_outputs(self, path: Path) -> list[str]:
         """The feed-forward output MatMuls of ``path``: int8 variants keep them in fp32."""

@@ -49,7 +49,9 @@ class OnnxRuntimeGPU(Target):
     accelerator: Accelerator
 
     def candidates(self, graph: ExportedGraph, precision: str) -> list[Candidate]:
-        return [Candidate("plain-fp16", convert_fp16(graph.plain, graph.work / "plain.fp16.onnx"))]
+        # an embedding graph's pooling goes after the conversion: fp32 on the fp32 token states it returns
+        fp16 = convert_fp16(graph.plain, graph.work / "plain.fp16.onnx")
+        return [Candidate("plain-fp16", graph.pooled_graph(fp16))]
 
     def open(self, path: Path, parameters: dict[str, str], config: dict | None = None):
         """The graph on the providers its served config gets, with the accelerator's options (TensorRT

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nexus_sli.exporter.export.pooling import pooling_nodes
 from nexus_sli.exporter.export.validate import AUTO_BAR
 from nexus_sli.exporter.serving.backends.openvino_properties import compile_properties
 from nexus_sli.exporter.triton.config import EncoderServing
@@ -128,10 +129,12 @@ class OpenVINOCPU(Target):
         calibration = calibration_feeds(graph.tokenizer, graph.input_names, graph.pad_id, graph.max_length,
                                         graph.task.pair)
         log.info("quantizing with NNCF on %d calibration texts", sum(len(f["input_ids"]) for f in calibration))
-        candidates = [Candidate("plain", quantize_int8(trimmed, graph.work / "plain.ov-int8.xml", calibration))]
+        pool = pooling_nodes(trimmed)  # an embedding graph's pooling stays in fp32 (:mod:`export.pooling`)
+        candidates = [Candidate("plain", quantize_int8(trimmed, graph.work / "plain.ov-int8.xml", calibration,
+                                                       pool))]
         keep = graph.ffn_outputs(graph.plain)
         if keep:
-            path = quantize_int8(trimmed, graph.work / "plain.ov-int8-ffn-fp32.xml", calibration, keep)
+            path = quantize_int8(trimmed, graph.work / "plain.ov-int8-ffn-fp32.xml", calibration, keep + pool)
             candidates.append(Candidate("plain+ffn-out-fp32", path))
         return candidates
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from nexus_sli.exporter.errors import GPURuntimeUnavailableError, NexusError, PlanBuildError
 from nexus_sli.exporter.export.fp16 import FP32_OPS
+from nexus_sli.exporter.export.pooling import PREFIX as POOLING_PREFIX
 from nexus_sli.exporter.triton.config import EncoderServing
 
 from .base import Candidate, ExportedGraph, Target
@@ -58,8 +59,14 @@ TRITON_TYPES = {"FLOAT": "TYPE_FP32", "HALF": "TYPE_FP16", "INT32": "TYPE_INT32"
                 "INT8": "TYPE_INT8", "BOOL": "TYPE_BOOL", "BF16": "TYPE_BF16", "UINT8": "TYPE_UINT8"}
 
 
-def wants_fp32(layer_type: str, operation: str | None) -> bool:
-    """Whether a TensorRT layer (type and operation names) computes one of :data:`FP32_OPS`."""
+def wants_fp32(layer_type: str, operation: str | None, name: str = "") -> bool:
+    """Whether a TensorRT layer (type, operation and layer name) computes one of :data:`FP32_OPS`, or
+    belongs to an embedding graph's pooling (:mod:`export.pooling`), which the fp16 graph keeps in fp32
+    too.  TensorRT's ONNX parser names a layer after the node it came from, with or without a prefix of
+    its own (``node_of_...``), so the pooling's node prefix is looked for anywhere in the name; no
+    TensorRT has run this here (module docstring)."""
+    if POOLING_PREFIX in name:
+        return True
     return any(layer_type == kind and (op is None or op == operation) for kind, op in FP32_LAYERS.values())
 
 
@@ -178,7 +185,7 @@ def constrain_fp32(trt, network) -> int:
         layer = network.get_layer(index)
         # integer arithmetic on shapes (a Pow of sizes) has no precision to keep
         computes_floats = layer.num_outputs and layer.get_output(0).dtype in floating
-        if computes_floats and wants_fp32(layer.type.name, _layer_operation(trt, layer)):
+        if computes_floats and wants_fp32(layer.type.name, _layer_operation(trt, layer), layer.name):
             layer.precision = trt.float32
             for output in range(layer.num_outputs):
                 layer.set_output_type(output, trt.float32)

@@ -104,6 +104,9 @@ class Layout:
     encoder_outputs: tuple[Tensor, ...]
     post_inputs: tuple[str, ...]    # names taken from inputs, tokens and encoder outputs
     outputs: tuple[Tensor, ...]     # the postprocess's, and the ensemble's, outputs
+    #: the encoder's outputs are the ensemble's (an embedding graph that pools, export/pooling.py):
+    #: no post-processing step
+    encoder_answers: bool = False
 
     def rows(self, tensor: Tensor) -> Tensor:
         """``tensor`` as a step of this layout sees it (an explicit row dim when unbatched)."""
@@ -121,14 +124,19 @@ def _tensor(tensor: spec.Tensor, hidden_size: int, num_labels: int) -> Tensor:
     return Tensor(resolved.name, pb.DataType.Value(f"TYPE_{resolved.dtype}"), resolved.dims)
 
 
-def layout(task: str, input_names: list[str], hidden_size: int, num_labels: int) -> Layout:
-    """The ensemble's tensors for ``task``, read from its spec (:mod:`nexus_sli.tasks`)."""
+def layout(task: str, input_names: list[str], hidden_size: int, num_labels: int, pooled: bool = False) -> Layout:
+    """The ensemble's tensors for ``task``, read from its spec (:mod:`nexus_sli.tasks`).
+
+    ``pooled``: the encoder graph ends in the pooling and answers the task's results itself
+    (``[batch, hidden]`` embeddings), so the ensemble is tokenizer -> encoder."""
     task_spec = get_task(task)
     convert = lambda tensors: tuple(_tensor(t, hidden_size, num_labels) for t in tensors)  # noqa: E731
     ids = tuple(Tensor(n, pb.TYPE_INT64, (-1,)) for n in input_names)
+    results = convert(task_spec.results)
+    encoder_outputs = results if pooled else convert(task_spec.encoder_outputs)
     return Layout(task_spec.batched, task_spec.tokenizer_mode, convert(task_spec.inputs),
-                  (*ids, *convert(task_spec.token_extras)), convert(task_spec.encoder_outputs),
-                  task_spec.post_inputs, convert(task_spec.results))
+                  (*ids, *convert(task_spec.token_extras)), encoder_outputs,
+                  () if pooled else task_spec.post_inputs, results, encoder_answers=pooled)
 
 
 def _io(cls, tensor: Tensor):
@@ -216,9 +224,10 @@ def postprocess_config(name: str, lay: Layout, params: dict[str, str]) -> pb.Mod
     return config
 
 
-def ensemble_config(name: str, task: str, lay: Layout, input_names: list[str], steps: tuple[str, str, str],
+def ensemble_config(name: str, task: str, lay: Layout, input_names: list[str], steps: tuple[str, ...],
                     params: dict[str, str]) -> pb.ModelConfig:
-    """Raw strings in, the task's output out: tokenizer -> encoder -> postprocess."""
+    """Raw strings in, the task's output out: tokenizer -> encoder -> postprocess, or
+    tokenizer -> encoder where the encoder answers (``lay.encoder_answers``; ``steps`` has two)."""
     config = pb.ModelConfig(name=name, max_batch_size=MAX_BATCH_SIZE if lay.batched else 0, platform="ensemble")
     config.input.extend(_io(pb.ModelInput, t) for t in lay.inputs)
     config.output.extend(_io(pb.ModelOutput, t) for t in lay.outputs)
@@ -226,13 +235,19 @@ def ensemble_config(name: str, task: str, lay: Layout, input_names: list[str], s
         config.parameters[key].string_value = str(value)
     internal = {t.name: f"_{t.name}" for t in (*lay.tokens, *lay.encoder_outputs)}
     external = {t.name: t.name for t in lay.inputs}
-    tokenizer, encoder, postprocess = steps
+    if len(steps) != (2 if lay.encoder_answers else 3):
+        raise ValueError(f"the {task} ensemble takes {2 if lay.encoder_answers else 3} steps, not {list(steps)}")
+    tokenizer, encoder, *postprocess = steps
     step = config.ensemble_scheduling.step
     step.add(model_name=tokenizer, model_version=-1, input_map=external,
              output_map={t.name: internal[t.name] for t in lay.tokens})
+    if lay.encoder_answers:  # the encoder's outputs are the ensemble's
+        step.add(model_name=encoder, model_version=-1, input_map={n: internal[n] for n in input_names},
+                 output_map={t.name: t.name for t in lay.outputs})
+        return config
     step.add(model_name=encoder, model_version=-1, input_map={n: internal[n] for n in input_names},
              output_map={t.name: internal[t.name] for t in lay.encoder_outputs})
-    step.add(model_name=postprocess, model_version=-1,
+    step.add(model_name=postprocess[0], model_version=-1,
              input_map={n: {**internal, **external}[n] for n in lay.post_inputs},
              output_map={t.name: t.name for t in lay.outputs})
     return config

@@ -1,4 +1,8 @@
-"""The four models of one export: NAME_tokenizer, NAME_encoder, NAME_postprocess, NAME."""
+"""The models of one export: NAME_tokenizer, NAME_encoder, NAME_postprocess, NAME.
+
+An embedding export whose encoder graph pools (:mod:`export.pooling`) has no
+NAME_postprocess: its ensemble is NAME_tokenizer -> NAME_encoder.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ Each model `NAME` is an ensemble: raw strings in (TYPE_STRING), the task's
 answer out (`parameters {{ task: ... }}` in its config says which task).
 It chains `NAME_tokenizer` (python backend, `tokenizers`), `NAME_encoder`
 (`onnxruntime_onnx`, or the `openvino` backend where exported with
-`--backend openvino`) and `NAME_postprocess` (python backend, numpy).
+`--backend openvino`) and `NAME_postprocess` (python backend, numpy). An
+embedding model has no `NAME_postprocess`: its encoder graph ends in the
+pooling and normalisation and answers `EMBEDDING` itself.
 
 Serve it with `tritonserver --model-repository <this folder>`; locally,
 `nexus-sli serve --model-repository <this folder>` starts the Triton server
@@ -61,6 +67,8 @@ class ServingFacts:
     #: how the encoder is served (the runtime target's platform or backend, parameters, device)
     encoder: tc.EncoderServing = field(default_factory=lambda: tc.EncoderServing(platform="onnxruntime_onnx"))
     model_filename: str = "model.onnx"
+    #: the encoder graph ends in the pooling and answers the embedding: no post-processing model
+    pooled: bool = False
 
 
 def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None = None) -> None:
@@ -78,18 +86,19 @@ def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None 
 
 def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenizer_json: Path) -> None:
     """Write every file of the ensemble except the encoder's model file(s) under ``1/``."""
-    lay = tc.layout(task, facts.input_names, facts.hidden_size, facts.num_labels)
-    steps = (f"{name}_tokenizer", f"{name}_encoder", f"{name}_postprocess")
-    tokenizer, encoder, postprocess = steps
+    lay = tc.layout(task, facts.input_names, facts.hidden_size, facts.num_labels, facts.pooled)
+    tokenizer, encoder, postprocess = f"{name}_tokenizer", f"{name}_encoder", f"{name}_postprocess"
+    steps = (tokenizer, encoder) if lay.encoder_answers else (tokenizer, encoder, postprocess)
     _copy_python_model("tokenizer_model", root / tokenizer, {"tokenizer.json": tokenizer_json})
     tc.write(tc.tokenizer_config(tokenizer, lay, facts.max_length, facts.pad_id, facts.truncate,
                                  facts.encoder.widths(facts.max_length)), root / tokenizer)
     (root / encoder / "1").mkdir(parents=True, exist_ok=True)
     tc.write(tc.encoder_config(encoder, lay, facts.input_names, facts.encoder, facts.model_filename,
                                facts.max_length), root / encoder)
-    _copy_python_model("postprocess_model", root / postprocess)
-    head = {"task": task, "head": get_task(task).head}
-    tc.write(tc.postprocess_config(postprocess, lay, {**head, **facts.post_params}), root / postprocess)
+    if not lay.encoder_answers:
+        _copy_python_model("postprocess_model", root / postprocess)
+        head = {"task": task, "head": get_task(task).head}
+        tc.write(tc.postprocess_config(postprocess, lay, {**head, **facts.post_params}), root / postprocess)
     (root / name / "1").mkdir(parents=True, exist_ok=True)  # Triton wants a version folder, even for ensembles
     tc.write(tc.ensemble_config(name, task, lay, facts.input_names, steps, facts.post_params), root / name)
 

@@ -56,17 +56,22 @@ class Staging:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def publish(self) -> list[Path]:
-        """Move every staged model directory into the repository, replacing old ones."""
+    def publish(self, retire: tuple[str, ...] = ()) -> list[Path]:
+        """Move every staged model directory into the repository, replacing old ones; then move the
+        repository's models named in ``retire`` out (a step the new ensemble no longer uses)."""
         published = []
         retired = self.root / ".retired"
         retired.mkdir(exist_ok=True)
-        for staged in sorted(p for p in self.root.iterdir() if not p.name.startswith(".")):
+        staged_models = sorted(p for p in self.root.iterdir() if not p.name.startswith("."))
+        for staged in staged_models:
             target = self.out / staged.name
             if target.exists():
                 os.rename(target, retired / staged.name)
             os.rename(staged, target)
             published.append(target)
+        for name in set(retire) - {p.name for p in staged_models}:  # after the ensemble that used it is replaced
+            if (self.out / name).is_dir():
+                os.rename(self.out / name, retired / name)
         return published
 
     def __enter__(self) -> "Staging":

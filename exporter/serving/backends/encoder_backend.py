@@ -11,6 +11,8 @@ into batches and the batches' outputs back into responses:
 - outputs that follow the sequence come back at the execution's longest real
   length, exactly what the exported graph's padding trim gives the native
   backends of an NGC container, so the post-processing sees one behaviour;
+  outputs that do not (an embedding graph's pooled ``[batch, hidden]``) come
+  back one row per text, each from the group it ran in;
 - when the joint run fails, each request runs alone, so only a bad request
   (token ids outside the vocabulary, inputs that do not fit together) gets an
   error, and it names the reason.

@@ -10,6 +10,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 POOLING_MODES = ("mean", "cls", "max")
+#: The pooling's guards (the graph's pooling, ``export/pooling.py``, uses the same): the least
+#: mask count a mean divides by, the value masked positions take in a max, the least norm.
+MIN_COUNT, MASKED_OUT, MIN_NORM = 1e-9, -1e9, 1e-12
 #: How the tokenizer model reads a request: one text per row, (query, documents), or
 #: (question, context) in overlapping windows; a task spec names one.
 TOKENIZER_MODES = ("single", "pair", "qa")
@@ -108,12 +111,12 @@ def pool(hidden: np.ndarray, mask: np.ndarray, mode: str) -> np.ndarray:
         return hidden[:, 0]
     weights = mask[..., None].astype(np.float32)
     if mode == "mean":
-        return (hidden * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
+        return (hidden * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), MIN_COUNT)
     if mode == "max":
-        return np.where(weights > 0, hidden, np.float32(-1e9)).max(axis=1)
+        return np.where(weights > 0, hidden, np.float32(MASKED_OUT)).max(axis=1)
     raise ValueError(f"unknown pooling mode {mode!r}; known modes: {', '.join(POOLING_MODES)}")
 
 
 def l2_normalize(vectors: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
-    return vectors / np.maximum(norms, 1e-12)
+    return vectors / np.maximum(norms, MIN_NORM)
