@@ -19,16 +19,11 @@ from nexus_sli.exporter.serving.backends.batching import plan, real_lengths
 from nexus_sli.exporter.serving.backends.openvino_properties import compile_properties
 from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.triton.python_models.encoding import pool
+from tiny_models import padded_feeds
 
 
-def _feeds(lengths, width, vocab=100):
-    rng = np.random.default_rng(0)
-    ids = rng.integers(5, vocab, size=(len(lengths), width), dtype=np.int64)
-    mask = np.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        mask[row, :n] = 1
-        ids[row, n:] = 0
-    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+def _feeds(lengths, width):
+    return padded_feeds(lengths, width, vocab=100)
 
 
 @pytest.fixture(scope="module")

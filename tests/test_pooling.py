@@ -32,7 +32,7 @@ from nexus_sli.exporter.targets.tensorrt_plan import wants_fp32
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton.python_models.encoding import POOLING_MODES, l2_normalize, pool
 from nexus_sli.tasks import get_task
-from tiny_models import COMMON, VOCAB
+from tiny_models import COMMON, VOCAB, padded_feeds
 
 HIDDEN = COMMON["hidden_size"]
 TASK = get_task("embedding")
@@ -56,13 +56,7 @@ def tiny(tmp_path_factory, tiny_checkpoint):
     names = model_input_names(model, model.config)
     plain = folder / "plain.onnx"
     export_onnx(model, TASK, names, VOCAB, plain)
-    rng = np.random.default_rng(7)
-    ids = rng.integers(5, VOCAB, size=(len(LENGTHS), WIDTH), dtype=np.int64)
-    mask = np.zeros_like(ids)
-    for row, n in enumerate(LENGTHS):
-        mask[row, :n] = 1
-        ids[row, n:] = 0
-    feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+    feeds = padded_feeds(LENGTHS, WIDTH, seed=7)
     return {"model": model, "names": names, "plain": plain, "folder": folder,
             "feeds": {n: feeds[n] for n in names}}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -72,3 +73,14 @@ def build_tiny(model_type: str, directory: Path, tokenizer: Tokenizer, seed: int
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save(str(directory / "tokenizer.json"))
     return directory
+
+
+def padded_feeds(lengths: list[int], width: int, vocab: int = VOCAB, seed: int = 0) -> dict[str, np.ndarray]:
+    """A right-padded batch of random ids: row i has lengths[i] real tokens out of width."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(5, vocab, size=(len(lengths), width), dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1
+        ids[row, n:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}

@@ -23,9 +23,6 @@ import numpy as np
 
 from nexus_sli.exporter.triton.python_models.encoding import encode
 
-import statistics
-import time
-
 from .validate import validation_texts
 
 #: Texts in the client batch the bench sends (``make bench``: batches of 32).
