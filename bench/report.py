@@ -335,8 +335,8 @@ run on one machine.
   `bench/results/latest.png` (throughput by path; throughput against sequence
   length). `make bench QUICK=1` is a smoke run into `bench/results/quick/`.
 
-**The machine is shared and noisy**: other engineers' test runs load its two
-cores while the bench runs, so absolute figures move from run to run (the load
+**The machine may be shared and noisy**: other jobs on its cores while the
+bench runs move absolute figures from run to run (the load
 average at the start is recorded above). The paths are timed interleaved, every
 path once per repetition, {repetitions} repetitions, medians, so that the noise
 falls on all of them alike: the ratios to the baseline measured side by side in
@@ -351,8 +351,9 @@ How it measures:
   OpenMP threads can be several times slower than one thread, and a crippled
   baseline would flatter the served path). It sorts texts by length before
   batching; the PyTorch and ONNX Runtime peers do the same.
-- Served: the exported ensemble (python tokenizer -> ONNX Runtime encoder ->
-  python pooling) on `tritonserver` from `nvidia-pytriton`, loopback, through
+- Served: the exported ensemble (python tokenizer -> encoder, ONNX Runtime or
+  OpenVINO as exported, whose graph ends in the pooling and L2 normalisation)
+  on `tritonserver` from `nvidia-pytriton`, loopback, through
   `nexus_sli.client.EncoderClient`. Batches of 32 go in the order of the text
   set; the 16 concurrent clients are threads with their own client objects;
   single queries are texts of at most 16 tokens, sent one after another.

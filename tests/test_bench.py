@@ -166,13 +166,14 @@ def _synthetic(path, mode, *, rates=None, p50=None, p99=None, precision="fp32", 
 
 
 def _run_rows(served_batch=(300, 330, 305), served_concurrent=(240, 250, 245), served_p50=(5.0, 5.2, 5.1),
-              served_p99=(6.0, 6.1, 6.0), graph_p50=(3.6, 3.7, 3.6), cosine=(0.9999, 0.999), peers=True):
+              served_p99=(6.0, 6.1, 6.0), graph_p50=(3.6, 3.7, 3.6), graph_p99=(), cosine=(0.9999, 0.999),
+              peers=True):
     """A run on three repetitions: the baseline slows down in the second (a noisy neighbour), the
     served default slows with it, so the paired ratios agree where medians of each alone would not."""
     rows = [
         _synthetic("sentence-transformers", "batch32", rates=[100, 110, 101], baseline=True),
         _synthetic("sentence-transformers", "latency1", p50=[7.0, 7.4, 7.1], baseline=True),
-        _synthetic("onnxruntime", "latency1", p50=list(graph_p50)),
+        _synthetic("onnxruntime", "latency1", p50=list(graph_p50), p99=list(graph_p99)),
         _synthetic("triton", "batch32", rates=list(served_batch), protocol="grpc", cosine=cosine),
         _synthetic("triton", "concurrent16", rates=list(served_concurrent), protocol="grpc", cosine=cosine),
         _synthetic("triton", "latency1", p50=list(served_p50), p99=list(served_p99), protocol="grpc", cosine=cosine),
@@ -237,7 +238,17 @@ def test_target_not_met_reports_the_gap():
     assert latency["status"] == "not met" and "allowed" in latency["gap"] and "over" in latency["gap"]
     overhead = found[("(c)", "serving overhead")]
     assert overhead["median"] == pytest.approx(4.5) and "2.50 ms over" in overhead["gap"]
-    assert found[("(c)", "p99 vs its own p50")]["status"] == "not met"
+    tail = found[("(c)", "p99 vs its own p50")]
+    assert tail["status"] == "not met" and "the same graph in process" not in tail["gap"]
+
+
+def test_a_missed_tail_is_set_against_the_same_graphs_own_tail_in_process():
+    # served p99 / p50: 1.875, 1.88, 1.91; the graph in process, same repetitions: 2.0, 2.2, 2.1
+    results = bench_targets.evaluate(_run_rows(served_p50=(8.0, 8.5, 8.1), served_p99=(15.0, 16.0, 15.5),
+                                               graph_p99=(7.2, 8.14, 7.56)), DEFAULT)
+    tail = _by_comparison(results)[("(c)", "p99 vs its own p50")]
+    assert tail["status"] == "not met" and tail["median"] == pytest.approx(16.0 / 8.5)
+    assert tail["gap"].endswith("the same graph in process: p99 2.10x its p50 in this run")
 
 
 def test_target_whose_repetitions_disagree_is_not_settled():
