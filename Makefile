@@ -65,7 +65,8 @@ $(BENCH_REPO)/.exported: $(VENV)/.installed $(shell find exporter tasks -name "*
 	$(BIN)/nexus-sli bench --repo '$(BENCH_REPO)' --export-only --reexport
 	touch $@
 
-# Measures the packaged default model (under 10 minutes on 2 cores; QUICK=1: under 2).
+# Measures the packaged default model, peers included (9 minutes on a fresh clone on 2 cores, exports
+# and peer venvs included; QUICK=1: a smoke run without peers, 38 s once the exports exist).
 bench: $(BENCH_REPO)/.exported
 	$(BIN)/nexus-sli bench --repo '$(BENCH_REPO)' \
 		$(if $(QUICK),--quick --out bench/results/quick,--benchmarks-md BENCHMARKS.md)
