@@ -94,7 +94,37 @@ def test_openvino_int8_is_an_nncf_ir_held_to_the_static_thresholds(tiny_checkpoi
     assert result.report["thresholds"] == {"cosine_mean": 0.995, "cosine_min": 0.98}
     assert result.report["passed"] is True and result.report["allow_degraded"] is False
     assert result.report["cosine_mean"] >= 0.995 and result.report["cosine_min"] >= 0.98
-    assert {c["graph"] for c in result.report["candidates"]} >= {"plain"}
+    # every MatMul int8, the feed-forward outputs kept, and SmoothQuant 0.75 with the attention outputs
+    # kept, alone and with the feed-forward outputs: each validated, the fastest that passed kept
+    assert [c["graph"] for c in result.report["candidates"]] == [
+        "plain", "plain+ffn-out-fp32", "plain+sq0.75+attn-out-fp32", "plain+sq0.75+attn-ffn-out-fp32"]
+
+
+#: where each family's attention output projection lives in its exported graph's node names
+ATTENTION_OUTPUT = {"bert": "/attention/output/dense/", "distilbert": "/attention/out_lin/",
+                    "deberta-v2": "/attention/output/dense/", "albert": "/attention/dense/",
+                    "modernbert": "/attn/Wo/", "nomic_bert": "/self_attn/o_proj/"}
+
+
+@pytest.mark.parametrize("family", sorted(ATTENTION_OUTPUT))
+def test_attention_output_projections_are_found_by_shape_and_wiring(family, tiny_checkpoint, tmp_path):
+    """One per layer, and nothing else: not query, key or value (they read one input together, or are
+    fused into one wider weight), not DeBERTa's relative-position projections (they share theirs)."""
+    from transformers import AutoModel
+
+    from nexus_sli.exporter.export.onnx_export import export_onnx, model_input_names
+    from nexus_sli.exporter.export.quantize import attention_output_matmuls
+    from nexus_sli.tasks import get_task
+    from tiny_models import VOCAB
+
+    model = AutoModel.from_pretrained(str(tiny_checkpoint(family)), attn_implementation="eager").eval()
+    path = tmp_path / "plain.onnx"
+    export_onnx(model, get_task("embedding"), model_input_names(model, model.config), VOCAB, path)
+    config = model.config
+    hidden = getattr(config, "dim", None) or config.hidden_size
+    found = attention_output_matmuls(path, hidden)
+    layers = getattr(config, "n_layers", None) or config.num_hidden_layers
+    assert len(found) == layers and all(ATTENTION_OUTPUT[family] in name for name in found), found
 
 
 def test_precision_and_backend_combinations_are_checked(tmp_path):

@@ -35,6 +35,10 @@ def server(tmp_path_factory):
     run_export(ExportOptions(out=repo, name="minilm_strict", truncate=False, pool_in_graph=False))
     # bf16 where this CPU has it, else fp32 (the exporter falls back and says so)
     run_export(ExportOptions(out=repo, name="minilm_openvino", backend="openvino", precision="bf16"))
+    # NNCF's int8 IR, what auto keeps where it is fastest; written even where no variant keeps the bar
+    # on this CPU (allow_degraded): the test below checks serving, the exporter's validation the bar
+    run_export(ExportOptions(out=repo, name="minilm_openvino_int8", backend="openvino", precision="int8",
+                             allow_degraded=True))
     http_port, grpc_port, metrics_port = _free_ports(3)
     process = serve.start(repo, http_port, grpc_port, metrics_port)
     yield {"repo": repo, "http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
@@ -188,6 +192,23 @@ def test_openvino_bf16_is_served_where_the_cpu_has_bf16(server):
 @pytest.mark.skipif(supports_bf16(), reason="the CPU has avx512_bf16/amx_bf16: the fp32 fallback is not used here")
 def test_openvino_asked_for_bf16_serves_fp32_where_the_cpu_has_none(server):
     assert _openvino_precision(server) == ("NO", "fp32")
+
+
+def test_openvino_int8_ir_serves_what_its_validation_measured(server, reference):
+    """The IR (model.xml) behind the same ensemble, in requests of another size than validation's:
+    the served embeddings score against sentence-transformers what validation.json recorded."""
+    folder = server["repo"] / "minilm_openvino_int8_encoder"
+    config = triton_config.read(folder / "config.pbtxt")
+    assert config.backend == "openvino" and config.default_model_filename == "model.xml"
+    assert (folder / "1" / "model.xml").is_file() and not (folder / "1" / "model.onnx").exists()
+    report = json.loads((folder / "validation.json").read_text())
+    texts = validation_texts()  # the 240 texts validation measured
+    got = np.concatenate([_embed(server["grpc"], texts[i:i + 60], model="minilm_openvino_int8", protocol="grpc")
+                          for i in range(0, len(texts), 60)])
+    cos = _cosines(got, reference.encode(texts, batch_size=32))
+    assert report["precision"] == "int8" and got.shape == (240, 384)
+    assert abs(cos.mean() - report["cosine_mean"]) < 1e-4 and abs(cos.min() - report["cosine_min"]) < 1e-4, (
+        cos.mean(), cos.min(), report["cosine_mean"], report["cosine_min"])
 
 
 def test_openvino_backend_serves_the_same_embeddings(server, reference):

@@ -260,12 +260,13 @@ def _log_table(attempts: list[Attempt], chosen: Candidate) -> None:
     if sum(len(a.candidates) for a in attempts) < 2:
         return
     log.info("measured (validated against PyTorch fp32; timed where it passed):")
+    width = max(len(c.graph) for a in attempts for c in a.candidates)
     for attempt in attempts:
         for candidate in attempt.candidates:
             mark = "->" if candidate is chosen else "  "
             result = _timings(candidate) if candidate.timings else "failed validation"
-            log.info(" %s %-12s %-5s %-20s %s", mark, attempt.configuration.target.name,
-                     attempt.configuration.precision, candidate.graph, result)
+            log.info(" %s %-12s %-5s %-*s %s", mark, attempt.configuration.target.name,
+                     attempt.configuration.precision, width, candidate.graph, result)
 
 
 def _closeness(report: ValidationReport) -> float:

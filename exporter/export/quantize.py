@@ -9,6 +9,7 @@ keeps the fastest that passes fidelity.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,21 @@ def ffn_output_matmuls(path: Path, intermediate_size: int, hidden_size: int) -> 
         node.name for node in graph.node
         if node.op_type == "MatMul" and any(shapes.get(i) == (intermediate_size, hidden_size) for i in node.input)
     ]
+
+
+def attention_output_matmuls(path: Path, hidden_size: int) -> list[str]:
+    """MatMul nodes that project attention's result back into the hidden states: a (hidden, hidden)
+    weight whose input no other such MatMul reads (query, key and value read one input together;
+    families that fuse them have a (hidden, 3 x hidden) weight instead)."""
+    import onnx
+
+    graph = onnx.load(str(path)).graph
+    shapes = {init.name: tuple(init.dims) for init in graph.initializer}
+    square = [(node.name, [i for i in node.input if shapes.get(i) != (hidden_size, hidden_size)])
+              for node in graph.node
+              if node.op_type == "MatMul" and any(shapes.get(i) == (hidden_size, hidden_size) for i in node.input)]
+    readers = Counter(data for _, inputs in square for data in inputs)
+    return [name for name, inputs in square if len(inputs) == 1 and readers[inputs[0]] == 1]
 
 
 def quantize_int8(source: Path, target: Path, exclude: list[str] | None = None,

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export.padding_trim import add_padding_trim
 from nexus_sli.exporter.export.pooling import Pooling
-from nexus_sli.exporter.export.quantize import ffn_output_matmuls
+from nexus_sli.exporter.export.quantize import attention_output_matmuls, ffn_output_matmuls
 from nexus_sli.exporter.triton.config import EncoderServing
 
 
@@ -59,6 +59,11 @@ class ExportedGraph:
         """The feed-forward output MatMuls of ``path``: int8 variants keep them in fp32."""
         width = self.family.ffn_width(self.config)
         return ffn_output_matmuls(path, int(width), self.family.hidden_size(self.config)) if width else []
+
+    def attention_outputs(self, path: Path) -> list[str]:
+        """The attention output projections of ``path``: the int8 MatMuls that cost the most fidelity
+        once SmoothQuant has tamed the rest (bench/data/tried.md, "Role-based mixed precision")."""
+        return attention_output_matmuls(path, self.family.hidden_size(self.config))
 
 
 @dataclass

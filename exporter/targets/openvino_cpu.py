@@ -10,9 +10,12 @@
   sentences and 42 paragraphs joined from them; none of them is a validation
   text), written as an IR (``model.xml`` + ``model.bin``).  Quantizing every
   MatMul costs fidelity on real models (docs/export.md has the measurement), so
-  a second variant keeps the feed-forward output projections in higher
-  precision (the layers ONNX Runtime's int8 keeps in fp32,
-  :func:`quantize.ffn_output_matmuls`).  Both are validated; the fastest that
+  besides the all-MatMul graph three variants keep MatMuls of one role in
+  higher precision: the feed-forward output projections (the layers ONNX
+  Runtime's int8 keeps in fp32, :func:`quantize.ffn_output_matmuls`); and, with
+  SmoothQuant's alpha at :data:`SMOOTH_QUANT_ALPHA` instead of NNCF's 0.95, the
+  attention output projections (:func:`quantize.attention_output_matmuls`),
+  alone or with the feed-forward outputs.  All are validated; the fastest that
   passes is kept.
 """
 
@@ -83,19 +86,29 @@ def calibration_feeds(tokenizer, input_names: list[str], pad_id: int, max_length
             for i in range(0, len(texts), CALIBRATION_BATCH)]
 
 
+#: SmoothQuant's alpha for MatMuls in the variants that keep the attention output projections:
+#: on all-MiniLM-L6-v2 0.75 kept the bar where NNCF's default 0.95 broke a short text (min cosine
+#: 0.855) and 0.5 did less (bench/data/tried.md, "int8 that keeps the bar: static levers")
+SMOOTH_QUANT_ALPHA = 0.75
+
+
 def quantize_int8(source: Path, target: Path, calibration: list[dict[str, np.ndarray]],
-                  keep: list[str] | None = None) -> Path:
+                  keep: list[str] | None = None, smooth_quant_alpha: float | None = None) -> Path:
     """NNCF static int8 of the ONNX graph ``source`` as the IR ``target`` (``.xml``);
-    the MatMuls named in ``keep`` stay in higher precision."""
+    the MatMuls named in ``keep`` stay in higher precision; ``smooth_quant_alpha``
+    replaces NNCF's default SmoothQuant alpha for MatMuls."""
     import nncf
     import openvino as ov
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
 
     # NNCF logs every operation it leaves unquantized at INFO: the export log has its own summary
     nncf.set_log_level(logging.WARNING)
     model = ov.Core().read_model(str(source))
     scope = nncf.IgnoredScope(names=list(keep), validate=False) if keep else None
+    advanced = (AdvancedQuantizationParameters(smooth_quant_alphas=AdvancedSmoothQuantParameters(
+        matmul=smooth_quant_alpha)) if smooth_quant_alpha is not None else None)
     quantized = nncf.quantize(model, nncf.Dataset(calibration), model_type=nncf.ModelType.TRANSFORMER,
-                              subset_size=len(calibration), ignored_scope=scope)
+                              subset_size=len(calibration), ignored_scope=scope, advanced_parameters=advanced)
     ov.save_model(quantized, str(target), compress_to_fp16=False)
     return target
 
@@ -132,10 +145,19 @@ class OpenVINOCPU(Target):
         pool = pooling_nodes(trimmed)  # an embedding graph's pooling stays in fp32 (:mod:`export.pooling`)
         candidates = [Candidate("plain", quantize_int8(trimmed, graph.work / "plain.ov-int8.xml", calibration,
                                                        pool))]
-        keep = graph.ffn_outputs(graph.plain)
-        if keep:
-            path = quantize_int8(trimmed, graph.work / "plain.ov-int8-ffn-fp32.xml", calibration, keep + pool)
+        ffn = graph.ffn_outputs(graph.plain)
+        if ffn:
+            path = quantize_int8(trimmed, graph.work / "plain.ov-int8-ffn-fp32.xml", calibration, ffn + pool)
             candidates.append(Candidate("plain+ffn-out-fp32", path))
+        attention = graph.attention_outputs(graph.plain)
+        if attention:
+            variants = {"attn-out": attention}
+            if ffn:
+                variants["attn-ffn-out"] = attention + ffn
+            for label, keep in variants.items():
+                path = quantize_int8(trimmed, graph.work / f"plain.ov-int8-sq-{label}-fp32.xml", calibration,
+                                     keep + pool, SMOOTH_QUANT_ALPHA)
+                candidates.append(Candidate(f"plain+sq{SMOOTH_QUANT_ALPHA}+{label}-fp32", path))
         return candidates
 
     def open(self, path: Path, parameters: dict[str, str]):
