@@ -65,7 +65,7 @@ $(BENCH_REPO)/.exported: $(VENV)/.installed $(shell find exporter tasks -name "*
 	$(BIN)/nexus-sli bench --repo '$(BENCH_REPO)' --export-only --reexport
 	touch $@
 
-# Measures the packaged default model, peers included (9 minutes on a fresh clone on 2 cores, exports
+# Measures the packaged default model, peers included (10 minutes on a fresh clone on 2 cores, exports
 # and peer venvs included; QUICK=1: a smoke run without peers, 38 s once the exports exist).
 bench: $(BENCH_REPO)/.exported
 	$(BIN)/nexus-sli bench --repo '$(BENCH_REPO)' \
