@@ -388,18 +388,10 @@ def served_measurements(setup: Setup, plan: Plan, server, clients: list) -> list
     return measurements
 
 
-def _warm_up(measurements: list[Measurement], plan: Plan, slices: int) -> None:
-    """Untimed work before the first repetition.  Where the set is sliced (the full run), the
-    sliced rows run the first repetition's whole slice: with only a batch of warm-up texts, three
-    full runs found the first repetition of several in-process paths 20-45% slower than the rest
-    (sentence-transformers 80-84 texts/s against 104-115, ONNX Runtime int8 227-300 against
-    393-423), so the first paired ratios measured warm-up, not speed."""
+def _warm_up(measurements: list[Measurement], plan: Plan) -> None:
     for m in measurements:
-        if m.sliced and slices > 1:
-            m.warm_up(m.texts[0::slices])
-        else:
-            count = 4 if m.mode == LATENCY1 else plan.warmup_texts if m.mode != SEQ_LEN else 32
-            m.warm_up(m.texts[:count])
+        count = 4 if m.mode == LATENCY1 else plan.warmup_texts if m.mode != SEQ_LEN else 32
+        m.warm_up(m.texts[:count])
 
 
 def _idle_rss(server, samples: int = 5) -> list[int]:
@@ -564,7 +556,7 @@ def measure(setup: Setup, plan: Plan, repetitions: "Repetitions") -> tuple[list[
             measurements += served_measurements(setup, plan, server, clients)
             measurements += gateway_measurements(setup, plan, gateway, clients)
             log.info("warming up %d measurements", len(measurements))
-            _warm_up(measurements, plan, repetitions.slices)
+            _warm_up(measurements, plan)
             idle = _idle_rss(server)
             processes = len(machine.process_tree(server.process.pid))
             with RssSampler(server) as sampler:

@@ -338,8 +338,7 @@ run on one machine.
 **The machine may be shared and noisy**: other jobs on its cores while the
 bench runs move absolute figures from run to run (the load
 average at the start is recorded above). The paths are timed interleaved, every
-path once per repetition, {repetitions} repetitions (after an untimed pass over
-the first repetition's texts), medians, so that the noise
+path once per repetition, {repetitions} repetitions, medians, so that the noise
 falls on all of them alike: the ratios to the baseline measured side by side in
 one run are what count, and the targets pair them repetition by repetition
 (each repetition's path against that repetition's baseline) and are met only

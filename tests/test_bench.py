@@ -321,27 +321,6 @@ def _repeat(served_seconds: list[float], minimum=3, maximum=6) -> tuple[Repetiti
     return repetitions, measurements
 
 
-def test_warm_up_runs_the_first_slice_of_sliced_rows_untimed():
-    from nexus_sli.bench.harness import FULL, _warm_up
-
-    texts = [f"text {i}" for i in range(10)]
-    seen: dict[str, list[list[str]]] = {"sliced": [], "single": []}
-
-    def recorder(name):
-        def run(batch):
-            seen[name].append(batch)
-            return Sample(0.1, [], np.ones((len(batch), 4)))
-        return run
-
-    sliced = Measurement("triton", "fp32", "grpc", "batch32", texts, [3] * 10, recorder("sliced"), sliced=True)
-    single = Measurement("triton", "fp32", "grpc", "latency1", texts, [3] * 10, recorder("single"))
-    _warm_up([sliced, single], FULL, slices=3)
-    assert seen["sliced"] == [texts[0::3]] and seen["single"] == [texts[:4]]
-    assert sliced.samples == [] and single.samples == []  # nothing timed
-    _warm_up([sliced], FULL, slices=1)  # a run without slices (quick) warms on a batch of texts only
-    assert seen["sliced"][-1] == texts[:FULL.warmup_texts]
-
-
 def test_repetitions_stop_once_paired_ratios_agree():
     repetitions, measurements = _repeat([0.5] * 10)
     assert repetitions.done == 3 and "under the limit" in repetitions.stopped
