@@ -53,7 +53,7 @@ from nexus_sli.exporter.export.timing import time_side_by_side, workloads
 from nexus_sli.exporter.export.validate import AUTO_BAR, validation_texts
 from nexus_sli.exporter.targets import TARGETS
 from nexus_sli.exporter.targets.cpu import cpu_flags
-from nexus_sli.exporter.targets.openvino_cpu import calibration_texts
+from nexus_sli.exporter.targets.openvino_cpu import calibration_texts, quantize_int8
 from nexus_sli.exporter.triton.python_models.encoding import encode
 
 from ..runners import GraphEncoder, ServedFacts, TorchEncoder
@@ -276,19 +276,9 @@ def ort_smooth_quant_available() -> str | None:
 
 
 def nncf_int8(source: Path, target: Path, calibration: Calibration, alpha: float, keep: list[str] = ()) -> Path:
-    """NNCF static int8 of ``source`` with SmoothQuant at ``alpha`` for MatMuls (-1: off); ``keep`` stays fp32."""
-    import nncf
-    import openvino as ov
-    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
-
-    nncf.set_log_level(logging.WARNING)
-    advanced = AdvancedQuantizationParameters(smooth_quant_alphas=AdvancedSmoothQuantParameters(matmul=alpha))
-    scope = nncf.IgnoredScope(names=list(keep), validate=False) if keep else None
-    quantized = nncf.quantize(ov.Core().read_model(str(source)), nncf.Dataset(calibration.feeds),
-                              model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration.feeds),
-                              advanced_parameters=advanced, ignored_scope=scope)
-    ov.save_model(quantized, str(target), compress_to_fp16=False)
-    return target
+    """NNCF static int8 of ``source`` with SmoothQuant at ``alpha`` for MatMuls (-1: off); ``keep`` stays
+    fp32.  The exporter's own quantization (:func:`openvino_cpu.quantize_int8`), on these texts."""
+    return quantize_int8(source, target, calibration.feeds, list(keep), alpha)
 
 
 # --- the run ----------------------------------------------------------------------------------
