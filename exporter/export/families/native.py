@@ -183,3 +183,20 @@ class NomicBertFamily(EncoderFamily):
 
     def convert_key(self, key: str) -> str:
         return "embeddings.LayerNorm." + key[len("emb_ln."):] if key.startswith("emb_ln.") else key
+
+
+@register
+class MPNetFamily(EncoderFamily):
+    """MPNet: BERT-shaped layers, RoBERTa-style positions (numbered from
+    ``padding_idx + 1``, ``padding_idx`` fixed at 1) and no segment embeddings.
+    The relative position bias is computed once by the encoder from its own
+    ``encoder.relative_attention_bias`` table and fed to every layer: that
+    table is outside the layers, so the walk loads it with the embeddings."""
+
+    model_type = "mpnet"
+    architectures = _archs("MPNet")
+    base_prefix = "mpnet"
+    default_prefix = "mpnet."
+    layer_class = "mpnet.modeling_mpnet:MPNetLayer"
+    position_offset_from_pad = True
+    pretraining_head_prefixes = ("lm_head.",)
