@@ -6,14 +6,21 @@ import argparse
 import shlex
 from pathlib import Path
 
+#: ``--benchmarks-md`` given without a value: the model's own page (bench/layout.py)
+MODEL_PAGE = "<model's page>"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="",
-                        help="hub id or local directory (default: packaged all-MiniLM-L6-v2)")
-    parser.add_argument("--repo", default="bench/.repo",
-                        help="model repository the bench exports into and serves (default: bench/.repo)")
-    parser.add_argument("--out", default="bench/results",
-                        help="folder for latest.json, latest.md, latest.png (default: bench/results)")
+                        help="hub id, local directory, or a model packaged on PyPI such as all-mpnet-base-v2 "
+                             "(default: packaged all-MiniLM-L6-v2); a model of base size or larger gets a "
+                             "smaller plan, stated on its page (bench/harness.py, choose_plan)")
+    parser.add_argument("--repo", default="",
+                        help="model repository the bench exports into and serves (default: bench/.repo for the "
+                             "packaged model, bench/.repo-<model> for another: bench/layout.py)")
+    parser.add_argument("--out", default="",
+                        help="folder for latest.json, latest.md, latest.png (default: bench/results, "
+                             "bench/results/<model> for another model; quick/ under it for --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer texts, one repetition, gRPC only, no PyTorch peers (a smoke run)")
     parser.add_argument("--repetitions", type=int, default=0,
@@ -22,31 +29,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reexport", action="store_true",
                         help="export again even when the repository already holds this model")
     parser.add_argument("--export-only", action="store_true", help="export what the bench serves, measure nothing")
-    parser.add_argument("--benchmarks-md", default="", help="also write this BENCHMARKS.md page")
+    parser.add_argument("--benchmarks-md", nargs="?", const=MODEL_PAGE, default="", metavar="PAGE",
+                        help="also write this page; without a value, the model's own: BENCHMARKS.md for the "
+                             "packaged model, BENCHMARKS-<model>.md beside it for another")
 
 
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this run (defaults left out)."""
     words = ["nexus-sli", "bench"]
     for flag, value in (("--model", args.model), ("--repo", args.repo), ("--out", args.out),
-                        ("--repetitions", args.repetitions), ("--benchmarks-md", args.benchmarks_md)):
+                        ("--repetitions", args.repetitions)):
         if value:
             words += [flag, str(value)]
+    if args.benchmarks_md:
+        words += ["--benchmarks-md"] if args.benchmarks_md == MODEL_PAGE else ["--benchmarks-md", args.benchmarks_md]
     words += [flag for flag, on in (("--quick", args.quick), ("--reexport", args.reexport)) if on]
     return shlex.join(words)
+
+
+def bench_options(args: argparse.Namespace):
+    """The run's options: the repository, results folder and page not given derived from ``--model``
+    (bench/layout.py), so that a model other than the packaged one never touches its artefacts."""
+    from .harness import BenchOptions
+    from .layout import layout
+
+    where = layout(args.model)
+    page = where.page if args.benchmarks_md == MODEL_PAGE else Path(args.benchmarks_md) if args.benchmarks_md else None
+    return BenchOptions(
+        model=args.model or None, repository=Path(args.repo or where.repository),
+        out=Path(args.out or where.out(args.quick)), quick=args.quick,
+        repetitions=args.repetitions or None, reexport=args.reexport, benchmarks_md=page,
+        command=_command(args),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from .harness import BenchOptions, ensure_exported, run_bench
+    from .harness import ensure_exported, run_bench
 
-    options = BenchOptions(
-        model=args.model or None, repository=Path(args.repo), out=Path(args.out), quick=args.quick,
-        repetitions=args.repetitions or None, reexport=args.reexport,
-        benchmarks_md=Path(args.benchmarks_md) if args.benchmarks_md else None,
-        command=_command(args),
-    )
+    options = bench_options(args)
     if args.export_only:
         print(json.dumps({"repository": str(options.repository), "models": ensure_exported(options)}))
         return 0

@@ -39,11 +39,15 @@ class EncoderShape:
     hidden: int
     intermediate: int
 
+    def flops_per_token(self) -> float:
+        """Matmul FLOPs per token of every layer's projections and feed-forward (attention's
+        length-squared products left out): the model's size as a cost, whatever the text."""
+        return self.layers * 2 * (4 * self.hidden * self.hidden + 2 * self.hidden * self.intermediate)
+
     def flops_per_text(self, tokens: int) -> float:
         """Matmul FLOPs of one text of ``tokens`` tokens through every layer."""
-        per_token = 2 * (4 * self.hidden * self.hidden + 2 * self.hidden * self.intermediate)
         attention = 2 * 2 * tokens * tokens * self.hidden  # scores (QK^T) and the weighted sum of values
-        return self.layers * (tokens * per_token + attention)
+        return tokens * self.flops_per_token() + self.layers * attention
 
 
 def instruction_set(flags: set[str], vendor: str, precision: str, family: int = 0) -> str | None:

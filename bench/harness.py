@@ -17,7 +17,7 @@ import functools
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -26,6 +26,8 @@ import numpy as np
 from nexus_sli.exporter.export.source import ModelSource, check_name, resolve_model
 
 from . import machine, texts as text_set
+from .compute_limit import EncoderShape, encoder_shape
+from .layout import layout
 from .measure import (
     BATCH32,
     CONCURRENT16,
@@ -48,8 +50,10 @@ SHORT_QUERY_TOKENS = 16
 
 @dataclass(frozen=True)
 class Plan:
-    """How much a run measures; ``FULL`` and ``QUICK`` below."""
+    """How much a run measures: :data:`FULL` and :data:`QUICK`, and for a model whose size
+    would take the full plan past its time (:func:`choose_plan`), :data:`BASE` and :data:`BASE_QUICK`."""
 
+    name: str
     texts: int | None           # None: the whole bench text set
     repetitions: int            # at least this many (the full run adds more to settle targets); also the slices
     latency_queries: int
@@ -57,13 +61,102 @@ class Plan:
     seq_lens: tuple[int, ...]
     seq_tokens: int             # tokens per sequence-length measurement (at least one batch of 32)
     protocols: tuple[str, ...]
-    torch_peers: bool
+    torch_peers: bool           # transformers' AutoModel in process, fp32 and bf16 autocast (no target reads them)
     warmup_texts: int
     peers: bool = False         # fastembed and infinity-emb, each in its own venv (bench/peers.py)
+    #: every served configuration (:func:`variants`); False: fp32 and the default only, the two the targets read
+    every_variant: bool = True
+    #: repetitions are added while a target's spread is 10% or more, up to this many (0: none added) ...
+    max_repetitions: int = 0
+    #: ... and while one more fits in this many seconds of repetitions
+    repetition_budget_s: float = 0.0
 
 
-FULL = Plan(None, 3, 100, 10.0, SEQ_LENS, 4096, ("grpc", "http"), True, 32, peers=True)
-QUICK = Plan(96, 1, 16, 3.0, (16, 64), 2048, ("grpc",), False, 32)
+FULL = Plan("full", None, 3, 100, 10.0, SEQ_LENS, 4096, ("grpc", "http"), True, 32, peers=True,
+            max_repetitions=8, repetition_budget_s=330.0)  # make bench stays under ~10 minutes
+QUICK = Plan("quick", 96, 1, 16, 3.0, (16, 64), 2048, ("grpc",), False, 32)
+#: A base-size model (all-mpnet-base-v2: 12 layers x 768, 8x all-MiniLM-L6-v2's matmul FLOPs per token,
+#: 10-15x its sentence-transformers time on the bench texts, which it truncates at 384 tokens, not 256)
+#: would take the full plan past an hour on 2 cores: its exports alone (the auto export validates and
+#: times every candidate graph, then one export per served configuration) take longer than the full
+#: plan's whole run on all-MiniLM-L6-v2 (10 minutes).  This plan keeps the workloads, the targets table and the peers, and cuts
+#: what no target reads (HTTP twins of the gRPC rows, every configuration besides fp32 and the default,
+#: which is the auto export itself: :func:`auto_export`; the transformers AutoModel rows), then the text
+#: set to half (spread over it, so the length mix stays; each repetition's slice still holds 3+ batches
+#: of 32), the sweep to three lengths and the repetitions to what 15 minutes hold.
+BASE = replace(FULL, name="base", texts=320, seq_lens=(16, 64, 256), seq_tokens=2048, protocols=("grpc",),
+               torch_peers=False, every_variant=False, max_repetitions=5, repetition_budget_s=900.0)
+BASE_QUICK = replace(QUICK, name="base quick", every_variant=False)
+
+#: Matmul FLOPs per token (:meth:`EncoderShape.flops_per_token`) up to which a model gets the full plan:
+#: all-MiniLM-L6-v2, which it was sized on, costs 21 M; 6 layers x 768 or 12 x 384 cost 42 M.
+FULL_PLAN_MAX_FLOPS_PER_TOKEN = 50e6
+#: The base plan was sized on all-mpnet-base-v2's 170 M; a larger model gets it too, with a warning
+#: (on the page) that its run may take longer than the hour.
+BASE_PLAN_SIZED_FOR_FLOPS_PER_TOKEN = 200e6
+
+
+def small_model_plan(quick: bool) -> Plan:
+    return QUICK if quick else FULL
+
+
+def choose_plan(shape: EncoderShape, quick: bool) -> Plan:
+    """The plan for a model of ``shape``: chosen from its size, never its name."""
+    if shape.flops_per_token() <= FULL_PLAN_MAX_FLOPS_PER_TOKEN:
+        return small_model_plan(quick)
+    return BASE_QUICK if quick else BASE
+
+
+def plan_record(plan: Plan, shape: EncoderShape, quick: bool, texts_in_set: int) -> dict:
+    """The plan for ``latest.json`` and the page: its name, the model's size it was chosen from,
+    and what it measures less of than the plan for a small model, and why (empty for a small model)."""
+    flops, small = shape.flops_per_token(), small_model_plan(quick)
+    record = {"name": plan.name, "flops_per_token": round(flops), "layers": shape.layers, "hidden": shape.hidden,
+              "full_plan_max_flops_per_token": FULL_PLAN_MAX_FLOPS_PER_TOKEN, "reduced": [], "why": "",
+              "warning": ""}
+    if plan == small:
+        return record
+    record["reduced"] = reductions(plan, small, texts_in_set)
+    record["why"] = (f"the model costs {flops / 1e6:.0f} M matmul FLOPs per token ({shape.layers} layers x "
+                     f"{shape.hidden} hidden), over the {FULL_PLAN_MAX_FLOPS_PER_TOKEN / 1e6:.0f} M up to which "
+                     f"the {small.name} plan is used (all-MiniLM-L6-v2: 21 M)"
+                     + ("" if quick else ": on 2 cores the full plan would take it well past an hour, "
+                                         "exports included"))
+    if flops > BASE_PLAN_SIZED_FOR_FLOPS_PER_TOKEN:
+        record["warning"] = (f"the {plan.name} plan was sized on all-mpnet-base-v2 (170 M FLOPs per token); "
+                             f"at {flops / 1e6:.0f} M this run may take longer than an hour")
+    return record
+
+
+def reductions(plan: Plan, small: Plan, texts_in_set: int) -> list[str]:
+    """What ``plan`` measures less of than ``small``, in words, from their fields."""
+    found = []
+    if plan.texts != small.texts:
+        mine, theirs = (min(n or texts_in_set, texts_in_set) for n in (plan.texts, small.texts))
+        found.append(f"{mine} texts instead of {theirs}, spread evenly over the set so that its length mix stays")
+    if (plan.max_repetitions, plan.repetition_budget_s) != (small.max_repetitions, small.repetition_budget_s):
+        found.append(f"at least {plan.repetitions} repetitions, more only up to {plan.max_repetitions} and while one "
+                     f"more fits in {plan.repetition_budget_s:.0f} s of repetitions (instead of up to "
+                     f"{small.max_repetitions} within {small.repetition_budget_s:.0f} s)")
+    if plan.seq_lens != small.seq_lens or plan.seq_tokens != small.seq_tokens:
+        found.append(f"sequence lengths {', '.join(map(str, plan.seq_lens))} with {plan.seq_tokens} tokens each "
+                     f"(instead of {', '.join(map(str, small.seq_lens))} with {small.seq_tokens})")
+    if plan.protocols != small.protocols:
+        found.append(f"served rows over {' and '.join(plan.protocols)} only (instead of "
+                     f"{' and '.join(small.protocols)}); the targets take the best protocol measured")
+    if plan.every_variant != small.every_variant:
+        found.append("served and in-process rows of fp32 and the default configuration only, the two the targets "
+                     "read, the default being the auto export itself (instead of every configuration, one export "
+                     "each)")
+    if plan.torch_peers != small.torch_peers:
+        found.append("no transformers AutoModel rows in process (fp32, bf16 autocast): no target reads them")
+    return found
+
+
+def plan_for(options: "BenchOptions") -> tuple[Plan, EncoderShape]:
+    """The plan of this run, from the size of the model it measures (:func:`choose_plan`)."""
+    shape = encoder_shape(resolve_model(options.model).path)
+    return choose_plan(shape, options.quick), shape
 
 
 @dataclass
@@ -98,17 +191,21 @@ class Setup:
     default: dict | None = None
 
 
-def variants(default: dict | None = None) -> dict[str, tuple[str, str, str]]:
+def variants(default: dict | None = None, every: bool = True) -> dict[str, tuple[str, str, str]]:
     """Each served configuration the bench measures: label -> (backend, precision, name suffix).
     OpenVINO bf16 only where the CPU has bf16 (elsewhere the exporter would make fp32).
     ``default`` (:func:`default_configuration`): what ``auto`` exports here, added when it is
-    none of these, so that the targets are always judged on a served default."""
+    none of these, so that the targets are always judged on a served default.  ``every`` False
+    (:attr:`Plan.every_variant`): fp32 and the default only, the two configurations the targets read."""
     ov_float = "bf16" if machine.supports_bf16() else "fp32"
     found = {"fp32": ("onnxruntime", "fp32", ""), "int8": ("onnxruntime", "int8", "_int8"),
              f"openvino-{ov_float}": ("openvino", ov_float, f"_ov_{ov_float}"),
              "openvino-int8": ("openvino", "int8", "_ov_int8")}
     if default is not None and default["label"] not in found:
         found[default["label"]] = (default["backend"], default["precision"], _suffix(default["label"]))
+    if not every:
+        kept = {"fp32", default["label"] if default is not None else "fp32"}
+        found = {label: found[label] for label in found if label in kept}
     return found
 
 
@@ -126,31 +223,53 @@ def _suffix(label: str) -> str:
     return "_".join(["", *filter(None, (short, precision))])
 
 
-def model_names(model: str | None, default: dict | None = None) -> tuple[ModelSource, dict[str, str]]:
-    """The model source, and the repository name of its export in each configuration."""
+#: the name suffix of the auto export a plan of fp32 and the default only serves as the default (:func:`auto_export`)
+AUTO_SUFFIX = "_auto"
+
+
+def model_names(model: str | None, default: dict | None = None,
+                every: bool = True) -> tuple[ModelSource, dict[str, str]]:
+    """The model source, and the repository name of its export in each configuration (``every``
+    False: fp32 and the default, which is the auto export itself, :func:`auto_export`)."""
     source = resolve_model(model)
     base = check_name(source.default_name)
-    return source, {label: f"{base}{suffix}" for label, (_, _, suffix) in variants(default).items()}
+    names = {label: f"{base}{suffix}" for label, (_, _, suffix) in variants(default, every).items()}
+    if not every and default is not None:
+        names[default["label"]] = f"{base}{AUTO_SUFFIX}"
+    return source, names
 
 
 def auto_folder(repository: Path) -> Path:
-    """Where the bench's ``auto`` export goes: beside the served repository, not in it (Triton
-    loads every folder of its repository)."""
+    """Where the bench's ``auto`` export goes when it is not served: beside the served repository,
+    not in it (Triton loads every folder of its repository)."""
     repository = Path(repository)
     return repository.parent / f"{repository.name}-auto"
 
 
-def default_configuration(options: "BenchOptions", export: bool = True) -> dict | None:
+def auto_export(options: "BenchOptions", plan: Plan) -> tuple[Path, str]:
+    """Where the bench's ``auto`` export goes, and its name.  A plan that serves every configuration
+    exports the default's again among them, so the auto export only says which it is, from
+    :func:`auto_folder`.  A plan that serves fp32 and the default only (:attr:`Plan.every_variant`)
+    exports it into the served repository as ``<name>_auto`` and serves it as the default: one export
+    fewer, and of a base-size model each export takes minutes (OpenVINO int8's candidate graphs most)."""
+    name = check_name(resolve_model(options.model).default_name)
+    if plan.every_variant:
+        return auto_folder(options.repository), name
+    return Path(options.repository), f"{name}{AUTO_SUFFIX}"
+
+
+def default_configuration(options: "BenchOptions", plan: Plan | None = None, export: bool = True) -> dict | None:
     """The configuration ``auto`` (what ``make export`` runs) exports on this machine, read from
     an auto export's validation.json: its ``measured`` table and the row it kept.  The export is
-    made into :func:`auto_folder` unless one of this model is there (``reexport``: always);
+    made where :func:`auto_export` says unless one of this model is there (``reexport``: always);
     the choice is measured by the exporter, never inferred from CPU flags here.  None when the
-    auto export fails (the targets then say the default is unknown)."""
+    auto export fails (the targets then say the default is unknown).  ``plan``: None, the plan of
+    the model's size."""
     from nexus_sli.exporter.errors import NexusError
     from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 
     source = resolve_model(options.model)
-    folder, name = auto_folder(options.repository), check_name(source.default_name)
+    folder, name = auto_export(options, plan or plan_for(options)[0])
     report = folder / f"{name}_encoder" / "validation.json"
     fresh = report.is_file() and json.loads(report.read_text()).get("model") == source.model_id
     if export and (options.reexport or not fresh):
@@ -180,18 +299,21 @@ def chosen_configuration(report: dict, path: Path | None = None) -> dict:
 SKIPPED_FILE = ".skipped.json"
 
 
-def ensure_exported(options: BenchOptions) -> dict[str, str]:
-    """Export the model in every configuration into the bench repository unless it already
-    holds exports of this model (or ``reexport`` asks for fresh ones).  A configuration
-    whose export fails validation is left out, and the reason recorded."""
+def ensure_exported(options: BenchOptions, plan: Plan | None = None) -> dict[str, str]:
+    """Export the model in every configuration the plan serves (None: the plan of its size) into
+    the bench repository unless it already holds exports of this model (or ``reexport`` asks for
+    fresh ones).  A configuration whose export fails validation is left out, and the reason recorded."""
     from nexus_sli.exporter.errors import ValidationError
     from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 
-    default = default_configuration(options)
-    source, names = model_names(options.model, default)
+    plan = plan or plan_for(options)[0]
+    default = default_configuration(options, plan)
+    source, names = model_names(options.model, default, plan.every_variant)
     skipped_file = Path(options.repository) / SKIPPED_FILE
     skipped = json.loads(skipped_file.read_text()) if skipped_file.is_file() and not options.reexport else {}
     for label, name in names.items():
+        if not plan.every_variant and default is not None and label == default["label"]:
+            continue  # the auto export, made above into the repository (auto_export)
         backend, precision, _ = variants(default)[label]
         report = Path(options.repository) / f"{name}_encoder" / "validation.json"
         if label in skipped or (not options.reexport and report.is_file()
@@ -241,9 +363,9 @@ def _sweep(facts, texts: list[str], plan: Plan, skipped: list[dict]) -> dict[int
 def prepare(options: BenchOptions, plan: Plan) -> Setup:
     from .runners import ServedFacts, token_counts
 
-    names = ensure_exported(options)
-    source, _ = model_names(options.model)
-    default = default_configuration(options, export=False)  # ensure_exported made it
+    names = ensure_exported(options, plan)
+    source = resolve_model(options.model)
+    default = default_configuration(options, plan, export=False)  # ensure_exported made it
     if default is not None and default["label"] in names:
         # the bench's own export of that configuration picks its graph by timing too: say which it serves
         served = Path(options.repository) / f"{names[default['label']]}_encoder" / "validation.json"
@@ -422,9 +544,9 @@ class Repetitions:
     @classmethod
     def for_plan(cls, plan: "Plan", asked: int | None, default: dict | None) -> "Repetitions":
         minimum = asked or plan.repetitions
-        extra = (FULL_MAX_REPETITIONS if plan is FULL else minimum)
         # slices: the plan's repetition count, so its minimum covers the set once (fewer when fewer are asked)
-        return cls(minimum, max(minimum, extra), min(plan.repetitions, minimum), REPETITION_BUDGET_S, default)
+        return cls(minimum, max(minimum, plan.max_repetitions), min(plan.repetitions, minimum),
+                   plan.repetition_budget_s, default)
 
     @property
     def done(self) -> int:
@@ -453,12 +575,6 @@ class Repetitions:
         return {"repetitions": self.done, "minimum": self.minimum, "maximum": self.maximum, "slices": self.slices,
                 "budget_s": self.budget_s, "repetition_s": [round(x, 1) for x in self.seconds],
                 "stopped": self.stopped}
-
-
-#: the full run adds repetitions up to this many while a target's spread is at 10% or more ...
-FULL_MAX_REPETITIONS = 8
-#: ... and while one more fits in this many seconds of repetitions (make bench stays under ~10 minutes)
-REPETITION_BUDGET_S = 330.0
 
 
 def run_repetitions(measurements: list[Measurement], repetitions: Repetitions, sampler) -> None:
@@ -589,7 +705,9 @@ def run_bench(options: BenchOptions) -> dict:
     from .targets import evaluate
 
     started = time.perf_counter()
-    plan = QUICK if options.quick else FULL
+    plan, shape = plan_for(options)
+    log.info("plan: %s (%s: %.0f M matmul FLOPs per token)", plan.name, resolve_model(options.model).model_id,
+             shape.flops_per_token() / 1e6)
     info = machine.machine_info()
     setup = prepare(options, plan)
     repetitions = Repetitions.for_plan(plan, options.repetitions, setup.default)
@@ -602,12 +720,14 @@ def run_bench(options: BenchOptions) -> dict:
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": options.command,
         "quick": options.quick,
+        "layout": layout(options.model).record(options.repository, options.out, options.benchmarks_md),
         "model": setup.model_id,
         "served_models": setup.names,
         "machine": info,
         "libraries": machine.library_versions(),
         "default_configuration": setup.default,
-        "settings": {"repetitions": repetitions.done, "repetition_plan": repetitions.record(),
+        "settings": {"plan": plan_record(plan, shape, options.quick, len(text_set.bench_texts())),
+                     "repetitions": repetitions.done, "repetition_plan": repetitions.record(),
                      "batch_size": 32, "concurrent_clients": 16,
                      "latency_queries": len(setup.queries), "protocols": list(plan.protocols),
                      "latency_budget_s": plan.latency_budget_s, "seq_lens": sorted(setup.sweep),

@@ -231,6 +231,15 @@ def compute_limit_section(limit: dict | None) -> list[str]:
     return [*lines, ""]
 
 
+def plan_lines(plan: dict | None) -> list[str]:
+    """What a run sized for its model measured less of, and why (nothing for a small model's plan)."""
+    if not plan or not plan.get("reduced"):
+        return []
+    return [f"Plan: {plan['name']}, chosen from the model's size: {plan['why']}. So this run measured less than "
+            "a small model's: " + "; ".join(plan["reduced"]) + ". The workloads, the targets table and the peers "
+            "are the same." + (f" Note: {plan['warning']}." if plan.get("warning") else ""), ""]
+
+
 def markdown(results: dict) -> str:
     text, memory = results["text_set"], results["server_memory"]
     lines = [
@@ -239,6 +248,7 @@ def markdown(results: dict) -> str:
         f"{results['settings']['repetitions']} repetition(s), medians · {results['duration_s']:.0f} s", "",
         f"Machine: {machine_line(results['machine'])}.", "",
         f"Command: `{results['command']}`", "",
+        *plan_lines(results["settings"].get("plan")),
         "## Throughput, latency, fidelity", "",
         *rows_table(results["rows"]), "",
         "`vs baseline`: throughput over the baseline's `encode(batch_size=32)` throughput (for the concurrent "
@@ -320,20 +330,20 @@ def plot(results: dict, target: Path) -> None:
 
 
 BENCHMARKS_INTRO = """\
-# Benchmarks
+# {title}
 
-The latest figures of `make bench`: the packaged all-MiniLM-L6-v2 served end
+The latest figures of `{make}`: {model} served end
 to end by this project through the real Triton server (tokenizing included),
 against sentence-transformers and other in-process peers, all measured in one
 run on one machine.
 
 - Machine: {machine}.
-- Command: `make bench`. It exports the model at fp32 and int8 into
-  `bench/.repo` when the exporter changed (`nexus-sli bench --export-only
+- Command: `{make}`. It exports the model in each configuration it serves into
+  `{repository}` when the exporter changed (`nexus-sli bench --export-only
   --reexport`), then runs `{command}`, which wrote this page,
-  `bench/results/latest.json` (every row, the machine, the settings) and
-  `bench/results/latest.png` (throughput by path; throughput against sequence
-  length). `make bench QUICK=1` is a smoke run into `bench/results/quick/`.
+  `{results}/latest.json` (every row, the machine, the settings) and
+  `{results}/latest.png` (throughput by path; throughput against sequence
+  length). `{make} QUICK=1` is a smoke run into `{quick}/`.
 
 **The machine may be shared and noisy**: other jobs on its cores while the
 bench runs move absolute figures from run to run (the load
@@ -364,17 +374,32 @@ How it measures:
 
 
 #: What was tried for the targets not met: hand-written from the experiments in
-#: ``bench/experiments/``, carried onto every BENCHMARKS.md the bench writes.
+#: ``bench/experiments/`` on the packaged model, carried onto every BENCHMARKS.md the bench writes
+#: (another model's page links to it).
 TRIED = Path(__file__).with_name("data") / "tried.md"
 
 
 def benchmarks_page(results: dict, page: str) -> str:
-    intro = BENCHMARKS_INTRO.format(machine=machine_line(results["machine"]), command=results["command"],
-                                    repetitions=results["settings"]["repetitions"])
+    """The page beside the README: BENCHMARKS.md for the packaged model, BENCHMARKS-<model>.md for
+    another (``results["layout"]``: its folders and make line, bench/layout.py)."""
+    from .layout import layout
+
+    where = results.get("layout") or layout(None).record()  # results written before they recorded it
+    default = where["short_name"] is None
+    intro = BENCHMARKS_INTRO.format(
+        title="Benchmarks" if default else f"Benchmarks: {where['short_name']}", make=where["make"],
+        model="the packaged all-MiniLM-L6-v2" if default else results["model"], repository=where["repository"],
+        results=where["out"], quick=where["quick_out"], machine=machine_line(results["machine"]),
+        command=results["command"], repetitions=results["settings"]["repetitions"])
     body = page.split("\n", 1)[1].lstrip("\n")  # the latest.md content without its title
     body = "\n".join(line for line in body.split("\n") if not line.startswith(("Machine: ", "Command: ")))
     latest = "## Latest run\n\n" + re.sub(r"\n{3,}", "\n\n", body).replace("\n## ", "\n### ")
-    tried = "\n" + TRIED.read_text() if TRIED.is_file() else ""
+    if default:
+        tried = "\n" + TRIED.read_text() if TRIED.is_file() else ""
+    else:  # the experiments were made on the packaged model, and its page carries them
+        default_page = layout(None).page.name
+        tried = (f"\nThe same bench on the packaged all-MiniLM-L6-v2, with what was tried for its targets: "
+                 f"[{default_page}]({default_page}).\n")
     return intro + latest.rstrip("\n") + "\n" + tried
 
 

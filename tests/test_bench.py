@@ -132,6 +132,43 @@ def test_machine_memory_text_set_and_targets_are_recorded(quick):
     assert results["command"].startswith("nexus-sli bench") and "--quick" in results["command"]
 
 
+def test_the_plan_and_the_folders_are_recorded(quick, tiny_checkpoint):
+    results, out = quick
+    # a tiny model is small: the quick plan, nothing reduced for its size, nothing said about it
+    plan = results["settings"]["plan"]
+    assert plan["name"] == "quick" and plan["reduced"] == [] and plan["flops_per_token"] > 0
+    # --repo and --out as given; the model's own short name and make line (tests/test_bench_layout.py)
+    where = results["layout"]
+    assert where["out"] == str(out) and where["repository"] == str(out.parent / "repo")
+    assert where["short_name"] == tiny_checkpoint("bert").name.lower()
+    assert where["make"] == f"make bench MODEL={where['short_name']}"
+
+
+def test_a_base_size_plan_serves_its_auto_export_beside_fp32(tiny_checkpoint, tmp_path, monkeypatch):
+    """The base plan's path end to end on the tiny model, made to count as base-size: fp32 and the
+    default only, the default being the auto export itself, in the served repository."""
+    from nexus_sli.bench import harness
+
+    monkeypatch.setattr(harness, "FULL_PLAN_MAX_FLOPS_PER_TOKEN", 0.0)
+    repo, out = tmp_path / "repo", tmp_path / "out"
+    assert main(["bench", "--quick", "--model", str(tiny_checkpoint("bert")), "--repo", str(repo),
+                 "--out", str(out)]) == 0
+    results = json.loads((out / "latest.json").read_text())
+    default = results["default_configuration"]
+    assert results["settings"]["plan"]["name"] == "base quick" and default is not None
+    base = results["served_models"]["fp32"].removesuffix("_auto")
+    expected = {"fp32": f"{base}_auto"} if default["label"] == "fp32" else {
+        "fp32": base, default["label"]: f"{base}_auto"}
+    assert results["served_models"] == expected
+    assert {r["precision"] for r in results["rows"] if r["path"] == "triton"} == set(expected)
+    # the auto export is served from the repository: nothing beside it, no other configuration in it
+    assert not (tmp_path / "repo-auto").exists()
+    assert {p.name for p in repo.iterdir() if p.is_dir()} == {
+        f"{name}{part}" for name in expected.values() for part in ("", "_tokenizer", "_encoder")}
+    assert default["source"] == str(repo / f"{base}_auto_encoder" / "validation.json")
+    assert "Plan: base quick, chosen from the model's size" in (out / "latest.md").read_text()
+
+
 def test_markdown_and_plot_are_written(quick):
     _, out = quick
     page = (out / "latest.md").read_text()
@@ -142,11 +179,19 @@ def test_markdown_and_plot_are_written(quick):
 def test_benchmarks_page_carries_the_latest_run_and_what_was_tried(quick):
     from nexus_sli.bench.report import TRIED, benchmarks_page
 
+    from nexus_sli.bench.layout import layout
+
     results, out = quick
-    page = benchmarks_page(results, (out / "latest.md").read_text())
-    assert page.startswith("# Benchmarks") and "## Latest run" in page and "### Targets (issue 14)" in page
+    latest = (out / "latest.md").read_text()
+    # the packaged model's page (BENCHMARKS.md) carries what was tried on it
+    page = benchmarks_page({**results, "layout": layout(None).record()}, latest)
+    assert page.startswith("# Benchmarks\n") and "## Latest run" in page and "### Targets (issue 14)" in page
     assert page.rstrip().endswith(TRIED.read_text().rstrip())
     assert "## What was tried" in TRIED.read_text()
+    # this run's model is another (the tiny checkpoint): its own page links the default's instead
+    own = benchmarks_page(results, latest)
+    assert own.startswith(f"# Benchmarks: {results['layout']['short_name']}\n") and "### Targets (issue 14)" in own
+    assert "[BENCHMARKS.md](BENCHMARKS.md)" in own and "## What was tried" not in own
 
 
 # --- issue 14's targets on synthetic rows: paired per-repetition ratios ----------------------------

@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from . import onnx_files
+
 #: Ops the converter leaves in fp32 (it casts around them).
 FP32_OPS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
             "SkipSimplifiedLayerNormalization", "Softmax", "ReduceMean", "Pow", "Sqrt")
@@ -28,10 +30,11 @@ def convert_fp16(source: Path, target: Path) -> Path:
     """Write ``source`` as an fp16 graph with fp32 inputs/outputs and :data:`FP32_OPS` kept in fp32."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    model = convert_float_to_float16(onnx.load(str(source)), keep_io_types=True, op_block_list=list(FP32_OPS),
+    # by path: the converter's shape inference then runs on the file, which works past 2 GB
+    model = convert_float_to_float16(str(source), keep_io_types=True, op_block_list=list(FP32_OPS),
                                      max_finite_val=FP16_MAX)
-    onnx.save(model, str(target))
-    return target
+    # half the bytes: a large model's fp16 graph may fit one file again (:mod:`onnx_files` decides)
+    return onnx_files.save(model, target)
 
 
 def lowest_constant(path: Path) -> float:
@@ -45,7 +48,7 @@ def lowest_constant(path: Path) -> float:
 
 def op_input_types(path: Path, op_types: tuple[str, ...]) -> dict[str, set[int]]:
     """For each op type present, the element types of its nodes' floating inputs (shape inference)."""
-    model = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))
     graph = model.graph
     types = {v.name: v.type.tensor_type.elem_type for v in (*graph.value_info, *graph.input, *graph.output)}
     types.update({t.name: t.data_type for t in graph.initializer})
@@ -60,7 +63,7 @@ def op_input_types(path: Path, op_types: tuple[str, ...]) -> dict[str, set[int]]
 def fp16_share(path: Path) -> float:
     """The share of weight elements stored as fp16 (how much of the graph was converted)."""
     sizes = {TensorProto.FLOAT: 0, TensorProto.FLOAT16: 0}
-    for init in onnx.load(str(path)).graph.initializer:
+    for init in onnx.load(str(path), load_external_data=False).graph.initializer:  # types and shapes only
         if init.data_type in sizes:
             sizes[init.data_type] += int(np.prod(init.dims))
     total = sum(sizes.values())

@@ -7,9 +7,11 @@ graph losing), so the exporter times both graphs side by side on the same worklo
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 
+from . import onnx_files
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +26,14 @@ def fuse(plain: Path, target: Path, num_heads: int, hidden_size: int) -> dict[st
         log.info("transformer optimizer failed, keeping the plain graph: %s", exc)
         return None
     counts = {op: n for op, n in optimized.get_fused_operator_statistics().items() if n}
-    if not counts:
-        return None
-    optimized.save_model_to_file(str(target))
-    return counts
+    if counts:
+        optimized.save_model_to_file(str(onnx_files.prepare(target)), use_external_data_format=onnx_files.external(plain))
+    # The optimizer's objects hold the graphs it loaded in reference cycles, which Python frees only at its
+    # next cyclic collection, whenever that comes: xlm-roberta-large's process kept 11.3 GB after fusing,
+    # 1.2 GB once collected.
+    del optimized
+    gc.collect()
+    return counts or None
 
 
 def session(path: Path, threads: int = 0, providers: tuple[str, ...] = ()):

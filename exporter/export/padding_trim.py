@@ -24,6 +24,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from . import onnx_files
+
 #: The name the trimmed sequence axis of the outputs gets in the graph.
 TRIMMED_AXIS = "trimmed_sequence"
 _PREFIX = "nexus_trim/"
@@ -73,8 +75,14 @@ def add_padding_trim(source: Path, target: Path, per_token_outputs: list[str]) -
     ``per_token_outputs``: the outputs whose second axis is the sequence (their
     axis is renamed :data:`TRIMMED_AXIS`, as they now come out trimmed).
     """
-    model = onnx.load(str(source))
-    graph = model.graph
+    # No onnx.checker here: fused graphs carry ONNX Runtime's contrib ops, unknown to it.
+    # The exporter's validation runs every trimmed graph on its runtime instead.  The weights
+    # are never loaded: a graph past 2 GB keeps naming its data file (:func:`onnx_files.rewrite`).
+    return onnx_files.rewrite(source, target, lambda model: _trim(model.graph, per_token_outputs))
+
+
+def _trim(graph: onnx.GraphProto, per_token_outputs: list[str]) -> None:
+    """The preamble in front of ``graph``, every token input sliced by it."""
     inputs = [i.name for i in graph.input if i.name not in {init.name for init in graph.initializer}]
     if "attention_mask" not in inputs:
         raise ValueError(f"cannot trim padding: the graph has no attention_mask input (inputs: {inputs})")
@@ -91,10 +99,6 @@ def add_padding_trim(source: Path, target: Path, per_token_outputs: list[str]) -
     for output in graph.output:
         if output.name in per_token_outputs:
             output.type.tensor_type.shape.dim[1].dim_param = TRIMMED_AXIS
-    # No onnx.checker here: fused graphs carry ONNX Runtime's contrib ops, unknown to it.
-    # The exporter's validation runs every trimmed graph on its runtime instead.
-    onnx.save(model, str(target))
-    return target
 
 
 def trimmed_length(attention_mask: np.ndarray) -> int:

@@ -2,8 +2,9 @@
 
     model source -> layer walk -> plain ONNX -> PyTorch reference (once)
       -> for every configuration of :func:`targets.plan`: the target's candidate
-         graphs (embeddings: ending in the pooling), each validated, and timed on
-         the bench's workload if it passed
+         graphs (embeddings: ending in the pooling), each validated and closed again
+      -> every graph that passed, reopened and timed side by side on the bench's
+         workload (in heats that fit in memory: :func:`timing.time_in_heats`)
       -> the fastest passing graph of all -> the Triton repository (staged, then published)
 
 Every other module does one step and knows nothing of the others.
@@ -11,10 +12,10 @@ Every other module does one step and knows nothing of the others.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
-import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,14 @@ from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
 from nexus_sli.exporter.triton.staging import Staging
 from nexus_sli.tasks import get_task, infer_task
 
-from . import stored_reference
+from . import onnx_files, stored_reference
 from .checkpoint import Checkpoint
 from .handler import get_registry
 from .onnx_export import export_onnx, model_input_names
 from .pooling import Pooling
 from .report import ValidationReport
 from .source import check_name, load_config, max_sequence_length, normalizes, pooling_mode, resolve_model, tokenizer_file
-from .timing import Workload, time_side_by_side, workloads
+from .timing import Heats, Workload, footprint, memory_budget, time_in_heats, workloads
 from .validate import Embedder, Reference, build_reference, compare, parity_cases, text_batches, with_auto_bar
 from .validate import thresholds as validate_thresholds
 from .walk import open_layer_cache, walk
@@ -96,25 +97,21 @@ class Attempt:
 
     configuration: Configuration
     candidates: list[Candidate]
-    #: graph name -> the runtime session of each candidate that passed, kept open for timing
-    runners: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: what the target left out for a large graph, and why (:meth:`Target.left_out`)
+    left_out: str | None = None
 
     @property
     def passed(self) -> list[Candidate]:
         return [c for c in self.candidates if c.report.passed]
-
-    @property
-    def best(self) -> Candidate | None:
-        """The fastest candidate that passed, if any."""
-        return min(self.passed, key=lambda c: c.latency_ms) if self.passed else None
 
     def summary(self) -> str:
         return "; ".join(f"{c.graph}: {c.report.summary()}" for c in self.candidates)
 
     def record(self) -> dict:
         return {"backend": self.configuration.target.name, "precision": self.configuration.precision,
-                "reason": self.configuration.reason, "passed": self.best is not None,
-                "failures": [] if self.best else [self.summary()]}
+                "reason": self.configuration.reason, "passed": bool(self.passed),
+                "failures": [] if self.passed else [self.summary()],
+                **({"left_out": self.left_out} if self.left_out else {})}
 
     def rows(self, chosen: Candidate) -> list[dict]:
         """The measurement table's rows: every candidate, its fidelity and its timings."""
@@ -139,10 +136,10 @@ def run_export(options: ExportOptions) -> ExportResult:
                  prepared.family.model_type, prepared.family.num_layers(prepared.config), name,
                  prepared.task.name, ", then ".join(c.describe() for c in configurations))
         attempts = [_attempt(configuration, prepared) for configuration in configurations]
-        _time(attempts, prepared.workloads)
-        attempt, chosen = _choose(attempts, options.allow_degraded)
+        fastest, timing = _time(attempts, prepared.workloads)
+        attempt, chosen = _choose(attempts, fastest, options.allow_degraded)
         _log_table(attempts, chosen)
-        report = _report(options, prepared, attempts, attempt, chosen)
+        report = _report(options, prepared, attempts, attempt, chosen, timing)
         _write(stage.root, name, prepared, attempt, chosen, report)
         # an earlier export of this name may have had a post-processing step the new ensemble lacks
         models = stage.publish(retire=(f"{name}_postprocess",) if prepared.graph.pooled else ())
@@ -162,20 +159,23 @@ def _prepare(options: ExportOptions, source, work: Path) -> Prepared:
     tokenizer_path = tokenizer_file(source.path, work)
     tokenizer = load_tokenizer(tokenizer_path, max_length)
     pad_id = _pad_id(config, tokenizer)
+    log.info("exporting the plain ONNX graph")
     input_names = export_onnx(model, task, model_input_names(model, config), family.vocab_size(config),
                               work / "plain.onnx")
-    reference = build_reference(
-        model, task, input_names,
-        parity_cases(input_names, family.vocab_size(config), pad_id, family.max_positions(config)),
-        text_batches(tokenizer, input_names, pad_id, max_length, pairs=task.pair),
-    )
+    data = onnx_files.data_files(work / "plain.onnx")
+    log.info("plain ONNX graph: %s", f"{sum(f.stat().st_size for f in data) / 1e9:.2f} GB of weights in "
+             f"{data[0].name}, beside the graph (past ONNX's 2 GB protobuf limit)" if data else "one file")
+    cases = parity_cases(input_names, family.vocab_size(config), pad_id, family.max_positions(config))
+    texts = text_batches(tokenizer, input_names, pad_id, max_length, pairs=task.pair)
+    log.info("computing the PyTorch fp32 reference: %d parity cases, %d text batches", len(cases), len(texts))
+    reference = build_reference(model, task, input_names, cases, texts)
     embedder = Embedder(pooling_mode(source.path), normalizes(source.path)) if task.name == "embedding" else None
     pooling = None
     if embedder is not None and options.pool_in_graph:  # each target appends it to its candidates
         pooling = Pooling(embedder.pooling, embedder.normalize, task.output_names()[0], task.client_output,
                           family.hidden_size(config))
     graph = ExportedGraph(work / "plain.onnx", work, family, config, task, input_names, tokenizer, pad_id,
-                          max_length, pooling)
+                          max_length, pooling, large=bool(data))
     loads = workloads(tokenizer, input_names, pad_id, max_length, pairs=task.pair)
     return Prepared(source, config, task, family, tokenizer_path, graph, reference, embedder, walked, loads)
 
@@ -203,7 +203,8 @@ def _pad_id(config, tokenizer) -> int:
 
 
 def _attempt(configuration: Configuration, prepared: Prepared) -> Attempt:
-    """The configuration's candidate graphs, each validated against the reference."""
+    """The configuration's candidate graphs, each validated against the reference and closed again:
+    a large model's candidates do not fit in memory together (timing reopens those that passed)."""
     target, precision = configuration.target, configuration.precision
     work = prepared.graph.work / f"{target.name}-{precision}"
     work.mkdir(exist_ok=True)
@@ -211,38 +212,63 @@ def _attempt(configuration: Configuration, prepared: Prepared) -> Attempt:
     limits = target.thresholds(prepared.task, precision) or validate_thresholds(prepared.task, precision)
     if configuration.auto:
         limits = with_auto_bar(limits, prepared.task)
-    attempt = Attempt(configuration, target.candidates(graph, precision))
-    for candidate in attempt.candidates:
-        runner = target.runner(candidate, precision)
-        candidate.report = compare(runner, prepared.reference, precision, prepared.embedder, prepared.task,
-                                   target.name, limits, target.trims_padding,
+    left_out = target.left_out(graph, precision)
+    log.info("%s %s: making the candidate graphs%s", target.name, precision, f" ({left_out})" if left_out else "")
+    attempt = Attempt(configuration, target.candidates(graph, precision), left_out)
+    gc.collect()  # what the graph tools left in reference cycles (see optimize.fuse) goes before validation
+    for number, candidate in enumerate(attempt.candidates, 1):
+        log.info("%s %s, %s graph (%d of %d): validating against PyTorch", target.name, precision, candidate.graph,
+                 number, len(attempt.candidates))
+        candidate.report = compare(target.runner(candidate, precision), prepared.reference, precision,
+                                   prepared.embedder, prepared.task, target.name, limits, target.trims_padding,
                                    prepared.task.client_output if graph.pooled else None)
         log.info("%s %s, %s graph: %s", target.name, precision, candidate.graph, candidate.report.summary())
-        if candidate.report.passed:  # a graph that cannot be exported need not be timed
-            attempt.runners[candidate.graph] = runner
     return attempt
 
 
-def _time(attempts: list[Attempt], loads: list[Workload]) -> None:
-    """Every candidate that passed, timed side by side on the workloads (:mod:`timing`)."""
-    timed = [(a.runners.pop(c.graph), c) for a in attempts for c in a.passed]
-    if not timed:
-        return
-    log.info("timing %d graphs that passed, side by side: %s", len(timed), ", ".join(l.describe() for l in loads))
-    for (_, candidate), timings in zip(timed, time_side_by_side([runner for runner, _ in timed], loads)):
+def _time(attempts: list[Attempt], loads: list[Workload]) -> tuple[Candidate | None, dict]:
+    """Every candidate that passed, reopened and timed side by side on the workloads, in heats that fit in
+    memory (:func:`timing.time_in_heats`); the fastest, and how it was timed (validation.json's ``timing``)."""
+    passed = [(a.configuration, c) for a in attempts for c in a.passed]
+    if not passed:
+        return None, {}
+    sizes = [footprint(c.files()) for _, c in passed]
+    budget = memory_budget()
+    log.info("timing %d graphs that passed, side by side: %s", len(passed), ", ".join(l.describe() for l in loads))
+    heats = time_in_heats(lambda i: passed[i][0].target.runner(passed[i][1], passed[i][0].precision), sizes, loads,
+                          budget, name=lambda i: _label(*passed[i]))
+    for (_, candidate), timings in zip(passed, heats.timings):
         candidate.timings, candidate.latency_ms = timings, sum(timings.values())
+    return passed[heats.fastest][1], _timing_record(passed, sizes, budget, heats)
+
+
+def _label(configuration: Configuration, candidate: Candidate) -> str:
+    return f"{configuration.describe()} {candidate.graph}"
+
+
+def _timing_record(passed: list[tuple[Configuration, Candidate]], sizes: list[int], budget: int,
+                   heats: Heats) -> dict:
+    """How the graphs were timed: in one heat (all open together), or in several because they did not fit."""
+    one = len(heats.heats) == 1
+    return {"heats": [{"score_ms": {_label(*passed[i]): round(score, 3) for i, score in heat.items()},
+                       "fastest": _label(*passed[min(heat, key=heat.get)]), "rounds": rounds}
+                      for heat, rounds in zip(heats.heats, heats.rounds)],
+            "memory_budget_bytes": budget, "estimated_bytes": {_label(*p): size for p, size in zip(passed, sizes)},
+            "why": ("every graph open at once, side by side" if one else
+                    "the graphs did not fit in the memory budget together: timed side by side in heats, the "
+                    "fastest of each heat carried into the next; each graph's timings in `measured` are from its "
+                    "last heat, so compare scores within a heat")}
 
 
 def _timings(candidate: Candidate) -> str:
     return ", ".join(f"{name} {ms:.1f} ms" for name, ms in candidate.timings.items())
 
 
-def _choose(attempts: list[Attempt], allow_degraded: bool) -> tuple[Attempt, Candidate]:
-    """The fastest candidate that passed, of every attempt; else, with ``allow_degraded``,
-    the candidate closest to PyTorch."""
-    passing = [(attempt, attempt.best) for attempt in attempts if attempt.best is not None]
-    if passing:
-        return min(passing, key=lambda pair: pair[1].latency_ms)
+def _choose(attempts: list[Attempt], fastest: Candidate | None, allow_degraded: bool) -> tuple[Attempt, Candidate]:
+    """The fastest candidate that passed, as timing found it; else, with ``allow_degraded``, the candidate
+    closest to PyTorch."""
+    if fastest is not None:
+        return next(a for a in attempts if any(c is fastest for c in a.candidates)), fastest
     summary = " | ".join(f"{a.configuration.describe()}: {a.summary()}" for a in attempts)
     if not allow_degraded:
         failures = [f for a in attempts for c in a.candidates for f in c.report.failures]
@@ -274,7 +300,7 @@ def _closeness(report: ValidationReport) -> float:
 
 
 def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt], attempt: Attempt,
-            chosen: Candidate) -> dict:
+            chosen: Candidate, timing: dict) -> dict:
     """validation.json: the chosen graph's validation, every configuration tried, and the export's facts."""
     embedder = prepared.embedder
     return {
@@ -296,6 +322,10 @@ def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt],
         # every configuration validated and timed: how the export chose (docs/export.md, "Choosing a backend")
         "measured": [row for a in attempts for row in a.rows(chosen)],
         "workloads": [load.describe() for load in prepared.workloads],
+        # how the passing graphs were timed: all open at once, or in heats that fit in memory
+        "timing": timing,
+        # the plain graph is past onnx_files.EXTERNAL_DATA_THRESHOLD: its weights in a data file, fewer candidates
+        "large_model": prepared.graph.large,
         "inputs": prepared.graph.input_names,
         "truncate": options.truncate,
         "max_length": prepared.graph.max_length,
@@ -319,7 +349,6 @@ def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: 
                          prepared.graph.pooled)
     write_models(root, name, task.name, facts, prepared.tokenizer_path)
     encoder_dir = root / f"{name}_encoder"
-    for file in chosen.files():
-        shutil.copyfile(file, encoder_dir / "1" / f"model{file.suffix}")
+    chosen.install(encoder_dir / "1")
     (encoder_dir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
     stored_reference.save(prepared.reference, encoder_dir)  # for nexus-sli validate on the serving host

@@ -39,6 +39,8 @@ from nexus_sli.exporter.errors import ExportError
 # the modes and guards of the python pooling: the graph offers exactly those modes, with the same guards
 from nexus_sli.exporter.triton.python_models.encoding import MASKED_OUT, MIN_COUNT, MIN_NORM, POOLING_MODES
 
+from . import onnx_files
+
 #: Every node and constant this step adds is named with this prefix.
 PREFIX = "nexus_pool/"
 #: The mask input the pooling reads (trimmed with the states when a padding trim is in front).
@@ -99,8 +101,15 @@ def add_pooling(source: Path, target: Path, states: str, output: str, mode: str,
     of shape ``[batch, hidden_size]``, which replaces ``states`` as the graph's output."""
     if mode not in POOLING_MODES:
         raise ExportError(f"cannot pool {mode!r} in the graph; known modes: {', '.join(POOLING_MODES)}")
-    model = onnx.load(str(source))
-    graph = model.graph
+    # No onnx.checker here: fused graphs carry ONNX Runtime's contrib ops, unknown to it; the
+    # exporter's validation runs every pooled graph on its runtime instead.  The weights are never
+    # loaded: a graph past 2 GB keeps naming its data file (:func:`onnx_files.rewrite`).
+    return onnx_files.rewrite(source, target,
+                              lambda model: _append(model.graph, states, output, mode, normalize, hidden_size))
+
+
+def _append(graph: onnx.GraphProto, states: str, output: str, mode: str, normalize: bool, hidden_size: int) -> None:
+    """The pooling nodes after ``graph``'s output ``states``; ``output`` replaces it."""
     outputs = [o.name for o in graph.output]
     inputs = [i.name for i in graph.input]
     if states not in outputs or MASK not in inputs:
@@ -116,10 +125,6 @@ def add_pooling(source: Path, target: Path, states: str, output: str, mode: str,
     graph.initializer.extend(c for c in _constants() if c.name in used)
     del graph.output[:]
     graph.output.append(helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", hidden_size]))
-    # No onnx.checker here: fused graphs carry ONNX Runtime's contrib ops, unknown to it; the
-    # exporter's validation runs every pooled graph on its runtime instead.
-    onnx.save(model, str(target))
-    return target
 
 
 @dataclass(frozen=True)

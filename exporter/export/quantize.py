@@ -13,6 +13,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import onnx_files
+
 
 @dataclass(frozen=True)
 class Int8Config:
@@ -34,7 +36,7 @@ def ffn_output_matmuls(path: Path, intermediate_size: int, hidden_size: int) -> 
     """MatMul nodes whose weight maps the feed-forward width back to the hidden size."""
     import onnx
 
-    graph = onnx.load(str(path)).graph
+    graph = onnx.load(str(path), load_external_data=False).graph  # names and shapes: no weights needed
     shapes = {init.name: tuple(init.dims) for init in graph.initializer}
     return [
         node.name for node in graph.node
@@ -48,7 +50,7 @@ def attention_output_matmuls(path: Path, hidden_size: int) -> list[str]:
     families that fuse them have a (hidden, 3 x hidden) weight instead)."""
     import onnx
 
-    graph = onnx.load(str(path)).graph
+    graph = onnx.load(str(path), load_external_data=False).graph  # names and shapes: no weights needed
     shapes = {init.name: tuple(init.dims) for init in graph.initializer}
     square = [(node.name, [i for i in node.input if shapes.get(i) != (hidden_size, hidden_size)])
               for node in graph.node
@@ -59,13 +61,15 @@ def attention_output_matmuls(path: Path, hidden_size: int) -> list[str]:
 
 def quantize_int8(source: Path, target: Path, exclude: list[str] | None = None,
                   config: Int8Config | None = None) -> Path:
+    """ONNX Runtime's dynamic int8 of the graph at ``source`` as ``target`` (with ``<name>.data`` where the
+    source has external data or is past :data:`onnx_files.EXTERNAL_DATA_THRESHOLD`)."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     config = config or get_int8_config()
     quantize_dynamic(
         str(source),
-        str(target),
+        str(onnx_files.prepare(target)),
         per_channel=config.per_channel,
         reduce_range=config.reduce_range,
         weight_type=getattr(QuantType, config.weight_type),
@@ -74,5 +78,6 @@ def quantize_int8(source: Path, target: Path, exclude: list[str] | None = None,
         # Fused graphs carry com.microsoft ops whose output types the quantizer
         # cannot infer; tell it they are fp32.
         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+        use_external_data_format=onnx_files.external(source),
     )
     return target

@@ -11,19 +11,34 @@ The candidates take turns, one run each per round, rather than one after the
 other: a machine whose speed drifts (other jobs, turbo, a noisy neighbour)
 then slows every candidate alike instead of the one that happened to be timed
 during the slow spell.
+
+Taking turns needs every graph open at once.  Where the graphs would not fit
+in memory together (a model past 2 GB has about ten candidates of 1-2 GB each
+on the CPU), they are timed in heats (:func:`time_in_heats`): as many as fit
+in :func:`memory_budget` side by side, then the fastest of that heat side by
+side with the next ones, and so on, so every graph is compared with the
+leader in one heat; where all fit, that is one heat, as before.  Where one
+round takes longer than :data:`LONG_ROUND_S` (a large model's batch of 32 takes
+tens of seconds on two cores) each run is long enough to measure on its own:
+one warm-up run and :data:`LONG_ROUNDS` rounds instead of two and five.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
 from nexus_sli.exporter.triton.python_models.encoding import encode
 
 from .validate import validation_texts
+
+log = logging.getLogger(__name__)
 
 #: Texts in the client batch the bench sends (``make bench``: batches of 32).
 BATCH = 32
@@ -67,11 +82,12 @@ def run_ms(runner, feeds: dict[str, np.ndarray]) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def time_side_by_side(runners: list, loads: list[Workload], rounds: int = ROUNDS) -> list[dict[str, float]]:
+def time_side_by_side(runners: list, loads: list[Workload], rounds: int = ROUNDS,
+                      warmup: int = WARMUP) -> list[dict[str, float]]:
     """Median milliseconds of one run of each workload, per runner, the runners taking turns."""
     for runner in runners:
         for load in loads:
-            for _ in range(WARMUP):
+            for _ in range(warmup):
                 runner.run(None, load.feeds)
     times: list[dict[str, list[float]]] = [{load.name: [] for load in loads} for _ in runners]
     for _ in range(rounds):
@@ -79,3 +95,100 @@ def time_side_by_side(runners: list, loads: list[Workload], rounds: int = ROUNDS
             for load in loads:
                 taken[load.name].append(run_ms(runner, load.feeds))
     return [{name: statistics.median(values) for name, values in taken.items()} for taken in times]
+
+
+#: Seconds of one round (every graph of a heat once on every workload) past which runs are measured
+#: with :data:`LONG_ROUNDS` rounds after one warm-up: xlm-roberta-large's batch of 32 took 49-65 s per
+#: graph on this project's 2-core EPYC, so two warm-ups and five rounds of ten graphs would take an hour.
+LONG_ROUND_S = 20.0
+LONG_ROUNDS = 3
+#: A graph open in its runtime, after the timing workloads, takes up to this many times the size of its
+#: files: measured on xlm-roberta-large's 2.23 GB fp32 graph, ONNX Runtime 0.75x (it maps the external
+#: data and touches only the embedding rows it reads), OpenVINO 1.8x.
+RUNNER_MEMORY_FACTOR = 2.0
+#: The share of the memory available when timing starts that the graphs of one heat may take: the rest
+#: stays for the exporter itself and for whatever else runs on the machine.
+MEMORY_SHARE = 0.5
+
+
+def memory_available() -> int:
+    """Bytes the kernel could give without swapping (``MemAvailable``); unknown: a terabyte, one heat."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 40
+
+
+def memory_budget() -> int:
+    """Bytes the graphs of one heat may take (:data:`MEMORY_SHARE` of what is available now)."""
+    return int(memory_available() * MEMORY_SHARE)
+
+
+def footprint(files: list[Path]) -> int:
+    """The memory a graph is expected to take open in its runtime (:data:`RUNNER_MEMORY_FACTOR` x its files)."""
+    return int(sum(Path(f).stat().st_size for f in files) * RUNNER_MEMORY_FACTOR)
+
+
+@dataclass
+class Heats:
+    """What :func:`time_in_heats` measured: each graph's medians (from the last heat it ran in), the fastest,
+    and how: each heat's graphs with their scores there (graph index -> summed medians, ms) and rounds."""
+
+    timings: list[dict[str, float]]
+    fastest: int
+    heats: list[dict[int, float]] = field(default_factory=list)
+    rounds: list[int] = field(default_factory=list)
+
+
+def _score(timings: dict[str, float]) -> float:
+    return sum(timings.values())
+
+
+def _next_heat(leader: int | None, rest: list[int], sizes: list[int], budget: int) -> list[int]:
+    """The leader and as many of ``rest`` (taken from its front) as fit in ``budget``: at least two graphs."""
+    heat = [] if leader is None else [leader]
+    used = 0 if leader is None else sizes[leader]
+    while rest and (len(heat) < 2 or used + sizes[rest[0]] <= budget):
+        used += sizes[rest[0]]
+        heat.append(rest.pop(0))
+    return heat
+
+
+def _rounds(runners: list, loads: list[Workload]) -> tuple[int, int]:
+    """One warm-up run of each runner on each workload; then (warm-up runs still to do, rounds)."""
+    seconds = sum(run_ms(runner, load.feeds) for runner in runners for load in loads) / 1000
+    return (0, LONG_ROUNDS) if seconds > LONG_ROUND_S else (WARMUP - 1, ROUNDS)
+
+
+def time_in_heats(open_graph: Callable[[int], Any], sizes: list[int], loads: list[Workload], budget: int,
+                  name: Callable[[int], str] = str) -> Heats:
+    """Time graphs ``0 .. len(sizes) - 1`` side by side in heats whose ``sizes`` (:func:`footprint`) fit
+    ``budget``, the fastest of each heat carried into the next (see the module docstring).  ``open_graph(i)``
+    opens graph ``i`` for running; only the graphs of one heat are open at a time."""
+    timings: list[dict[str, float]] = [{} for _ in sizes]
+    result = Heats(timings, fastest=0)
+    rest, leader, kept = list(range(len(sizes))), None, None
+    while rest:
+        heat = _next_heat(leader, rest, sizes, budget)
+        log.info("timing heat %d: %s (about %.1f GB open of a %.1f GB budget)", len(result.heats) + 1,
+                 ", ".join(name(i) for i in heat), sum(sizes[i] for i in heat) / 1e9, budget / 1e9)
+        runners = [kept if i == leader else open_graph(i) for i in heat]
+        warmup, rounds = _rounds(runners, loads)
+        if rounds != ROUNDS:
+            log.info("one round takes more than %.0f s: one warm-up run and %d rounds", LONG_ROUND_S, rounds)
+        for index, measured in zip(heat, time_side_by_side(runners, loads, rounds, warmup)):
+            timings[index] = measured
+        scores = {i: _score(timings[i]) for i in heat}
+        leader = min(heat, key=scores.get)
+        kept = runners[heat.index(leader)]
+        del runners  # the heat's other graphs are closed before the next heat opens its own
+        if len(sizes) > len(heat) or result.heats:  # in heats: say who goes on (one heat: the table says it all)
+            log.info("heat %d: %s; fastest %s", len(result.heats) + 1,
+                     ", ".join(f"{name(i)} {scores[i]:.0f} ms" for i in heat), name(leader))
+        result.heats.append(scores)
+        result.rounds.append(rounds)
+    result.fastest = leader
+    return result

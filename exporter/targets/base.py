@@ -9,12 +9,14 @@ The pipeline never asks which target it holds.
 
 from __future__ import annotations
 
+import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from nexus_sli.exporter.errors import NexusError
+from nexus_sli.exporter.export import onnx_files
 from nexus_sli.exporter.export.padding_trim import add_padding_trim
 from nexus_sli.exporter.export.pooling import Pooling
 from nexus_sli.exporter.export.quantize import attention_output_matmuls, ffn_output_matmuls
@@ -38,6 +40,9 @@ class ExportedGraph:
     #: embeddings pooled in the graph (:mod:`export.pooling`): every candidate ends in the pooling and
     #: answers ``[batch, hidden]``; None: the candidates answer token states
     pooling: Pooling | None = None
+    #: the plain graph is past :data:`onnx_files.EXTERNAL_DATA_THRESHOLD` (its weights in a data file):
+    #: targets may offer fewer candidates (:meth:`Target.left_out` says which and why)
+    large: bool = False
 
     @property
     def pooled(self) -> bool:
@@ -78,8 +83,21 @@ class Candidate:
     latency_ms: float | None = None
 
     def files(self) -> list[Path]:
-        """The model file and, for an OpenVINO IR, its weights."""
-        return [self.path, self.path.with_suffix(".bin")] if self.path.suffix == ".xml" else [self.path]
+        """The model file and what it reads beside it: an OpenVINO IR's weights, an ONNX graph's
+        external data (past 2 GB, :mod:`export.onnx_files`)."""
+        if self.path.suffix == ".xml":
+            return [self.path, self.path.with_suffix(".bin")]
+        return onnx_files.files(self.path)
+
+    def install(self, folder: Path, stem: str = "model") -> list[Path]:
+        """The candidate's files into a model version ``folder`` as ``stem.*`` (``model.onnx``, ``model.xml``
+        + ``model.bin``); an ONNX graph's data file becomes ``model.onnx.data``, as the graph then names it."""
+        if self.path.suffix != ".onnx":
+            written = [folder / f"{stem}{file.suffix}" for file in self.files()]
+            for file, target in zip(self.files(), written):
+                shutil.copyfile(file, target)
+            return written
+        return onnx_files.files(onnx_files.gather(self.path, folder / f"{stem}.onnx"))
 
 
 class Target(ABC):
@@ -109,6 +127,11 @@ class Target(ABC):
     def suits(self, precision: str, flags: set[str]) -> bool:
         """Whether ``auto`` may pick this configuration on a machine with these flags."""
         return True
+
+    def left_out(self, graph: ExportedGraph, precision: str) -> str | None:
+        """What :meth:`candidates` leaves out for this graph and why (a large graph's costly variants), or None;
+        the export log and validation.json record it."""
+        return None
 
     def thresholds(self, task: Any, precision: str) -> dict[str, float] | None:
         """Fidelity limits other than the default ones for this precision, or None."""

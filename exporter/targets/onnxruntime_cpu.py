@@ -32,6 +32,7 @@ class OnnxRuntimeCPU(Target):
         return [Candidate(c.graph, graph.trimmed(c.path)) for c in graphs]
 
     def _fused(self, graph: ExportedGraph) -> list[Candidate]:
+        log.info("fusing the plain graph with ONNX Runtime's transformer optimizer")
         target = graph.work / "fused.onnx"
         counts = fuse(graph.plain, target, graph.family.num_heads(graph.config), graph.family.hidden_size(graph.config))
         if not counts:
@@ -41,6 +42,7 @@ class OnnxRuntimeCPU(Target):
 
     @staticmethod
     def _int8_variants(graph: ExportedGraph, source: Candidate) -> list[Candidate]:
+        log.info("quantizing the %s graph to int8 (ONNX Runtime, dynamic)", source.graph)
         variants = [Candidate(source.graph, quantize_int8(source.path, graph.work / f"{source.graph}.int8.onnx"))]
         keep = graph.ffn_outputs(source.path)
         if keep:

@@ -16,7 +16,9 @@
   SmoothQuant's alpha at :data:`SMOOTH_QUANT_ALPHA` instead of NNCF's 0.95, the
   attention output projections (:func:`quantize.attention_output_matmuls`),
   alone or with the feed-forward outputs.  All are validated; the fastest that
-  passes is kept.
+  passes is kept.  A graph past 2 GB (:attr:`ExportedGraph.large`) gets only
+  :data:`LARGE_MODEL_VARIANT`, calibrated in smaller batches: there one NNCF
+  run takes minutes and most of the export's memory (:meth:`OpenVINOCPU.left_out`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ from .cpu import BF16_FLAGS
 log = logging.getLogger(__name__)
 
 CALIBRATION_BATCH = 16
+#: Calibration texts per batch for a graph past 2 GB: NNCF holds every activation it collects statistics of
+#: for a whole batch at once; on xlm-roberta-large's shape one NNCF run peaked at 15.0 GiB (10.5 min) in
+#: batches of 16 and 8.4 GiB (7.4 min) in batches of 4, over the same texts.
+LARGE_MODEL_CALIBRATION_BATCH = 4
 
 
 def calibration_texts() -> list[str]:
@@ -78,12 +84,12 @@ class OpenVINOSession:
 
 
 def calibration_feeds(tokenizer, input_names: list[str], pad_id: int, max_length: int,
-                      pairs: bool) -> list[dict[str, np.ndarray]]:
+                      pairs: bool, batch: int = CALIBRATION_BATCH) -> list[dict[str, np.ndarray]]:
     texts = calibration_texts()
     if pairs:
         texts = list(zip(texts, texts[1:] + texts[:1]))
-    return [encode(tokenizer, texts[i:i + CALIBRATION_BATCH], input_names, pad_id, max_length)
-            for i in range(0, len(texts), CALIBRATION_BATCH)]
+    return [encode(tokenizer, texts[i:i + batch], input_names, pad_id, max_length)
+            for i in range(0, len(texts), batch)]
 
 
 #: SmoothQuant's alpha for MatMuls in the variants that keep the attention output projections:
@@ -113,6 +119,10 @@ def quantize_int8(source: Path, target: Path, calibration: list[dict[str, np.nda
     return target
 
 
+#: The one int8 variant a graph past 2 GB gets (:attr:`ExportedGraph.large`): the one ``auto`` kept wherever
+#: int8 was fastest and passed (docs/export.md, "Choosing a backend"; ../shared/ARCHITECTURE.md, "Verified later").
+LARGE_MODEL_VARIANT = f"plain+sq{SMOOTH_QUANT_ALPHA}+attn-out-fp32"
+
 #: OpenVINO int8 (NNCF static quantization, calibrated) is held to a higher bar than
 #: ONNX Runtime's dynamic int8 for embeddings: the one ``auto`` asks of every configuration.
 STATIC_INT8_THRESHOLDS = AUTO_BAR
@@ -139,26 +149,42 @@ class OpenVINOCPU(Target):
         trimmed = graph.trimmed(graph.plain)
         if precision != "int8":
             return [Candidate("plain", trimmed)]
+        variants = self._int8_variants(graph)
+        if graph.large:
+            variants = [v for v in variants if v[0] == LARGE_MODEL_VARIANT] or variants[:1]
         calibration = calibration_feeds(graph.tokenizer, graph.input_names, graph.pad_id, graph.max_length,
-                                        graph.task.pair)
-        log.info("quantizing with NNCF on %d calibration texts", sum(len(f["input_ids"]) for f in calibration))
+                                        graph.task.pair,
+                                        LARGE_MODEL_CALIBRATION_BATCH if graph.large else CALIBRATION_BATCH)
+        log.info("quantizing with NNCF on %d calibration texts in batches of %d: %s",
+                 sum(len(f["input_ids"]) for f in calibration), len(calibration[0]["input_ids"]),
+                 ", ".join(label for label, *_ in variants))
         pool = pooling_nodes(trimmed)  # an embedding graph's pooling stays in fp32 (:mod:`export.pooling`)
-        candidates = [Candidate("plain", quantize_int8(trimmed, graph.work / "plain.ov-int8.xml", calibration,
-                                                       pool))]
+        return [Candidate(label, quantize_int8(trimmed, graph.work / f"plain.ov-int8{suffix}.xml", calibration,
+                                               keep + pool, alpha))
+                for label, suffix, keep, alpha in variants]
+
+    @staticmethod
+    def _int8_variants(graph: ExportedGraph) -> list[tuple[str, str, list[str], float | None]]:
+        """(graph label, file suffix, MatMuls kept in higher precision, SmoothQuant alpha) of each variant."""
+        variants: list[tuple[str, str, list[str], float | None]] = [("plain", "", [], None)]
         ffn = graph.ffn_outputs(graph.plain)
         if ffn:
-            path = quantize_int8(trimmed, graph.work / "plain.ov-int8-ffn-fp32.xml", calibration, ffn + pool)
-            candidates.append(Candidate("plain+ffn-out-fp32", path))
+            variants.append(("plain+ffn-out-fp32", "-ffn-fp32", ffn, None))
         attention = graph.attention_outputs(graph.plain)
         if attention:
-            variants = {"attn-out": attention}
-            if ffn:
-                variants["attn-ffn-out"] = attention + ffn
-            for label, keep in variants.items():
-                path = quantize_int8(trimmed, graph.work / f"plain.ov-int8-sq-{label}-fp32.xml", calibration,
-                                     keep + pool, SMOOTH_QUANT_ALPHA)
-                candidates.append(Candidate(f"plain+sq{SMOOTH_QUANT_ALPHA}+{label}-fp32", path))
-        return candidates
+            roles = {"attn-out": attention, **({"attn-ffn-out": attention + ffn} if ffn else {})}
+            variants += [(f"plain+sq{SMOOTH_QUANT_ALPHA}+{label}-fp32", f"-sq-{label}-fp32", keep, SMOOTH_QUANT_ALPHA)
+                         for label, keep in roles.items()]
+        return variants
+
+    def left_out(self, graph: ExportedGraph, precision: str) -> str | None:
+        if precision != "int8" or not graph.large:
+            return None
+        return (f"openvino int8: one NNCF variant ({LARGE_MODEL_VARIANT}, or plain where the graph has no "
+                f"attention output projections) instead of four, calibrated in batches of "
+                f"{LARGE_MODEL_CALIBRATION_BATCH} instead of {CALIBRATION_BATCH}: on xlm-roberta-large's shape one "
+                "NNCF run took 10.5 min and 15.0 GiB in batches of 16, 7.4 min and 8.4 GiB in batches of 4 "
+                "(docs/export.md, \"Models past 2 GB\")")
 
     def open(self, path: Path, parameters: dict[str, str]):
         return OpenVINOSession(path, parameters)
