@@ -374,9 +374,12 @@ How it measures:
 
 
 #: What was tried for the targets not met: hand-written from the experiments in
-#: ``bench/experiments/`` on the packaged model, carried onto every BENCHMARKS.md the bench writes
-#: (another model's page links to it).
+#: ``bench/experiments/`` on the packaged model.  The pages link it (and docs/benchmarks.md's short
+#: table of it) instead of carrying it: a BENCHMARKS page is the latest run's results.
 TRIED = Path(__file__).with_name("data") / "tried.md"
+TRIED_LINK = ("What was tried for the targets, lever by lever: the table in "
+              "[docs/benchmarks.md](docs/benchmarks.md#what-was-tried), each attempt in full with its "
+              f"command and machine in [bench/data/tried.md](bench/data/{TRIED.name}).\n")
 
 
 def benchmarks_page(results: dict, page: str) -> str:
@@ -394,12 +397,10 @@ def benchmarks_page(results: dict, page: str) -> str:
     body = page.split("\n", 1)[1].lstrip("\n")  # the latest.md content without its title
     body = "\n".join(line for line in body.split("\n") if not line.startswith(("Machine: ", "Command: ")))
     latest = "## Latest run\n\n" + re.sub(r"\n{3,}", "\n\n", body).replace("\n## ", "\n### ")
-    if default:
-        tried = "\n" + TRIED.read_text() if TRIED.is_file() else ""
-    else:  # the experiments were made on the packaged model, and its page carries them
+    tried = "\n" + TRIED_LINK
+    if not default:  # the experiments were made on the packaged model
         default_page = layout(None).page.name
-        tried = (f"\nThe same bench on the packaged all-MiniLM-L6-v2, with what was tried for its targets: "
-                 f"[{default_page}]({default_page}).\n")
+        tried += f"\nThe same bench on the packaged all-MiniLM-L6-v2: [{default_page}]({default_page}).\n"
     return intro + latest.rstrip("\n") + "\n" + tried
 
 

@@ -177,7 +177,7 @@ def test_markdown_and_plot_are_written(quick):
 
 
 def test_benchmarks_page_carries_the_latest_run_and_what_was_tried(quick):
-    from nexus_sli.bench.report import TRIED, benchmarks_page
+    from nexus_sli.bench.report import TRIED, TRIED_LINK, benchmarks_page
 
     from nexus_sli.bench.layout import layout
 
@@ -186,12 +186,13 @@ def test_benchmarks_page_carries_the_latest_run_and_what_was_tried(quick):
     # the packaged model's page (BENCHMARKS.md) carries what was tried on it
     page = benchmarks_page({**results, "layout": layout(None).record()}, latest)
     assert page.startswith("# Benchmarks\n") and "## Latest run" in page and "### Targets (issue 14)" in page
-    assert page.rstrip().endswith(TRIED.read_text().rstrip())
-    assert "## What was tried" in TRIED.read_text()
+    # a results page: what was tried is linked (its short table and the full record), not carried
+    assert page.rstrip().endswith(TRIED_LINK.rstrip()) and TRIED.read_text().strip() not in page
+    assert "## What was tried" in TRIED.read_text() and f"(bench/data/{TRIED.name})" in page
     # this run's model is another (the tiny checkpoint): its own page links the default's instead
     own = benchmarks_page(results, latest)
     assert own.startswith(f"# Benchmarks: {results['layout']['short_name']}\n") and "### Targets (issue 14)" in own
-    assert "[BENCHMARKS.md](BENCHMARKS.md)" in own and "## What was tried" not in own
+    assert "[BENCHMARKS.md](BENCHMARKS.md)" in own and "## What was tried" not in own and TRIED_LINK in own
 
 
 # --- issue 14's targets on synthetic rows: paired per-repetition ratios ----------------------------
