@@ -10,6 +10,7 @@ TASK      ?= auto
 PRECISION ?= auto
 BACKEND   ?= auto
 TARGET    ?= cpu
+OPTIMIZE  ?= balanced
 ACCELERATOR ?=
 NAME      ?=
 OUT       ?= model_repository
@@ -33,7 +34,7 @@ $(VENV)/.installed: pyproject.toml
 
 export: install
 	$(BIN)/nexus-sli export $(if $(MODEL),--model '$(MODEL)') --task '$(TASK)' \
-		--precision '$(PRECISION)' --backend '$(BACKEND)' --target '$(TARGET)' \
+		--precision '$(PRECISION)' --backend '$(BACKEND)' --target '$(TARGET)' --optimize '$(OPTIMIZE)' \
 		$(if $(ACCELERATOR),--accelerator '$(ACCELERATOR)') $(if $(NAME),--name '$(NAME)') --out '$(OUT)' \
 		$(if $(NO_CACHE),--no-cache)
 

@@ -35,6 +35,7 @@ from .measure import (
     GATEWAY_PROTOCOL,
     LATENCY1,
     SEQ_LEN,
+    SHORT32,
     Measurement,
     cosines,
     one_by_one,
@@ -184,6 +185,8 @@ class Setup:
     tokens: list[int]
     queries: list[str]
     sweep: dict[int, list[str]]
+    #: the set's texts of at most :data:`SHORT_QUERY_TOKENS` tokens, in the set's (arrival) order
+    short: list[str] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
     #: the peers' requirements, installed versions and settings (bench/peers.py), per peer
     peers: dict = field(default_factory=dict)
@@ -290,8 +293,9 @@ def chosen_configuration(report: dict, path: Path | None = None) -> dict:
     chosen = next(row for row in report["measured"] if row["chosen"])
     return {"label": variant_label(chosen["backend"], chosen["precision"]), "backend": chosen["backend"],
             "precision": chosen["precision"], "graph": chosen["graph"], "source": None if path is None else str(path),
+            "optimize": report.get("timing", {}).get("optimize", "balanced"),
             "measured": [{k: row.get(k) for k in ("backend", "precision", "graph", "passed", "cosine_min",
-                                                  "cosine_mean", "timings_ms", "score_ms", "chosen")}
+                                                  "cosine_mean", "timings_ms", "score", "chosen")}
                          for row in report["measured"]]}
 
 
@@ -377,6 +381,7 @@ def prepare(options: BenchOptions, plan: Plan) -> Setup:
                   short_queries(texts, tokens, plan.latency_queries), {}, default=default)
     setup.skipped.extend(export_skips(options.repository))
     setup.sweep = _sweep(facts["fp32"], texts, plan, setup.skipped)
+    setup.short = [t for t, k in zip(texts, tokens) if k <= SHORT_QUERY_TOKENS]
     return setup
 
 
@@ -454,6 +459,8 @@ def _groups(setup: Setup) -> dict:
     return {
         "set": dict(texts=setup.texts, token_counts=setup.tokens, sliced=True),
         "latency": dict(texts=setup.queries, token_counts=token_counts(fp32, setup.queries)),
+        # every short text in each repetition, unsliced: a slice would hold two batches of 32
+        "short": dict(texts=setup.short, token_counts=token_counts(fp32, setup.short)),
         "seq": {n: dict(texts=texts, token_counts=token_counts(fp32, texts), seq_len=n)
                 for n, texts in setup.sweep.items()},
     }
@@ -465,6 +472,8 @@ def in_process_measurements(setup: Setup, plan: Plan, encoders: list[InProcess])
         common = dict(path=p.path, precision=p.precision, protocol="in-process", baseline=p.baseline,
                       threads=p.threads)
         measurements.append(Measurement(mode=BATCH32, run=timed(p.encoder), **groups["set"], **common))
+        if p.baseline and setup.short:
+            measurements.append(Measurement(mode=SHORT32, run=timed(p.encoder), **groups["short"], **common))
         if p.baseline or p.latency:
             measurements.append(Measurement(mode=LATENCY1, run=one_by_one(p.encoder, plan.latency_budget_s),
                                             **groups["latency"], **common))
@@ -504,6 +513,8 @@ def served_measurements(setup: Setup, plan: Plan, server, clients: list) -> list
                 Measurement(mode=CONCURRENT16, run=embedder.concurrent, **groups["set"], **common),
                 Measurement(mode=LATENCY1, run=single, **groups["latency"], **common),
             ]
+            if setup.short:
+                measurements.append(Measurement(mode=SHORT32, run=embedder.batches, **groups["short"], **common))
             if protocol == plan.protocols[0]:
                 measurements += [Measurement(mode=SEQ_LEN, run=embedder.batches, **group, **common)
                                  for group in groups["seq"].values()]
@@ -577,12 +588,34 @@ class Repetitions:
                 "stopped": self.stopped}
 
 
+def protocol_turns(measurements: list[Measurement], repetition: int) -> list[Measurement]:
+    """``measurements`` in the order repetition ``repetition`` times them: the served rows over each
+    client protocol take turns going first (gRPC in even repetitions, HTTP in odd ones), so a cost
+    the first protocol pays for the server (a runtime compiling for a new input shape) does not
+    always fall on the same protocol.  Everything else keeps its place."""
+    served = sorted({m.protocol for m in measurements if m.served and m.path == "triton"})
+    if repetition % 2 == 0 or len(served) < 2:
+        return list(measurements)
+    first = {}  # precision -> where its served block starts
+    for index, m in enumerate(measurements):
+        if m.served and m.path == "triton":
+            first.setdefault(m.precision, index)
+    flipped = {protocol: rank for rank, protocol in enumerate(reversed(sorted(served, key=("grpc", "http").index)))}
+
+    def key(item: tuple[int, Measurement]):
+        index, m = item
+        if m.served and m.path == "triton":
+            return (first[m.precision], flipped[m.protocol], index)
+        return (index, 0, index)
+    return [m for _, m in sorted(enumerate(measurements), key=key)]
+
+
 def run_repetitions(measurements: list[Measurement], repetitions: Repetitions, sampler) -> None:
     """Every measurement once per repetition, interleaved, for as many repetitions as
     ``repetitions`` asks (:class:`Repetitions`)."""
     while repetitions.another(measurements):
         started = time.perf_counter()
-        for m in measurements:
+        for m in protocol_turns(measurements, repetitions.done):
             sampler.active(m.served)
             m.time_once(repetitions.done, repetitions.slices)
         sampler.active(False)

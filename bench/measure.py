@@ -13,6 +13,7 @@ BATCH32 = "batch32"              # client batches of 32 texts (in-process: encod
 CONCURRENT16 = "concurrent16"    # 16 clients, one text per request
 LATENCY1 = "latency1"            # sequential single short queries
 SEQ_LEN = "seq_len"              # batches of 32 texts of one token length
+SHORT32 = "short32"              # client batches of 32 short texts (16 tokens or fewer), in the set's order
 
 #: the rows of the HTTP gateway: OpenAI's API over HTTP, in front of the served fp32 model
 GATEWAY_PATH, GATEWAY_PROTOCOL = "gateway", "openai-http"
@@ -55,7 +56,8 @@ class Measurement:
     @property
     def group(self) -> tuple[str, int | None]:
         """Rows of a group run on the same texts; the group's baseline row is their reference."""
-        return ("latency" if self.mode == LATENCY1 else "seq" if self.mode == SEQ_LEN else "set", self.seq_len)
+        group = {LATENCY1: "latency", SEQ_LEN: "seq", SHORT32: "short"}.get(self.mode, "set")
+        return (group, self.seq_len)
 
     def warm_up(self, texts: list[str]) -> None:
         self.run(texts)

@@ -9,7 +9,7 @@ import sys
 
 #: command -> how it calls the client with the parsed arguments
 CALLS = {
-    "embed": lambda c, a: c.embed(a.texts, model=a.model).tolist(),
+    "embed": lambda c, a: c.embed(a.texts, model=a.model, prompt_name=a.prompt_name, dimensions=a.dimensions).tolist(),
     "classify": lambda c, a: c.classify(a.texts, model=a.model, top_k=a.top_k),
     "ner": lambda c, a: c.ner(a.texts, model=a.model),
     "answer": lambda c, a: c.answer(a.question, a.context, model=a.model, top_k=a.top_k),
@@ -40,7 +40,12 @@ def _command(commands, name: str, help_text: str) -> argparse.ArgumentParser:
 
 
 def add_parsers(commands) -> None:
-    _command(commands, "embed", "embed texts").add_argument("texts", nargs="+")
+    embed = _command(commands, "embed", "embed texts")
+    embed.add_argument("texts", nargs="+")
+    embed.add_argument("--prompt-name", default=None,
+                       help="one of the model's named prompts (default: the model's default prompt, if any)")
+    embed.add_argument("--dimensions", type=int, default=None,
+                       help="a shorter (Matryoshka) size: each vector cut to it and normalised again")
     classify = _command(commands, "classify", "classify texts")
     classify.add_argument("texts", nargs="+")
     classify.add_argument("--top-k", type=int, default=1)

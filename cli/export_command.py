@@ -26,6 +26,9 @@ def add_parser(commands) -> None:
                              "Runtime backend with TensorRT (docs/gpu.md)")
     export.add_argument("--accelerator", default="", choices=["", "tensorrt", "cuda"],
                         help="with --target gpu: tensorrt (default) or cuda, ONNX Runtime's CUDA provider")
+    export.add_argument("--optimize", default="balanced", choices=["balanced", "throughput", "latency"],
+                        help="what auto picks the fastest graph for: client batches (throughput), one query at a "
+                             "time (latency), or both alike (balanced, default); recorded in validation.json")
     export.add_argument("--name", default="", help="model name in the repository (default: from the model id)")
     export.add_argument("--out", default="model_repository", help="repository directory")
     _add_safety_options(export)
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model or None, task=args.task, precision=args.precision, backend=backend, device=args.target,
         name=args.name or None, out=Path(args.out), allow_pickle=args.allow_pickle,
         allow_degraded=args.allow_degraded, truncate=not args.no_truncate,
-        cache=not args.no_cache, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        cache=not args.no_cache, cache_dir=Path(args.cache_dir) if args.cache_dir else None, optimize=args.optimize,
     ))
     shown = ("precision", "backend", "graph", "max_abs_diff", "cosine_min", "cosine_mean", "passed")
     print(json.dumps({"name": result.name, **{k: result.report[k] for k in shown}}))

@@ -13,7 +13,9 @@ def add_parser(commands) -> None:
     gateway = commands.add_parser("gateway", help="serve OpenAI /v1/embeddings and TEI /embed /rerank /predict "
                                   "in front of Triton (docs/gateway.md)")
     gateway.add_argument("--triton", default=defaults.triton, type=_one_triton,
-                         help="Triton's gRPC address, one server (default %(default)s)")
+                         help="Triton's gRPC address (default %(default)s), or dns:///NAME:PORT: every address of "
+                              "NAME (a Kubernetes headless Service), requests spread over them, resolved again "
+                              "every 10 s")
     gateway.add_argument("--host", default=defaults.host,
                          help=f"address to bind (default loopback only; set {API_KEY_ENV} before exposing it)")
     gateway.add_argument("--port", type=int, default=defaults.port)
@@ -31,6 +33,9 @@ def add_parser(commands) -> None:
                          help="bytes per request body")
     gateway.add_argument("--triton-timeout", type=float, default=defaults.triton_timeout_s,
                          help="seconds a call to Triton may take before the answer is a 503 (default %(default)s)")
+    gateway.add_argument("--triton-retry", type=float, default=defaults.triton_retry_s,
+                         help="seconds one request keeps retrying Triton's retryable failures (a worker restarting, "
+                              "a model reloading) before the answer is a 503 (default %(default)s; 0: none)")
     gateway.set_defaults(run=run)
 
 
@@ -49,7 +54,8 @@ def config_from(args: argparse.Namespace):
     return GatewayConfig(triton=args.triton, host=args.host, port=args.port,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, tei_model=args.tei_model,
                          max_inputs=args.max_inputs, max_input_chars=args.max_input_chars,
-                         max_body_bytes=args.max_body_bytes, triton_timeout_s=args.triton_timeout)
+                         max_body_bytes=args.max_body_bytes, triton_timeout_s=args.triton_timeout,
+                         triton_retry_s=args.triton_retry)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,20 +17,35 @@ from . import (bench_command, build_plan_command, client_commands, export_comman
                publish_command, serve_command, validate_command)
 
 
+#: Each command module, and the extra of pyproject.toml whose packages its parser may import.
+COMMANDS = ((export_command, "export"), (fetch_command, "export"), (validate_command, "export"),
+            (build_plan_command, "plan"), (serve_command, "serve"), (publish_command, "publish"),
+            (gateway_command, "gateway"), (bench_command, "export"), (client_commands, "client"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nexus-sli", description="Export BERT-family encoders into a Triton model repository, "
                                      "serve it, and call it.")
     commands = parser.add_subparsers(dest="command", required=True)
-    export_command.add_parser(commands)
-    fetch_command.add_parser(commands)
-    validate_command.add_parser(commands)
-    build_plan_command.add_parser(commands)
-    serve_command.add_parser(commands)
-    publish_command.add_parser(commands)
-    gateway_command.add_parser(commands)
-    bench_command.add_parser(commands)
-    client_commands.add_parsers(commands)
+    for module, extra in COMMANDS:
+        try:
+            (module.add_parsers if hasattr(module, "add_parsers") else module.add_parser)(commands)
+        except ImportError as exc:  # an install with only some extras (the gateway's image) still runs the others
+            _missing(commands, module, extra, exc)
     return parser
+
+
+def _missing(commands, module, extra: str, exc: ImportError) -> None:
+    """A command whose packages are not installed: it is listed, and says what to install."""
+    name = module.__name__.rsplit(".", 1)[-1].removesuffix("_command").replace("_", "-")
+    if name in commands.choices:  # registered before its import failed
+        return
+
+    def run(args) -> int:
+        print(f"nexus-sli: error: '{name}' needs nexus-sli[{extra}] ({exc}): pip install 'nexus-sli[{extra}]'",
+              file=sys.stderr)
+        return 2
+    commands.add_parser(name, help=f"(not installed: pip install 'nexus-sli[{extra}]')").set_defaults(run=run)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,9 +14,9 @@ from .errors import (
     ServerUnavailableError,
     WrongTaskError,
 )
-from .results import Answer, Entity, Label, Ranked
+from .results import Answer, Entity, Label, Ranked, SparseEmbedding
 
 __all__ = ["AsyncEncoderClient", "EncoderClient", "ClientError", "InferenceError", "InvalidInputError",
            "ModelNotFoundError", "ModelUnavailableError", "NoModelError", "ReplicasFailedError", "RetryableError",
            "ServerUnavailableError", "WrongTaskError",
-           "Answer", "Entity", "Label", "Ranked"]
+           "Answer", "Entity", "Label", "Ranked", "SparseEmbedding"]

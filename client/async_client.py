@@ -10,8 +10,8 @@ import numpy as np
 from . import calls
 from . import protocol as p
 from .client import client_kwargs, default_url
-from .errors import ReplicasFailedError, RetryableError
-from .replicas import Replicas, attempts_for, parse_urls, retryable
+from .replicas import (REFRESH_S, RETRY_S, Fleet, Resolve, Retries, attempts_for, check_attempts, gave_up,
+                       retry_budget, retryable, unresolved)
 
 
 def _module(protocol: str):
@@ -29,42 +29,52 @@ def _module(protocol: str):
 class AsyncEncoderClient:
     """``async with AsyncEncoderClient() as c: await c.embed(texts, model=...)``; a ``model``
     given here is used by every call that names none.  ``url`` may list replicas, with the
-    same turns and retries as :class:`~nexus_sli.client.EncoderClient`.  ``timeout_s`` bounds
-    every call to the server (None: no bound); a server that does not answer in time is a
-    :class:`~nexus_sli.client.ServerUnavailableError`, retryable like one that is down."""
+    same turns and retries as :class:`~nexus_sli.client.EncoderClient` (``attempts``,
+    ``retry_s``).  ``timeout_s`` bounds every call to the server (None: no bound); a server
+    that does not answer in time is a :class:`~nexus_sli.client.ServerUnavailableError`,
+    retryable like one that is down."""
 
     def __init__(self, url: str | Sequence[str] | None = None, protocol: str = "grpc", model: str | None = None,
-                 attempts: int | None = None, timeout_s: float | None = 60.0):
+                 attempts: int | None = None, timeout_s: float | None = 60.0, retry_s: float = RETRY_S,
+                 resolve: Resolve | None = None, refresh_s: float = REFRESH_S):
         self.protocol = protocol
         self.timeout_s = timeout_s
         self.model = model
         self._types, aio = _module(protocol)
-        self.urls = parse_urls(url, default_url(protocol))
-        self.url = self.urls[0]
-        self.replicas = Replicas(self.urls)
-        #: replicas one request may try (each at most once)
-        self.attempts = attempts_for(attempts, self.urls)
+        # the arguments are checked before any connection is made (an asyncio one needs a running loop)
+        retry_s = retry_budget(retry_s, check_attempts(attempts))
         options = client_kwargs(self._types, protocol)
         if protocol == "http" and timeout_s is not None:
             options["conn_timeout"] = timeout_s  # aiohttp's total time per request
         # gRPC: a deadline on each call (tritonclient's client_timeout); HTTP: the session's timeout above
         self._deadline = {"client_timeout": timeout_s} if protocol == "grpc" else {}
-        self._clients = {u: aio.InferenceServerClient(u, **options) for u in self.urls}
-        self._client = self._clients[self.url]
+        self.fleet = Fleet(url, default_url(protocol), lambda u: aio.InferenceServerClient(u, **options),
+                           resolve, refresh_s)
+        self.replicas = self.fleet.replicas
+        #: replicas one request may try per pass (each at most once)
+        self.attempts = attempts_for(attempts, self.fleet)
+        #: how long one call keeps retrying retryable failures
+        self.retry_s = retry_s
         self._info: dict[str, p.ModelInfo] = {}
 
     async def _on_replicas(self, model: str, call):
-        """``await call(tritonclient)`` on the replicas in turn until one answers or a non-retryable error."""
-        tried: list[tuple[str, RetryableError]] = []
-        for url in self.replicas.order()[:self.attempts]:
-            try:
-                result = await call(self._clients[url])
-            except Exception as exc:
-                tried.append((url, retryable(exc, model, self.attempts, self.replicas, url)))
-                continue
-            self.replicas.succeeded(url)
-            return result
-        raise ReplicasFailedError(tried)
+        """``await call(tritonclient)`` on the replicas in turn until one answers or a non-retryable
+        error; passes over them again, after pauses, while the call's retry budget lasts."""
+        retries, tried = Retries(self.retry_s), []
+        while (pause := retries.next_pause()) is not None:
+            await asyncio.sleep(pause)
+            self.fleet.refresh(failed=bool(tried))
+            order = self.replicas.order()[:self.attempts]
+            tried = [] if order else unresolved(self.fleet)
+            for url in order:
+                try:
+                    result = await call(self.fleet.clients[url])
+                except Exception as exc:
+                    tried.append((url, retryable(exc, model, self.replicas, url)))
+                    continue
+                self.replicas.succeeded(url)
+                return result
+        raise gave_up(tried) from None
 
     async def info(self, model: str) -> p.ModelInfo:
         if model not in self._info:
@@ -82,31 +92,40 @@ class AsyncEncoderClient:
         return self._info[model]
 
     async def _run(self, model: str, plan: calls.Plan):
+        model = plan.model or model
         (await self.info(model)).expect(plan.task)
-        outputs = await asyncio.gather(*(self._infer(model, r, plan.output) for r in plan.requests))
-        return plan.finish(list(outputs))
+        return plan.read(list(await asyncio.gather(*(self._infer(model, r, plan) for r in plan.requests))))
 
-    async def _infer(self, model: str, request: calls.Request, output: str) -> np.ndarray:
+    async def _infer(self, model: str, request: calls.Request, plan: calls.Plan) -> tuple[np.ndarray, ...]:
         inputs = []
         for name, array in request.items():
             tensor = self._types.InferInput(name, list(array.shape), "BYTES")
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
-        outputs = [self._types.InferRequestedOutput(output)]
+        outputs = [self._types.InferRequestedOutput(output) for output in plan.outputs]
+        kwargs = {**self._deadline, **({"parameters": plan.parameters} if plan.parameters else {})}
         try:
             result = await self._on_replicas(model, lambda client: client.infer(model, inputs, outputs=outputs,
-                                                                              **self._deadline))
+                                                                              **kwargs))
         except Exception:
             self._info.pop(model, None)
             raise
-        return result.as_numpy(output)
+        return tuple(result.as_numpy(output) for output in plan.outputs)
 
     async def _call(self, model: str | None, plan):
         model = p.model_name(model, self.model)
         return await self._run(model, plan(await self.info(model)))
 
-    async def embed(self, texts, model: str | None = None) -> np.ndarray:
-        return await self._call(model, lambda info: calls.embed(texts, info))
+    async def embed(self, texts, model: str | None = None, prompt_name: str | None = None,
+                    dimensions: int | None = None) -> np.ndarray:
+        return await self._call(model, lambda info: calls.embed(texts, info, prompt_name, dimensions))
+
+    async def embed_sparse(self, texts, model: str | None = None, prompt_name: str | None = None,
+                           top_k: int | None = None, threshold: float = 0.0):
+        return await self._call(model, lambda info: calls.embed_sparse(texts, info, prompt_name, top_k, threshold))
+
+    async def embed_tokens(self, texts, model: str | None = None, prompt_name: str | None = None):
+        return await self._call(model, lambda info: calls.embed_tokens(texts, info, prompt_name))
 
     async def classify(self, texts, model: str | None = None, top_k: int = 1):
         return await self._call(model, lambda info: calls.classify(texts, info, top_k))
@@ -121,7 +140,7 @@ class AsyncEncoderClient:
         return await self._call(model, lambda info: calls.rerank(query, documents, info, top_k))
 
     async def close(self) -> None:
-        for client in self._clients.values():
+        for client in self.fleet.connections():
             await client.close()
 
     async def __aenter__(self) -> "AsyncEncoderClient":

@@ -6,15 +6,21 @@ everything else (input checks, chunking, result types) lives here once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
 from nexus_sli.tasks import get_task
+from nexus_sli.tasks.results import SparseEmbedding
+from nexus_sli.tasks.spec import TOKEN_MASK, TOKEN_MODEL_PARAMETER, TOKEN_TASK
 
 from . import protocol as p
-from .errors import InvalidInputError
+from .error_codes import PROMPT_PARAMETER
+from .errors import InvalidInputError, WrongTaskError
+
+#: The least norm a vector is divided by (the served pooling's guard, python_models/encoding.py)
+MIN_NORM = 1e-12
 
 Request = dict[str, np.ndarray]
 
@@ -23,11 +29,21 @@ Request = dict[str, np.ndarray]
 class Plan:
     task: str
     requests: list[Request]
-    output: str
-    finish: Callable[[list[np.ndarray]], Any]
+    #: the outputs asked for; ``finish`` gets each request's arrays (one output: the array itself)
+    outputs: tuple[str, ...]
+    finish: Callable[[list], Any]
+    #: request parameters sent with every request (the prompt's name)
+    parameters: dict = field(default_factory=dict)
+    #: the model the requests go to, where not the one the call named (token embeddings: its ``_tokens`` ensemble)
+    model: str | None = None
+
+    def read(self, answers: list[tuple[np.ndarray, ...]]):
+        """The call's result from every request's arrays, in :attr:`outputs` order."""
+        return self.finish([a[0] for a in answers] if len(self.outputs) == 1 else answers)
 
 
-def _texts_plan(task: str, texts, info: p.ModelInfo, parse) -> Plan:
+def _texts_plan(task: str, texts, info: p.ModelInfo, parse, parameters: dict | None = None,
+                outputs: tuple[str, ...] | None = None, model: str | None = None) -> Plan:
     """One request per chunk of texts; ``parse`` reads every chunk's outputs at once."""
     items, single = p.as_list(texts)
     requests = [{"TEXT": p.strings(chunk).reshape(-1, 1)} for chunk in p.chunks(items, info.max_batch_size)]
@@ -35,11 +51,74 @@ def _texts_plan(task: str, texts, info: p.ModelInfo, parse) -> Plan:
     def finish(outs):
         found = parse(outs)
         return found[0] if single else found
-    return Plan(task, requests, get_task(task).client_output, finish)
+    return Plan(task, requests, outputs or (get_task(task).client_output,), finish, parameters or {}, model)
 
 
-def embed(texts, info: p.ModelInfo) -> Plan:
-    return _texts_plan("embedding", texts, info, get_task("embedding").parse)
+def _prompt(prompt_name: str | None, info: p.ModelInfo) -> dict:
+    """The request parameter naming a prompt, checked against the model's prompts before anything is sent."""
+    if prompt_name is None:
+        return {}
+    if not isinstance(prompt_name, str) or prompt_name not in info.prompts:
+        known = ", ".join(repr(n) for n in info.prompts) or "none (this model has no prompts)"
+        raise InvalidInputError(f"unknown prompt_name {prompt_name!r} for model {info.name!r}; its prompts: {known}")
+    return {PROMPT_PARAMETER: prompt_name}
+
+
+def truncate(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
+    """Matryoshka sizes: the first ``dimensions`` values of each embedding, L2-normalised again (a unit
+    vector, as OpenAI's shortened embeddings are).  The served vector is the model's pipeline up to and
+    including its normalisation, and normalising is scale-free, so this equals truncating the model's
+    unnormalised output and normalising that.  ``None``: the vectors as served."""
+    if dimensions is None:
+        return vectors
+    size = vectors.shape[-1]
+    if isinstance(dimensions, bool) or not isinstance(dimensions, (int, np.integer)) or not 1 <= dimensions <= size:
+        raise InvalidInputError(f"dimensions must be an integer from 1 to the model's {size}, got {dimensions!r}")
+    cut = vectors[..., :dimensions]
+    return cut / np.maximum(np.linalg.norm(cut, axis=-1, keepdims=True), MIN_NORM)
+
+
+def embed(texts, info: p.ModelInfo, prompt_name: str | None = None, dimensions: int | None = None) -> Plan:
+    parse = get_task("embedding").parse
+    return _texts_plan("embedding", texts, info, lambda outs: truncate(parse(outs), dimensions),
+                       _prompt(prompt_name, info))
+
+
+def sparsify(rows: np.ndarray, top_k: int | None, threshold: float) -> list[SparseEmbedding]:
+    """Each dense ``[vocab]`` row as its terms over ``threshold`` (the ``top_k`` largest of them where
+    given, as sentence-transformers' ``max_active_dims``), ids ascending."""
+    found = []
+    for row in rows:
+        active = np.flatnonzero(row > threshold)
+        if top_k is not None and len(active) > top_k:
+            active = np.sort(active[np.argsort(-row[active], kind="stable")[:top_k]])
+        found.append(SparseEmbedding(active.astype(np.int64), row[active].astype(np.float32)))
+    return found
+
+
+def embed_sparse(texts, info: p.ModelInfo, prompt_name: str | None = None, top_k: int | None = None,
+                 threshold: float = 0.0) -> Plan:
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise InvalidInputError(f"top_k must be a positive integer or None (every active term), got {top_k!r}")
+    parse = get_task("sparse-embedding").parse
+    return _texts_plan("sparse-embedding", texts, info, lambda outs: sparsify(parse(outs), top_k, threshold),
+                       _prompt(prompt_name, info))
+
+
+def embed_tokens(texts, info: p.ModelInfo, prompt_name: str | None = None) -> Plan:
+    """Each text's token vectors ``[tokens, hidden]`` (special tokens included), from the embedding
+    model's ``NAME_tokens`` ensemble (its ``token_model`` parameter)."""
+    tokens_model = info.params.get(TOKEN_MODEL_PARAMETER)
+    if not tokens_model:
+        raise WrongTaskError(f"model {info.name!r} serves no token embeddings: it is not an embedding model, or "
+                             "it was exported before they were served (export it again)")
+    states, mask = get_task("embedding").token_states.name, TOKEN_MASK.name
+
+    def parse(answers) -> list[np.ndarray]:
+        # row i's real tokens are the first mask[i].sum() states (the tokenizer pads on the right)
+        return [vectors[:int(row_mask.sum())] for got, row_mask_batch in answers
+                for vectors, row_mask in zip(got, row_mask_batch)]
+    return _texts_plan(TOKEN_TASK, texts, info, parse, _prompt(prompt_name, info), (states, mask), tokens_model)
 
 
 def classify(texts, info: p.ModelInfo, top_k: int = 1) -> Plan:
@@ -58,7 +137,7 @@ def answer(question: str, context: str, info: p.ModelInfo, top_k: int = 1) -> Pl
         raise InvalidInputError("context is empty: there is nothing to find an answer in")
     spec = get_task("question-answering")
     request = {"QUESTION": p.strings([question]), "CONTEXT": p.strings([context])}
-    return Plan(spec.name, [request], spec.client_output, lambda outs: spec.parse(outs, top_k))
+    return Plan(spec.name, [request], (spec.client_output,), lambda outs: spec.parse(outs, top_k))
 
 
 def rerank(query: str, documents, info: p.ModelInfo, top_k: int | None = None, chunk: int = 64) -> Plan:
@@ -66,4 +145,4 @@ def rerank(query: str, documents, info: p.ModelInfo, top_k: int | None = None, c
     items, _ = p.as_list(documents, "documents")
     spec = get_task("rerank")
     requests = [{"QUERY": p.strings([query]), "DOCUMENTS": p.strings(c)} for c in p.chunks(items, chunk)]
-    return Plan(spec.name, requests, spec.client_output, lambda outs: spec.parse(outs, items, top_k))
+    return Plan(spec.name, requests, (spec.client_output,), lambda outs: spec.parse(outs, items, top_k))

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from . import calls
 from . import protocol as p
-from .errors import ReplicasFailedError, RetryableError
-from .replicas import Replicas, attempts_for, parse_urls, retryable
+from .replicas import (REFRESH_S, RETRY_S, Fleet, Resolve, Retries, attempts_for, check_attempts, gave_up,
+                       retry_budget, retryable, unresolved)
 
 
 def _module(protocol: str):
@@ -54,9 +55,17 @@ class EncoderClient:
 
     ``url`` may list replicas (a sequence, or comma-separated): requests take turns over
     them, and one that fails with a :class:`RetryableError` is sent again to the next
-    replica, each replica at most once (``attempts`` caps the tries: None, every replica;
-    1, no retry; below 1, a ValueError); when every try fails, :class:`ReplicasFailedError`
-    lists them.  With one try (one URL, or ``attempts=1``) the error itself is raised.
+    replica, each replica at most once per pass (``attempts`` caps the tries of a pass: None,
+    every replica; 1, one try and no retry at all; below 1, a ValueError).  When a whole pass
+    fails, the call passes over the replicas again after a pause (growing from 50 ms to 1 s)
+    while ``retry_s`` seconds from its start last, one URL as well as several (0: no retry);
+    then :class:`ReplicasFailedError` lists the last pass's tries, or, where that pass had one
+    try (one URL, ``attempts=1``), the error itself is raised.
+
+    ``url="dns:///NAME:PORT"`` (a Kubernetes headless Service) makes every address of ``NAME``
+    a replica, resolved again every ``refresh_s`` seconds and after a pass that failed
+    everywhere, so pods that come and go are followed within ``refresh_s`` plus the DNS
+    answer's time to live; ``resolve(host, port)`` replaces the system's resolver.
 
     >>> client = EncoderClient()                 # gRPC on 127.0.0.1:8001
     >>> client.embed(["a text", "another"], model="all_minilm_l6_v2").shape
@@ -65,39 +74,49 @@ class EncoderClient:
     (384,)
     >>> EncoderClient(["10.0.0.5:8001", "10.0.0.6:8001"]).embed("one text", model="all_minilm_l6_v2").shape
     (384,)
+    >>> EncoderClient("dns:///triton-headless.default.svc.cluster.local:8001", model="all_minilm_l6_v2")
     """
 
     def __init__(self, url: str | Sequence[str] | None = None, protocol: str = "grpc", timeout_s: float = 60.0,
-                 model: str | None = None, attempts: int | None = None):
+                 model: str | None = None, attempts: int | None = None, retry_s: float = RETRY_S,
+                 resolve: Resolve | None = None, refresh_s: float = REFRESH_S):
         self.protocol = protocol
         #: the model calls use when they name none
         self.model = model
         self._triton = _module(protocol)
-        #: every replica's URL; ``url`` is the first
-        self.urls = parse_urls(url, default_url(protocol))
-        self.url = self.urls[0]
+        # the arguments are checked before any connection is made (an asyncio one needs a running loop)
+        retry_s = retry_budget(retry_s, check_attempts(attempts))
         self.timeout_s = timeout_s
+        options = client_kwargs(self._triton, protocol)
+        #: the replicas and a connection to each (kept current for a ``dns:///`` name)
+        self.fleet = Fleet(url, default_url(protocol), lambda u: self._triton.InferenceServerClient(u, **options),
+                           resolve, refresh_s)
         #: the replica choice, with the requests each replica answered (``replicas.served``)
-        self.replicas = Replicas(self.urls)
-        #: replicas one request may try (each at most once)
-        self.attempts = attempts_for(attempts, self.urls)
-        self._clients = {u: self._triton.InferenceServerClient(u, **client_kwargs(self._triton, protocol))
-                         for u in self.urls}
-        self._client = self._clients[self.url]
+        self.replicas = self.fleet.replicas
+        #: replicas one request may try per pass (each at most once)
+        self.attempts = attempts_for(attempts, self.fleet)
+        #: how long one call keeps retrying retryable failures
+        self.retry_s = retry_s
         self._info: dict[str, p.ModelInfo] = {}
 
     def _on_replicas(self, model: str, call):
-        """``call(tritonclient)`` on the replicas in turn until one answers or a non-retryable error."""
-        tried: list[tuple[str, RetryableError]] = []
-        for url in self.replicas.order()[:self.attempts]:
-            try:
-                result = call(self._clients[url])
-            except Exception as exc:
-                tried.append((url, retryable(exc, model, self.attempts, self.replicas, url)))
-                continue
-            self.replicas.succeeded(url)
-            return result
-        raise ReplicasFailedError(tried)
+        """``call(tritonclient)`` on the replicas in turn until one answers or a non-retryable error;
+        passes over them again, after pauses, while the call's retry budget lasts."""
+        retries, tried = Retries(self.retry_s), []
+        while (pause := retries.next_pause()) is not None:
+            time.sleep(pause)
+            self.fleet.refresh(failed=bool(tried))
+            order = self.replicas.order()[:self.attempts]
+            tried = [] if order else unresolved(self.fleet)
+            for url in order:
+                try:
+                    result = call(self.fleet.clients[url])
+                except Exception as exc:
+                    tried.append((url, retryable(exc, model, self.replicas, url)))
+                    continue
+                self.replicas.succeeded(url)
+                return result
+        raise gave_up(tried) from None
 
     def info(self, model: str) -> p.ModelInfo:
         """The model's task and batch limit, read once from its Triton config."""
@@ -118,33 +137,52 @@ class EncoderClient:
         return self._info[model]
 
     def _run(self, model: str, plan: calls.Plan):
+        model = plan.model or model
         self.info(model).expect(plan.task)
-        outputs = [self._infer(model, request, plan.output) for request in plan.requests]
-        return plan.finish(outputs)
+        return plan.read([self._infer(model, request, plan) for request in plan.requests])
 
-    def _infer(self, model: str, request: calls.Request, output: str) -> np.ndarray:
+    def _infer(self, model: str, request: calls.Request, plan: calls.Plan) -> tuple[np.ndarray, ...]:
         inputs = []
         for name, array in request.items():
             tensor = self._triton.InferInput(name, list(array.shape), "BYTES")
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         kwargs = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
-        outputs = [self._triton.InferRequestedOutput(output)]
+        if plan.parameters:
+            kwargs["parameters"] = plan.parameters
+        outputs = [self._triton.InferRequestedOutput(output) for output in plan.outputs]
         try:
             result = self._on_replicas(model, lambda client: client.infer(model, inputs, outputs=outputs, **kwargs))
         except Exception:
             self._info.pop(model, None)  # the model may come back changed
             raise
-        return result.as_numpy(output)
+        return tuple(result.as_numpy(output) for output in plan.outputs)
 
     def _call(self, model: str | None, plan):
         """Run the plan ``plan(info)`` makes for the model named, or the client's default."""
         model = p.model_name(model, self.model)
         return self._run(model, plan(self.info(model)))
 
-    def embed(self, texts, model: str | None = None) -> np.ndarray:
-        """Embeddings ``[n, hidden]`` for a list, ``[hidden]`` for one string."""
-        return self._call(model, lambda info: calls.embed(texts, info))
+    def embed(self, texts, model: str | None = None, prompt_name: str | None = None,
+              dimensions: int | None = None) -> np.ndarray:
+        """Embeddings ``[n, hidden]`` for a list, ``[hidden]`` for one string.
+
+        ``prompt_name``: one of the model's prompts (``info(model).prompts``), put in front of each
+        text by the server; None: the model's default prompt, if it has one.  ``dimensions``: a
+        shorter (Matryoshka) size from 1 to the model's, each vector cut to it and L2-normalised."""
+        return self._call(model, lambda info: calls.embed(texts, info, prompt_name, dimensions))
+
+    def embed_sparse(self, texts, model: str | None = None, prompt_name: str | None = None,
+                     top_k: int | None = None, threshold: float = 0.0):
+        """Sparse (SPLADE) embeddings of a ``sparse-embedding`` model: a :class:`SparseEmbedding` (term
+        ids ascending, their weights) per text, or one for one string.  ``top_k``: only the largest
+        terms (sentence-transformers' ``max_active_dims``); ``threshold``: only terms above it."""
+        return self._call(model, lambda info: calls.embed_sparse(texts, info, prompt_name, top_k, threshold))
+
+    def embed_tokens(self, texts, model: str | None = None, prompt_name: str | None = None):
+        """Each token's vector, unpooled: ``[tokens, hidden]`` per text (special tokens included, after
+        truncation), a list for a list, one array for one string; ``model`` is the embedding model."""
+        return self._call(model, lambda info: calls.embed_tokens(texts, info, prompt_name))
 
     def classify(self, texts, model: str | None = None, top_k: int = 1):
         """Top ``top_k`` labels (label, score) per text."""
@@ -163,7 +201,7 @@ class EncoderClient:
         return self._call(model, lambda info: calls.rerank(query, documents, info, top_k))
 
     def close(self) -> None:
-        for client in self._clients.values():
+        for client in self.fleet.connections():
             client.close()
 
     def __enter__(self) -> "EncoderClient":

@@ -6,11 +6,18 @@ client maps the code (:func:`code_of`), never the wording, to its error type,
 so messages can be reworded freely.  Triton's ensemble puts its own text in
 front of a step's message, so the marker is looked for anywhere in it.
 
+It also names the one request parameter the tokenizer model reads
+(:data:`PROMPT_PARAMETER`): the client sends what the model reads, from one place.
+
 This file is copied beside those models in every repository, so it imports
 nothing but the standard library.
 """
 
 import re
+
+#: The request parameter naming the prompt the tokenizer step puts in front of each text (the
+#: model's ``prompts``, from its sentence-transformers config); absent: the model's default prompt.
+PROMPT_PARAMETER = "prompt_name"
 
 #: The request cannot be served as sent: an empty, too long or undecodable text,
 #: tensors that do not fit together.  Sending it again fails again.

@@ -42,6 +42,11 @@ class ModelInfo:
             raise WrongTaskError(f"model {self.name!r} serves task {self.task or 'unknown'!r}, not {task!r}")
 
     @property
+    def prompts(self) -> dict[str, str]:
+        """The model's named prompts (an embedding model's sentence-transformers prompts; empty: none)."""
+        return json.loads(self.params.get("prompts", "{}"))
+
+    @property
     def id2label(self) -> dict[int, str]:
         return {int(k): v for k, v in json.loads(self.params.get("id2label", "{}")).items()}
 

@@ -5,20 +5,101 @@ turns over the replicas that answered last time (round-robin); a replica whose
 request failed with a :class:`~nexus_sli.client.RetryableError` is set aside
 for ``down_for_s`` seconds and tried only after the others, so a dead replica
 costs one failed attempt, not one per request, and comes back by itself.
+
+A call that every replica failed with retryable errors (one replica as well as
+several: a worker restarting, a model reloading, a replica gone) is tried
+again, with growing pauses, until its retry budget is spent (:class:`Retries`):
+a fault then costs the call latency, not a failure.
+
+A URL ``dns:///NAME:PORT`` (gRPC's syntax; a Kubernetes headless Service's
+name) stands for every address the name resolves to, each a replica.  The
+name is resolved again every ``refresh_s`` seconds, and after a pass that
+failed everywhere (at most once a second): pods the autoscaler adds get
+requests, and pods that are gone get none, within ``refresh_s`` plus the
+DNS answer's time to live (:class:`Resolved`).  gRPC itself re-resolves a name
+only when a connection breaks, so a client holding one channel stays on the
+pods it first found; here each address has its own connection.
 """
 
 from __future__ import annotations
 
+import random
+import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from . import protocol as p
-from .errors import ClientError, RetryableError
+from .errors import ClientError, ReplicasFailedError, RetryableError
 
 #: How long a replica that failed is tried only after the others.
 DOWN_FOR_S = 5.0
+#: How long one call keeps trying again after retryable failures, by default: longer than a
+#: python-backend worker's restart (2.8 s measured for the default model, docs/reliability.md)
+#: or a small model's reload, short enough that a server that is gone is reported soon.
+RETRY_S = 15.0
+#: The pause before the second pass over the replicas, doubled after each pass up to the last.
+FIRST_PAUSE_S, MAX_PAUSE_S = 0.05, 1.0
+
+
+#: The URL prefix that stands for every address of a DNS name (gRPC's name syntax).
+DNS_PREFIX = "dns:///"
+#: How often such a name is resolved again, by default.
+REFRESH_S = 10.0
+#: The least time between two resolutions a failed pass asks for.
+MIN_REFRESH_S = 1.0
+
+#: ``resolve(host, port)`` -> the addresses (IP strings) of ``host``; the default asks the system's resolver.
+Resolve = Callable[[str, int], list[str]]
+
+
+def system_resolve(host: str, port: int) -> list[str]:
+    """Every address the system's resolver gives ``host`` (a headless Service: one per ready pod)."""
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({info[4][0] for info in found})
+
+
+def _url(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+class Resolved:
+    """The replica URLs behind one ``dns:///HOST:PORT`` name, resolved again when older than ``refresh_s``."""
+
+    def __init__(self, name: str, resolve: Resolve | None = None, refresh_s: float = REFRESH_S):
+        host, _, port = name[len(DNS_PREFIX):].rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{name!r} is not {DNS_PREFIX}HOST:PORT")
+        if isinstance(refresh_s, bool) or not isinstance(refresh_s, (int, float)) or refresh_s <= 0:
+            raise ValueError(f"refresh_s must be a positive number of seconds, got {refresh_s!r}")
+        self.name, self.host, self.port = name, host.strip("[]"), int(port)
+        self.resolve = resolve or system_resolve
+        self.refresh_s = refresh_s
+        self.resolved_at = float("-inf")
+        self._lock = threading.Lock()
+
+    def urls(self) -> list[str]:
+        """The addresses now: a ServerUnavailableError when the name has none (no pod is ready)."""
+        from .errors import ServerUnavailableError  # the client's error, raised where it belongs
+
+        try:
+            addresses = self.resolve(self.host, self.port)
+        except OSError as exc:
+            addresses, reason = [], f"{type(exc).__name__}: {exc}"
+        else:
+            reason = "no addresses"
+        self.resolved_at = time.monotonic()
+        if not addresses:
+            raise ServerUnavailableError(f"{self.name} resolves to no server ({reason}); check that the Service's "
+                                         "pods are ready, then retry")
+        return [_url(a, self.port) for a in addresses]
+
+    def due(self, failed: bool = False) -> bool:
+        """Whether to resolve again: the list is older than ``refresh_s``, or a pass failed everywhere
+        and the last resolution is older than :data:`MIN_REFRESH_S`."""
+        age = time.monotonic() - self.resolved_at
+        return age >= self.refresh_s or (failed and age >= MIN_REFRESH_S)
 
 
 def parse_urls(url: str | Sequence[str] | None, default: str) -> list[str]:
@@ -48,12 +129,25 @@ class Replicas:
         """Every replica once, in the order to try for one request: the next in turn first,
         the ones set aside last (soonest back first)."""
         with self._lock:
+            if not self.urls:  # a name that has not resolved yet
+                return []
             start, self._next = self._next, (self._next + 1) % len(self.urls)
             now = time.monotonic()
             turn = self.urls[start:] + self.urls[:start]
             up = [u for u in turn if self._down_until.get(u, 0.0) <= now]
             down = sorted((u for u in turn if u not in up), key=lambda u: self._down_until[u])
             return up + down
+
+    def update(self, urls: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Serve ``urls`` from now on (a name resolved again); (added, gone).  Counts are kept."""
+        with self._lock:
+            added = [u for u in urls if u not in self.urls]
+            gone = [u for u in self.urls if u not in urls]
+            self.urls = list(urls)
+            self._next %= len(self.urls)
+            for url in gone:
+                self._down_until.pop(url, None)
+            return added, gone
 
     def succeeded(self, url: str) -> None:
         with self._lock:
@@ -66,24 +160,118 @@ class Replicas:
             self._down_until[url] = time.monotonic() + self.down_for_s
 
 
-def attempts_for(attempts: int | None, urls: Sequence[str]) -> int:
-    """How many replicas one request may try: ``attempts`` (at most one try per replica),
-    or every replica when None.  ``attempts`` below 1 is a ValueError, not "all"."""
+def attempts_for(attempts: int | None, fleet: Fleet) -> int | None:
+    """How many replicas one request may try per pass: ``attempts`` (at most one try per replica),
+    or every replica when None (None for a name: its replicas change).  ``attempts`` below 1 is a
+    ValueError, not "all"."""
+    urls = fleet.replicas.urls
     if attempts is None:
-        return len(urls)
-    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+        return None if fleet.resolved else len(urls)
+    return attempts if fleet.resolved else min(check_attempts(attempts), len(urls))
+
+
+def check_attempts(attempts: int | None) -> int | None:
+    """``attempts`` if it is None or a positive integer, else a ValueError (checked before any connection)."""
+    if attempts is not None and (isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1):
         raise ValueError(f"attempts must be a positive integer (or None: every replica once), got {attempts!r}")
-    return min(attempts, len(urls))
+    return attempts
 
 
-def retryable(exc: Exception, model: str, attempts: int, replicas: Replicas, url: str) -> RetryableError:
+def retry_budget(retry_s: float, attempts: int | None) -> float:
+    """Seconds a call keeps retrying: ``retry_s`` (>= 0), none when the caller allowed one attempt."""
+    if isinstance(retry_s, bool) or not isinstance(retry_s, (int, float)) or retry_s < 0:
+        raise ValueError(f"retry_s must be a number of seconds >= 0, got {retry_s!r}")
+    return 0.0 if attempts == 1 else float(retry_s)
+
+
+def retryable(exc: Exception, model: str, replicas: Replicas, url: str) -> RetryableError:
     """The failure of one attempt on ``url``: the client's error when the request may be tried
-    again on another replica, raised at once otherwise (a non-retryable error, or only one
-    attempt allowed, so that ``attempts=1`` and a single URL both raise the error itself).
-    A retryable failure sets the replica aside either way."""
+    again, raised at once otherwise.  A retryable failure sets the replica aside."""
     error = exc if isinstance(exc, ClientError) else p.translate(exc, model)
-    if isinstance(error, RetryableError):
-        replicas.failed_on(url)
-    if not isinstance(error, RetryableError) or attempts == 1:
+    if not isinstance(error, RetryableError):
         raise error from None
+    replicas.failed_on(url)
     return error
+
+
+class Retries:
+    """One call's passes over the replicas: the first at once, the next after pauses that double
+    from :data:`FIRST_PAUSE_S` to :data:`MAX_PAUSE_S` (with jitter, so clients that failed
+    together do not come back together), while the call's budget of ``retry_s`` lasts."""
+
+    def __init__(self, retry_s: float):
+        self.end = time.monotonic() + retry_s
+        self._pause = FIRST_PAUSE_S
+        self.passes = 0
+
+    def next_pause(self) -> float | None:
+        """Seconds to wait before the next pass (0 before the first); None when the budget is spent."""
+        self.passes += 1
+        if self.passes == 1:
+            return 0.0
+        remaining = self.end - time.monotonic()
+        if remaining <= 0:
+            return None
+        pause = min(self._pause * random.uniform(0.5, 1.0), remaining)
+        self._pause = min(self._pause * 2, MAX_PAUSE_S)
+        return pause
+
+
+def gave_up(tried: list[tuple[str, RetryableError]]) -> RetryableError:
+    """The error of a call whose last pass failed: the error itself where the pass had one try
+    (one URL, ``attempts=1``), else :class:`ReplicasFailedError` listing every try of that pass."""
+    return tried[0][1] if len(tried) == 1 else ReplicasFailedError(tried)
+
+
+class Fleet:
+    """A client's replicas and one connection (``connect(url)``) to each: the URLs given, or the
+    addresses of one ``dns:///HOST:PORT`` name, kept current by :meth:`refresh`.  Connections to
+    addresses that are gone are kept until :meth:`connections` is closed with the client: a call
+    in flight may still be using one."""
+
+    def __init__(self, url: str | Sequence[str] | None, default: str, connect: Callable[[str], object],
+                 resolve: Resolve | None = None, refresh_s: float = REFRESH_S):
+        urls = parse_urls(url, default)
+        names = [u for u in urls if u.startswith(DNS_PREFIX)]
+        if names and len(urls) > 1:
+            raise ValueError(f"give one {DNS_PREFIX}HOST:PORT name or a list of addresses, not both: {urls}")
+        #: the name resolved to the replicas, None for a fixed list
+        self.resolved = Resolved(names[0], resolve, refresh_s) if names else None
+        self.replicas = Replicas([] if names else urls)
+        self._connect = connect
+        self.clients = {u: connect(u) for u in self.replicas.urls}
+        self._retired: list = []
+        #: why the last resolution found no server (None after one that did)
+        self.error: RetryableError | None = None
+        self._lock = threading.Lock()
+
+    def refresh(self, failed: bool = False) -> None:
+        """Resolve the name again where due (:meth:`Resolved.due`).  Where it resolves to nothing the
+        replicas stay as they were, and :attr:`error` says why."""
+        if self.resolved is None or not self.resolved.due(failed):
+            return
+        with self._lock:
+            if not self.resolved.due(failed):  # resolved by another thread meanwhile
+                return
+            try:
+                urls = self.resolved.urls()
+            except RetryableError as exc:
+                self.error = exc
+                return
+            self.error = None
+            added, gone = self.replicas.update(urls)
+            for url in added:
+                self.clients[url] = self._connect(url)
+            self._retired += [self.clients.pop(url) for url in gone]
+
+    def connections(self) -> list:
+        """Every connection made, for closing."""
+        return [*self.clients.values(), *self._retired]
+
+
+def unresolved(fleet: Fleet) -> list[tuple[str, RetryableError]]:
+    """The failed "tries" of a pass that had no replica to try: a name that has not resolved to any."""
+    from .errors import ServerUnavailableError
+
+    name = fleet.resolved.name if fleet.resolved else "?"
+    return [(name, fleet.error or ServerUnavailableError(f"{name} has no server to try; retry"))]

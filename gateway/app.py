@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from nexus_sli.client import ClientError
+from nexus_sli.client.replicas import Resolve
 
 from . import openai_routes, tei_routes
 from .auth import ApiKeyMiddleware
@@ -34,15 +35,18 @@ async def metrics(request: Request) -> Response:
     return request.app.state.metrics.response()
 
 
-def create_app(config: GatewayConfig) -> Starlette:
-    """The gateway for ``config``; it connects to Triton when it starts (ASGI lifespan)."""
+def create_app(config: GatewayConfig, resolve: Resolve | None = None) -> Starlette:
+    """The gateway for ``config``; it connects to Triton when it starts (ASGI lifespan).
+    ``resolve(host, port)``: how a ``dns:///`` name in ``config.triton`` is resolved (default: the
+    system's resolver)."""
     routes = [*openai_routes.ROUTES, *tei_routes.ROUTES, Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
     counters = Metrics({route.path for route in routes})
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        app.state.backend = Backend(config.triton, config.discovery_ttl_s, config.triton_timeout_s)
+        app.state.backend = Backend(config.triton, config.discovery_ttl_s, config.triton_timeout_s,
+                                    config.triton_retry_s, resolve)
         try:
             yield
         finally:

@@ -17,11 +17,11 @@ import asyncio
 
 import numpy as np
 import tritonclient.grpc as grpc_types
-import tritonclient.grpc.aio as grpc_aio
 
-from nexus_sli.client import AsyncEncoderClient
-from nexus_sli.client.client import client_kwargs
+from nexus_sli.client import AsyncEncoderClient, ServerUnavailableError
+from nexus_sli.client.error_codes import PROMPT_PARAMETER
 from nexus_sli.client.protocol import chunks, strings, translate
+from nexus_sli.client.replicas import Fleet, Resolve
 
 from .discovery import Catalog, ServedModel
 
@@ -30,18 +30,43 @@ from .discovery import Catalog, ServedModel
 CONTROL_TIMEOUT_S = 10.0
 
 
-class Backend:
-    """One Triton server, over gRPC.  Made inside the running event loop (gRPC's
-    asyncio channels belong to the loop that made them).  Every call has a deadline
-    (``timeout_s``; the control calls at most :data:`CONTROL_TIMEOUT_S`): a Triton that
-    hangs is answered like one that is down, with a 503."""
+class AnyReplica:
+    """tritonclient's asyncio gRPC client calls (readiness, discovery, token counts) made on the first
+    replica of ``fleet`` that answers, each replica tried once, without pauses: these calls have
+    their own deadlines and must answer fast (a health probe).  The last replica's exception is
+    raised as tritonclient raised it."""
 
-    def __init__(self, url: str, ttl_s: float, timeout_s: float = 60.0):
+    def __init__(self, fleet: Fleet):
+        self._fleet = fleet
+
+    def __getattr__(self, method: str):
+        async def call(*args, **kwargs):
+            self._fleet.refresh()
+            failure: Exception = ServerUnavailableError(f"{self._fleet.resolved and self._fleet.resolved.name} "
+                                                        "has no server to ask")
+            for url in self._fleet.replicas.order():
+                try:
+                    return await getattr(self._fleet.clients[url], method)(*args, **kwargs)
+                except Exception as exc:  # noqa: BLE001 - the next replica may answer; the last error is raised
+                    failure = exc
+            raise failure
+        return call
+
+
+class Backend:
+    """Triton over gRPC: one server, or every address of a ``dns:///NAME:PORT`` name (a headless
+    Service), the inference calls spread over them by the client.  Made inside the running event
+    loop (gRPC's asyncio channels belong to the loop that made them).  Every call has a deadline
+    (``timeout_s``; the control calls at most :data:`CONTROL_TIMEOUT_S`): a Triton that hangs is
+    answered like one that is down, with a 503."""
+
+    def __init__(self, url: str, ttl_s: float, timeout_s: float = 60.0, retry_s: float = 0.0,
+                 resolve: Resolve | None = None):
         self.url = url
         self.timeout_s = timeout_s
         self.control_timeout_s = min(timeout_s, CONTROL_TIMEOUT_S)
-        self.client = AsyncEncoderClient(url, protocol="grpc", timeout_s=timeout_s)
-        self.triton = grpc_aio.InferenceServerClient(url, **client_kwargs(grpc_types, "grpc"))
+        self.client = AsyncEncoderClient(url, protocol="grpc", timeout_s=timeout_s, retry_s=retry_s, resolve=resolve)
+        self.triton = AnyReplica(self.client.fleet)
         self.catalog = Catalog(self.triton, ttl_s, self.control_timeout_s)
 
     async def ready(self) -> bool:
@@ -50,33 +75,35 @@ class Backend:
         except Exception:  # noqa: BLE001 - unreachable or too slow is not ready
             return False
 
-    async def embed(self, model: ServedModel, texts: list[str]) -> np.ndarray:
-        """Embeddings [n, dims]."""
-        return await self.client.embed(texts, model=model.name)
+    async def embed(self, model: ServedModel, texts: list[str], prompt_name: str | None = None) -> np.ndarray:
+        """Embeddings [n, dims], with the named prompt (None: the model's default prompt, if any)."""
+        return await self.client.embed(texts, model=model.name, prompt_name=prompt_name)
 
-    async def embed_counted(self, model: ServedModel, texts: list[str]) -> tuple[np.ndarray, int]:
-        """(embeddings [n, dims], tokens the model read), the two calls made at once."""
-        vectors, tokens = await asyncio.gather(self.client.embed(texts, model=model.name),
-                                               self.count_tokens(model, texts))
+    async def embed_counted(self, model: ServedModel, texts: list[str],
+                            prompt_name: str | None = None) -> tuple[np.ndarray, int]:
+        """(embeddings [n, dims], tokens the model read, the prompt's included), the two calls made at once."""
+        vectors, tokens = await asyncio.gather(self.embed(model, texts, prompt_name),
+                                               self.count_tokens(model, texts, prompt_name))
         return vectors, tokens
 
-    async def count_tokens(self, model: ServedModel, texts: list[str]) -> int:
+    async def count_tokens(self, model: ServedModel, texts: list[str], prompt_name: str | None = None) -> int:
         if model.tokenizer is None:
             return 0
-        counts = await asyncio.gather(*(self._tokens(model.tokenizer, chunk)
+        parameters = {PROMPT_PARAMETER: prompt_name} if prompt_name is not None else None
+        counts = await asyncio.gather(*(self._tokens(model.tokenizer, chunk, parameters)
                                         for chunk in chunks(texts, model.max_batch_size)))
         return int(sum(counts))
 
-    async def _tokens(self, tokenizer: str, texts: list[str]) -> int:
+    async def _tokens(self, tokenizer: str, texts: list[str], parameters: dict | None) -> int:
+        """The tokens the tokenizer step makes of ``texts``: it applies the same prompt as the ensemble."""
         tensor = grpc_types.InferInput("TEXT", [len(texts), 1], "BYTES")
         tensor.set_data_from_numpy(strings(texts).reshape(-1, 1))
         try:
-            result = await self.triton.infer(tokenizer, [tensor], client_timeout=self.timeout_s,
+            result = await self.triton.infer(tokenizer, [tensor], client_timeout=self.timeout_s, parameters=parameters,
                                              outputs=[grpc_types.InferRequestedOutput("attention_mask")])
         except Exception as exc:  # noqa: BLE001
             raise translate(exc, tokenizer) from None
         return int(result.as_numpy("attention_mask").sum())
 
     async def close(self) -> None:
-        await self.client.close()
-        await self.triton.close()
+        await self.client.close()  # its connections are the control calls' too

@@ -13,7 +13,7 @@ class GatewayConfig:
     """Every setting of one gateway.  The defaults bind loopback only and take what
     OpenAI's own API takes (2048 inputs per request)."""
 
-    #: Triton's gRPC address
+    #: Triton's gRPC address, or ``dns:///NAME:PORT`` for every address of a name (a headless Service)
     triton: str = "127.0.0.1:8001"
     host: str = "127.0.0.1"
     port: int = 8080
@@ -35,19 +35,24 @@ class GatewayConfig:
     #: seconds any call to Triton may take (inference, discovery, readiness); past it the answer
     #: is a 503, as for a Triton that is down.  A batch of 2048 texts on a CPU takes tens of seconds.
     triton_timeout_s: float = 60.0
+    #: how long one request keeps retrying Triton's retryable failures (a worker restarting, a model
+    #: reloading, a replica gone) before its answer is a 503: a short fault costs latency, not an error
+    triton_retry_s: float = 5.0
 
     def __post_init__(self):
         check_triton(self.triton)
         if not self.triton_timeout_s > 0:
             raise ValueError(f"triton_timeout_s must be positive, got {self.triton_timeout_s!r}")
+        if not self.triton_retry_s >= 0:
+            raise ValueError(f"triton_retry_s must be >= 0, got {self.triton_retry_s!r}")
 
 
 def check_triton(address: str) -> str:
-    """``address`` if it is one Triton gRPC address: a gateway fronts one server (replicas
-    belong behind a load balancer, or in the Python client's replica list)."""
+    """``address`` if it is one Triton gRPC address, or ``dns:///NAME:PORT``: every address of
+    ``NAME`` (a Kubernetes headless Service), requests spread over them (docs/deployment.md)."""
     if "," in address:
-        raise ValueError(f"--triton takes one Triton gRPC address, got {address!r}: one gateway per Triton "
-                         "(docs/gateway.md)")
+        raise ValueError(f"--triton takes one Triton gRPC address, got {address!r}; for several replicas give "
+                         "one name that resolves to all of them, dns:///NAME:PORT (docs/gateway.md)")
     if not address.strip():
         raise ValueError("--triton is empty: give Triton's gRPC address, HOST:PORT")
     return address

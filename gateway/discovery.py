@@ -15,7 +15,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from nexus_sli.client import ModelNotFoundError
+from nexus_sli.client import ModelNotFoundError, ModelUnavailableError
 from nexus_sli.client.protocol import translate
 
 from .errors import GatewayError
@@ -85,6 +85,9 @@ async def discover(triton, timeout_s: float | None = None) -> dict[str, ServedMo
     return found
 
 
+#: How long a model that was served and is missing now counts as reloading (a 503) rather than
+#: removed (a 404): a python-backend worker restarts in seconds, a large model loads in a minute or two.
+RELOAD_GRACE_S = 300.0
 #: A request naming an unknown model reads the list again, at most this often: requests
 #: for a misspelt name must not turn into a stream of config reads.
 MISS_REFRESH_S = 1.0
@@ -96,6 +99,10 @@ class Catalog:
     def __init__(self, triton, ttl_s: float, timeout_s: float | None = None):
         self._triton, self._ttl_s, self._timeout_s = triton, ttl_s, timeout_s
         self._models: dict[str, ServedModel] = {}
+        #: model -> (the model, when a list last had it).  One missing from a later list is being reloaded
+        #: (a worker that died, a new version): requests for it are a 503 to retry, not a 404 no client
+        #: would retry, for :data:`RELOAD_GRACE_S`; a model gone longer was removed, and is a 404 again
+        self._seen: dict[str, tuple[ServedModel, float]] = {}
         self._read_at = float("-inf")
         self._lock = asyncio.Lock()
 
@@ -111,14 +118,29 @@ class Catalog:
         async with self._lock:  # one read for every request that finds the list stale at once
             if self._stale(max_age_s):  # again: another request may have read it while this one waited
                 self._models = await discover(self._triton, self._timeout_s)
+                self._seen.update({n: (m, time.monotonic()) for n, m in self._models.items()})
                 self._read_at = time.monotonic()
         return self._models
+
+    def check_not_reloading(self, name: str, models: dict[str, ServedModel]) -> None:
+        """Raise the retryable :class:`ModelUnavailableError` (a 503) where ``name`` was served here and
+        is missing from ``models`` now."""
+        if name not in models and self._recently_served(name):
+            raise self._reloading(name)
+
+    def _recently_served(self, name: str) -> bool:
+        return name in self._seen and time.monotonic() - self._seen[name][1] < RELOAD_GRACE_S
+
+    def _reloading(self, name: str) -> ModelUnavailableError:
+        return ModelUnavailableError(f"model {name!r} was served here and is not ready now (being reloaded, or "
+                                     "its worker restarted); retry shortly")
 
     async def get(self, name: str, task: str) -> ServedModel:
         """The model ``name``, checked to serve ``task``: 404 if unknown, 400 naming its task if another."""
         models = await self.models()
         if name not in models:
             models = await self.models(max_age_s=MISS_REFRESH_S)
+        self.check_not_reloading(name, models)
         if name not in models:
             served = ", ".join(sorted(models)) or "none"
             raise GatewayError("not_found", f"model {name!r} is not served here; served models: {served}",
@@ -138,14 +160,18 @@ class Catalog:
         if matching:
             raise GatewayError("invalid", f"several models serve {task!r} ({', '.join(matching)}): name one with "
                                f"the request field \"model\"", param="model")
+        gone = sorted(n for n, (m, _) in self._seen.items()
+                      if m.task == task and n not in models and self._recently_served(n))
+        if len(gone) == 1:  # the route's one model, reloading
+            raise self._reloading(gone[0])
         served = ", ".join(f"{n} ({m.task})" for n, m in sorted(models.items())) or "none"
         raise GatewayError("wrong_task", f"no model here serves task {task!r}; served models: {served}",
                            param="model", code="wrong_task")
 
 
 #: The gateway route that serves each task.
-ROUTES = {"embedding": "POST /v1/embeddings or /embed", "rerank": "POST /rerank",
-          "classification": "POST /predict"}
+ROUTES = {"embedding": "POST /v1/embeddings, /embed or /embed_all", "sparse-embedding": "POST /embed_sparse",
+          "rerank": "POST /rerank", "classification": "POST /predict"}
 
 
 def _route_hint(task: str) -> str:

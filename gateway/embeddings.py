@@ -1,8 +1,9 @@
-"""What both embedding routes share: the size check, normalisation, and the float/base64 encodings."""
+"""What both embedding routes share: prompts, Matryoshka sizes, normalisation, and the float/base64 encodings."""
 
 from __future__ import annotations
 
 import base64
+import json
 
 import numpy as np
 
@@ -10,17 +11,38 @@ from .discovery import ServedModel
 from .errors import GatewayError
 
 
-def check_dimensions(value, model: ServedModel) -> None:
-    """``dimensions`` may only restate the model's own size: a model trained for shorter
-    (Matryoshka) embeddings would say so, and no export does yet."""
+def prompts(model: ServedModel) -> dict[str, str]:
+    """The model's named prompts (from its sentence-transformers config; empty: none)."""
+    return json.loads(model.params.get("prompts", "{}"))
+
+
+def trained_dimensions(model: ServedModel) -> list[int]:
+    """The sizes the model was trained for (Matryoshka), largest first, where its card names them."""
+    return json.loads(model.params.get("matryoshka_dims", "[]"))
+
+
+def check_prompt(value, model: ServedModel) -> str | None:
+    """``prompt_name`` if it names one of the model's prompts; None (the model's default prompt, if any)."""
     if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise GatewayError("invalid", f"dimensions must be a positive integer, got {value!r}", param="dimensions")
-    if value != model.dimensions:
-        raise GatewayError("invalid", f"model {model.name!r} makes {model.dimensions}-dimensional embeddings and "
-                           f"was not trained for shorter ones; omit dimensions or send {model.dimensions}",
-                           param="dimensions", code="dimensions_not_supported")
+        return None
+    known = prompts(model)
+    if not isinstance(value, str) or value not in known:
+        listed = ", ".join(known) if known else "none: this model has no prompts"
+        raise GatewayError("invalid", f"unknown prompt_name {value!r} for model {model.name!r}; its prompts: {listed}",
+                           param="prompt_name", code="prompt_not_found")
+    return value
+
+
+def check_dimensions(value, model: ServedModel) -> int | None:
+    """``dimensions``: any size from 1 to the model's (the vectors are cut to it and normalised again)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= model.dimensions:
+        trained = trained_dimensions(model)
+        hint = f"; it was trained for {', '.join(map(str, trained))}" if trained else ""
+        raise GatewayError("invalid", f"dimensions must be an integer from 1 to {model.dimensions} for model "
+                           f"{model.name!r}{hint}; got {value!r}", param="dimensions")
+    return value
 
 
 def normalizes(model: ServedModel) -> bool:

@@ -1,4 +1,4 @@
-"""Request counts and latency histograms, in Prometheus' text format at ``/metrics``.
+"""Request counts, latency histograms and requests in flight, in Prometheus' text format at ``/metrics``.
 
 Each app has its own registry, so two gateways in one process (tests) never
 share counts.  Routes are labelled by their path for the routes the gateway
@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
 #: Seconds; a batch of 2048 texts on a CPU takes tens of seconds.
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+#: Not load: probes and scrapes are left out of the in-flight gauge (a scrape would count itself).
+NOT_IN_FLIGHT = frozenset({"/health", "/metrics"})
 
 
 class Metrics:
@@ -29,6 +32,10 @@ class Metrics:
                                  buckets=BUCKETS, registry=self.registry)
         self.texts = Counter("nexus_sli_gateway_texts", "Texts sent to Triton, by route", ["route"],
                              registry=self.registry)
+        # No labels: one series per gateway from its start, 0 when idle, which the autoscaler's
+        # metric (deploy/k8s/monitoring/prometheus-adapter-values.yaml) needs to exist
+        self.in_flight = Gauge("nexus_sli_gateway_requests_in_flight",
+                               "HTTP requests being answered now (probes and scrapes left out)", registry=self.registry)
 
     def route(self, path: str) -> str:
         return path if path in self.routes else "other"
@@ -45,10 +52,15 @@ class MetricsMiddleware(BaseHTTPMiddleware):
     async def dispatch(self, request: Request, call_next):
         route, start = self.metrics.route(request.url.path), time.perf_counter()
         status = 500
+        counted = request.url.path not in NOT_IN_FLIGHT
+        if counted:
+            self.metrics.in_flight.inc()
         try:
             response = await call_next(request)
             status = response.status_code
             return response
         finally:
+            if counted:
+                self.metrics.in_flight.dec()
             self.metrics.latency.labels(route, request.method).observe(time.perf_counter() - start)
             self.metrics.requests.labels(route, request.method, str(status)).inc()

@@ -2,7 +2,9 @@
 
 As OpenAI defines them (platform.openai.com/docs/api-reference/embeddings):
 ``input`` a string or a list of strings, ``model``, ``encoding_format``
-``float`` or ``base64``, ``dimensions``, ``user`` (accepted, unused); the answer
+``float`` or ``base64``, ``dimensions`` (any size from 1 to the model's: cut,
+then normalised), ``user`` (accepted, unused), and ours, ``prompt_name`` (one
+of the model's prompts; the SDK sends it in ``extra_body``); the answer
 is ``{"object": "list", "data": [{"object": "embedding", "index", "embedding"}],
 "model", "usage": {"prompt_tokens", "total_tokens"}}``.
 """
@@ -13,7 +15,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from .embeddings import check_dimensions, encode, normalizes, unit_rows
+from nexus_sli.client.calls import truncate
+from nexus_sli.tasks.spec import TOKEN_TASK
+
+from .embeddings import check_dimensions, check_prompt, encode, normalizes, prompts, trained_dimensions, unit_rows
 from .errors import GatewayError
 from .limits import check_texts, read_json, text_list
 
@@ -35,10 +40,13 @@ async def embeddings(request: Request) -> JSONResponse:
         raise GatewayError("invalid", f"encoding_format must be one of {', '.join(ENCODING_FORMATS)}, "
                            f"got {encoding_format!r}", param="encoding_format")
     model = await state.backend.catalog.get(name, "embedding")
-    check_dimensions(body.get("dimensions"), model)
-    vectors, tokens = await state.backend.embed_counted(model, texts)
+    dimensions = check_dimensions(body.get("dimensions"), model)
+    prompt_name = check_prompt(body.get("prompt_name"), model)  # ours: the openai SDK sends it in extra_body
+    vectors, tokens = await state.backend.embed_counted(model, texts, prompt_name)
     state.metrics.texts.labels(request.url.path).inc(len(texts))
-    if not normalizes(model):  # OpenAI's embeddings are unit vectors; so are these
+    if dimensions is not None:  # cut to the size asked for, then a unit vector again
+        vectors = truncate(vectors, dimensions)
+    elif not normalizes(model):  # OpenAI's embeddings are unit vectors; so are these
         vectors = unit_rows(vectors)
     data = [{"object": "embedding", "index": i, "embedding": encode(v, encoding_format)}
             for i, v in enumerate(vectors)]
@@ -51,9 +59,19 @@ async def models(request: Request) -> JSONResponse:
     The list is the catalog's (read again after its refresh interval), so polling this route
     never turns into a discovery per request."""
     served = await request.app.state.backend.catalog.models()
-    data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "nexus-sli", "task": m.task}
-            for m in sorted(served.values(), key=lambda m: m.name)]
+    # an embedding model's NAME_tokens ensemble is part of it (TEI's /embed_all), not a model of its own
+    data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "nexus-sli", "task": m.task, **_described(m)}
+            for m in sorted(served.values(), key=lambda m: m.name) if m.task != TOKEN_TASK]
     return JSONResponse({"object": "list", "data": data})
+
+
+def _described(model) -> dict:
+    """Ours, for embedding models: the size, the sizes it was trained for (Matryoshka; any size up to
+    ``dimensions`` may be asked for), and its named prompts."""
+    if model.task != "embedding":
+        return {}
+    return {"dimensions": model.dimensions, "matryoshka_dimensions": trained_dimensions(model),
+            "prompts": prompts(model), "default_prompt_name": model.params.get("default_prompt_name")}
 
 
 ROUTES = [Route("/v1/embeddings", embeddings, methods=["POST"]), Route("/v1/models", models, methods=["GET"])]

@@ -1,4 +1,4 @@
-"""text-embeddings-inference's routes: ``POST /embed``, ``/rerank``, ``/predict``.
+"""text-embeddings-inference's routes: ``POST /embed``, ``/embed_sparse``, ``/embed_all``, ``/rerank``, ``/predict``.
 
 Request and response shapes are TEI's (its OpenAPI description is kept as test
 data in tests/data/tei/).  TEI serves one model, so its requests name none; here
@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .discovery import MISS_REFRESH_S
-from .embeddings import check_dimensions, normalizes, unit_rows
+from .embeddings import check_dimensions, check_prompt, normalizes, unit_rows
 from .errors import GatewayError
 from .limits import check_texts, flag, read_json, text_list
 
@@ -32,6 +32,7 @@ async def _model(request: Request, body: dict, task: str):
             models = await catalog.models(max_age_s=MISS_REFRESH_S)
         if pinned in models and models[pinned].task == task:
             return models[pinned]
+        catalog.check_not_reloading(pinned, models)
         if pinned not in models:  # a misspelt flag must not quietly route to another model
             fitting = ", ".join(sorted(n for n, m in models.items() if m.task == task)) or "none"
             raise GatewayError("not_found", f"the gateway's --tei-model {pinned!r} is not served here; models "
@@ -78,28 +79,52 @@ def logits(scores: list[float]) -> list[float]:
     return (np.log(p) - np.log1p(-p)).tolist()
 
 
-async def embed(request: Request) -> JSONResponse:
+async def _embedding_request(request: Request, task: str):
+    """(state, body, texts, model, prompt_name) of a TEI embedding-kind request: ``inputs``, the truncation
+    options, ``prompt_name``; the model serving ``task``."""
     state = request.app.state
     body = await read_json(request, state.config.max_body_bytes)
     if "inputs" not in body:
         raise GatewayError("invalid", "inputs is required: a string or a list of strings", param="inputs")
     texts = check_texts(text_list(body["inputs"], "inputs"), state.config, "inputs")
     _check_truncation(body)
-    if body.get("prompt_name") is not None:
-        raise GatewayError("invalid", "prompt_name is not available: send the prompt as part of the text",
-                           param="prompt_name")
-    model = await _model(request, body, "embedding")
-    check_dimensions(body.get("dimensions"), model)
+    model = await _model(request, body, task)
+    return state, body, texts, model, check_prompt(body.get("prompt_name"), model)
+
+
+async def embed(request: Request) -> JSONResponse:
+    state, body, texts, model, prompt_name = await _embedding_request(request, "embedding")
+    dimensions = check_dimensions(body.get("dimensions"), model)
     normalize = flag(body, "normalize", True)
     if not normalize and normalizes(model):
         raise GatewayError("invalid", f"normalize=false is not available for model {model.name!r}: its export "
                            "normalises in the server (export it with normalisation off for raw vectors)",
                            param="normalize")
-    vectors = await state.backend.embed(model, texts)  # TEI reports no token counts: none are made
+    vectors = await state.backend.embed(model, texts, prompt_name)  # TEI reports no token counts: none are made
     state.metrics.texts.labels(request.url.path).inc(len(texts))
-    if normalize and not normalizes(model):
+    if dimensions is not None:  # TEI cuts first, then normalises (when asked)
+        vectors = vectors[:, :dimensions]
+    if normalize and (dimensions is not None or not normalizes(model)):
         vectors = unit_rows(vectors)
     return JSONResponse(np.asarray(vectors, dtype=np.float32).tolist())
+
+
+async def embed_sparse(request: Request) -> JSONResponse:
+    """A sparse-embedding (SPLADE) model's active terms per text, as TEI's ``[{index, value}]``, ids ascending."""
+    state, _, texts, model, prompt_name = await _embedding_request(request, "sparse-embedding")
+    found = await state.backend.client.embed_sparse(texts, model=model.name, prompt_name=prompt_name)
+    state.metrics.texts.labels(request.url.path).inc(len(texts))
+    return JSONResponse([[{"index": int(i), "value": float(v)} for i, v in zip(e.indices, e.values)]
+                         for e in found])
+
+
+async def embed_all(request: Request) -> JSONResponse:
+    """Each token's vector, unpooled, per text (special tokens included), from the embedding model's
+    token ensemble (``NAME_tokens``)."""
+    state, _, texts, model, prompt_name = await _embedding_request(request, "embedding")
+    found = await state.backend.client.embed_tokens(texts, model=model.name, prompt_name=prompt_name)
+    state.metrics.texts.labels(request.url.path).inc(len(texts))
+    return JSONResponse([np.asarray(vectors, dtype=np.float32).tolist() for vectors in found])
 
 
 async def rerank(request: Request) -> JSONResponse:
@@ -160,4 +185,5 @@ async def predict(request: Request) -> JSONResponse:
 
 # TEI answers ``POST /`` too (for an embedding model: embed); huggingface_hub's InferenceClient posts there
 ROUTES = [Route("/", embed, methods=["POST"]), Route("/embed", embed, methods=["POST"]),
+          Route("/embed_sparse", embed_sparse, methods=["POST"]), Route("/embed_all", embed_all, methods=["POST"]),
           Route("/rerank", rerank, methods=["POST"]), Route("/predict", predict, methods=["POST"])]

@@ -30,4 +30,7 @@ SPEC = register(TaskSpec(
     parse=parse,
     post_params=post_params,
     per_token=True,
+    pooled_by="sentence",
+    # beside the pooled embedding, each token's state: served as NAME_tokens (TEI's /embed_all)
+    token_states=Tensor("TOKEN_EMBEDDINGS", "FP32", (-1, HIDDEN)),
 ))

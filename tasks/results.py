@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Label:
@@ -33,3 +35,17 @@ class Ranked:
     index: int
     score: float
     document: str
+
+
+@dataclass(frozen=True, eq=False)
+class SparseEmbedding:
+    """A text's active vocabulary terms: their ids (ascending) and weights."""
+
+    indices: np.ndarray
+    values: np.ndarray
+
+    def dense(self, size: int) -> np.ndarray:
+        """The ``[size]`` vector (size: the model's vocabulary, ``vocab_size`` of its ensemble)."""
+        vector = np.zeros(size, np.float32)
+        vector[self.indices] = self.values
+        return vector

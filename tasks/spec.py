@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 #: Symbolic dims, resolved against the model when the Triton config is written.
-HIDDEN, LABELS = "hidden", "labels"
+HIDDEN, LABELS, VOCAB = "hidden", "labels", "vocab"
 
 
 class TaskError(ValueError):
@@ -25,19 +25,30 @@ class TaskError(ValueError):
 @dataclass(frozen=True)
 class Tensor:
     """One tensor of the ensemble.  ``dtype`` is Triton's type name without ``TYPE_``;
-    dims exclude the batch dimension and may name :data:`HIDDEN` or :data:`LABELS`."""
+    dims exclude the batch dimension and may name :data:`HIDDEN`, :data:`LABELS` or :data:`VOCAB`."""
 
     name: str
     dtype: str
     dims: tuple[int | str, ...]
 
-    def resolved(self, hidden_size: int, num_labels: int) -> "Tensor":
-        sizes = {HIDDEN: hidden_size, LABELS: num_labels}
+    def resolved(self, hidden_size: int, num_labels: int, vocab_size: int = 0) -> "Tensor":
+        sizes = {HIDDEN: hidden_size, LABELS: num_labels, VOCAB: vocab_size}
         return Tensor(self.name, self.dtype, tuple(sizes.get(d, d) for d in self.dims))
 
 
 def text(name: str, dims: tuple[int, ...] = (1,)) -> Tensor:
     return Tensor(name, "STRING", dims)
+
+
+#: A graph that keeps its token states (:attr:`TaskSpec.token_states`) is served twice: ``NAME``
+#: answers the task, ``NAME + TOKEN_MODEL_SUFFIX`` answers the token states, and ``NAME``'s ensemble
+#: parameter ``TOKEN_MODEL_PARAMETER`` names it.  That second ensemble's ``task`` parameter is
+#: :data:`TOKEN_TASK` (not a task of its own: it is exported with the one it serves).
+TOKEN_MODEL_SUFFIX, TOKEN_MODEL_PARAMETER, TOKEN_TASK = "_tokens", "token_model", "token-embedding"
+#: The second ensemble's other output: the tokenizer's attention mask, padded as the tokenizer pads.
+#: Row i's real tokens are ``token_states[i, :TOKEN_MASK[i].sum()]`` (the states may be cut shorter
+#: than the mask, never shorter than the longest real row of the batch).
+TOKEN_MASK = Tensor("ATTENTION_MASK", "INT64", (-1,))
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,14 @@ class TaskSpec:
     pair: bool = False
     #: the outputs have a sequence axis (one value per token), cut to the batch's real tokens
     per_token: bool = False
+    #: what turns the graph's outputs into ``results`` inside the graph, so that the encoder answers
+    #: them itself (tokenizer -> encoder, no post-processing step): ``sentence`` (mean, cls or max
+    #: pooling and normalisation, as the model's sentence-transformers folder says), ``splade``
+    #: (SPLADE pooling of masked-LM logits); None: the head of the post-processing step does it
+    pooled_by: str | None = None
+    #: where the graph pools: its token states kept as a second graph output (fp32, before pooling),
+    #: which a second ensemble, ``NAME_tokens``, serves beside the pooled one (None: not kept)
+    token_states: Tensor | None = None
 
     def build(self, config: Any):
         import transformers

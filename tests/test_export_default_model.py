@@ -40,7 +40,8 @@ def test_default_name_and_fp32_parity(repo):
     # the graph ends in the pooling: validation compared its [batch, 384] embeddings as they come
     assert report["pooled_in_graph"] is True and report["cosine_min"] > 0.99999
     graph = onnx.load(str(repo / "all_minilm_l6_v2_encoder" / "1" / "model.onnx")).graph
-    assert [o.name for o in graph.output] == ["EMBEDDING"]
+    # ... with the token states beside it, for the NAME_tokens ensemble (TEI's /embed_all)
+    assert [o.name for o in graph.output] == ["EMBEDDING", "TOKEN_EMBEDDINGS"]
 
 
 def test_int8_fidelity(repo):

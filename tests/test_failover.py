@@ -19,7 +19,7 @@ import pytest
 
 import object_store
 from nexus_sli.client import AsyncEncoderClient, EncoderClient, ReplicasFailedError, ServerUnavailableError
-from nexus_sli.client.replicas import Replicas, parse_urls
+from nexus_sli.client.replicas import RETRY_S, Replicas, parse_urls
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.serving import server as serve
@@ -48,16 +48,20 @@ def test_replicas_take_turns_and_set_a_failed_one_aside():
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_all_replicas_down_is_one_error_with_every_attempt(protocol):
     dead = [f"127.0.0.1:{port}" for port in object_store.free_ports(2)]
-    with EncoderClient(dead, protocol=protocol, model="embedder", timeout_s=5) as client:
+    started = time.monotonic()
+    with EncoderClient(dead, protocol=protocol, model="embedder", timeout_s=5, retry_s=1.0) as client:
         with pytest.raises(ReplicasFailedError) as failed:
             client.embed("text")
-    assert [url for url, _ in failed.value.attempts] == dead
+    # passes over both replicas, with pauses, until the retry budget was spent; the error lists the last pass
+    assert time.monotonic() - started >= 1.0 and all(client.replicas.failed[url] > 1 for url in dead)
+    assert sorted(url for url, _ in failed.value.attempts) == sorted(dead)
     assert all(isinstance(error, ServerUnavailableError) for _, error in failed.value.attempts)
     assert all(url in str(failed.value) for url in dead)
-    # one URL: its own error, as before
-    with EncoderClient(dead[:1], protocol=protocol, model="embedder", timeout_s=5) as one:
+    # one URL: retried the same way, then its own error
+    with EncoderClient(dead[:1], protocol=protocol, model="embedder", timeout_s=5, retry_s=1.0) as one:
         with pytest.raises(ServerUnavailableError):
             one.embed("text")
+    assert one.replicas.failed[dead[0]] > 1
 
 
 def test_attempts_caps_the_tries_and_one_attempt_raises_the_error_itself():
@@ -79,6 +83,10 @@ def test_attempts_caps_the_tries_and_one_attempt_raises_the_error_itself():
             EncoderClient(dead, attempts=bad)
         with pytest.raises(ValueError, match="attempts must be a positive integer"):
             AsyncEncoderClient(dead, attempts=bad)
+    for bad in (-1, True, "5"):
+        with pytest.raises(ValueError, match="retry_s must be a number of seconds >= 0"):
+            EncoderClient(dead, retry_s=bad)
+    assert EncoderClient(dead, attempts=1).retry_s == 0 and EncoderClient(dead).retry_s == RETRY_S
     assert EncoderClient(dead, attempts=5).attempts == 2 and EncoderClient(dead).attempts == 2
 
 

@@ -22,8 +22,10 @@ from nexus_sli.exporter.serving import server as serve
 from nexus_sli.exporter.triton import publish as pub
 
 BUCKET = "models"
-#: the embedding ensemble's models: its encoder graph pools, so there is no post-processing step
-MODELS = ("embedder_tokenizer", "embedder_encoder", "embedder")
+#: the embedding ensemble's models: its encoder graph pools, so there is no post-processing step; the
+#: token-embedding ensemble shares its steps, so both are published in one group
+STEPS = ("embedder_tokenizer", "embedder_encoder")
+MODELS = (*STEPS, "embedder", "embedder_tokens")
 TEXTS = ["the first text", "another one, a little longer than the first", "short", "ünïcödé text ✓"]
 
 
@@ -175,7 +177,7 @@ def test_a_failed_publish_leaves_the_published_version_serving(s3, exports, tmp_
         assert [g.version for g in plan.groups] == [3]  # never reuses the interrupted folder's number
         pub.publish(exports["b"]["repo"], destination)
         # the steps keep the version the ensemble pinned until the next publish; the ensemble pins 3
-        for step in MODELS[:-1]:
+        for step in STEPS:
             assert list(_config(s3, "prod", step).version_policy.specific.versions) == [1, 3]
         assert [s.model_version for s in _config(s3, "prod", "embedder").ensemble_scheduling.step] == [3, 3]
         assert _extras(s3, "prod") == (exports["b"]["repo"] / "embedder_encoder" / "validation.json").read_bytes()
@@ -215,7 +217,7 @@ def test_a_publish_stopped_while_switching_keeps_one_consistent_set_and_is_finis
     with pytest.raises(KeyboardInterrupt):
         pub.publish(exports["b"]["repo"], destination, after_upload=stop_before_the_ensemble)
     # the steps serve both versions, the ensemble still pins the previous one: a starting server loads version 1
-    for step in MODELS[:-1]:
+    for step in STEPS:
         assert list(_config(s3, "switching", step).version_policy.specific.versions) == [1, 2]
     ensemble = _config(s3, "switching", "embedder")
     assert list(ensemble.version_policy.specific.versions) == [1]
@@ -224,7 +226,7 @@ def test_a_publish_stopped_while_switching_keeps_one_consistent_set_and_is_finis
     # version; the steps keep the version the ensemble pinned (1), not the never-switched 2
     finished = pub.publish(exports["b"]["repo"], destination)
     assert [g.version for g in finished.groups] == [3] and "switching" in finished.groups[0].reason
-    for step in MODELS[:-1]:
+    for step in STEPS:
         assert list(_config(s3, "switching", step).version_policy.specific.versions) == [1, 3]
     ensemble = _config(s3, "switching", "embedder")
     assert list(ensemble.version_policy.specific.versions) == [3]
@@ -233,11 +235,12 @@ def test_a_publish_stopped_while_switching_keeps_one_consistent_set_and_is_finis
     # the publish after that drops version 1: the steps serve the pinned 3 and the new 4; --prune then
     # deletes every version folder no config serves (servers copy a model's whole folder on load)
     done = pub.publish(exports["a"]["repo"], destination, prune=True)
-    for step in MODELS[:-1]:
+    for step in STEPS:
         assert list(_config(s3, "switching", step).version_policy.specific.versions) == [3, 4]
-    assert done.pruned == {"embedder_tokenizer": [1, 2], "embedder_encoder": [1, 2], "embedder": [1, 2, 3]}
+    assert done.pruned == {"embedder_tokenizer": [1, 2], "embedder_encoder": [1, 2], "embedder": [1, 2, 3],
+                           "embedder_tokens": [1, 2, 3]}
     folders = {tuple(key.split("/")[1:3]) for key in _keys(s3, "switching") if key.count("/") >= 3}
-    assert folders == {(m, v) for m in MODELS[:-1] for v in ("3", "4")} | {("embedder", "4")}
+    assert folders == {(m, v) for m in STEPS for v in ("3", "4")} | {("embedder", "4"), ("embedder_tokens", "4")}
     assert "deleted (served by no config)" in "\n".join(done.describe())
 
 
@@ -336,7 +339,7 @@ def test_the_kubernetes_command_line_serves_from_object_storage(s3, exports, tmp
     from test_k8s import render
 
     pub.publish(exports["a"]["repo"], _destination(s3, "k8s"))
-    (deployment,) = [d for d in render("cpu") if d["kind"] == "Deployment"]
+    (deployment,) = [d for d in render("cpu") if d["kind"] == "Deployment" and d["metadata"]["name"] == "nexus-sli-triton"]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     http, grpc, metrics = object_store.free_ports(3)
     key = secrets.token_urlsafe(24)

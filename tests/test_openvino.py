@@ -76,10 +76,11 @@ def test_openvino_session_matches_onnxruntime_at_fp32(exported):
     """The OpenVINO graph pools in the graph (the default); the ONNX Runtime one answers token states,
     pooled here as its post-processing step does (the tiny model has no sentence-transformers files: mean)."""
     feeds = _feeds([12, 3], 20)
-    (ov_pooled,) = OpenVINOSession(exported / "ov_encoder" / "1" / "model.onnx").run(None, feeds)
+    ov_pooled, ov_tokens = OpenVINOSession(exported / "ov_encoder" / "1" / "model.onnx").run(None, feeds)
     (ort_hidden,) = session(exported / "ort_encoder" / "1" / "model.onnx").run(None, feeds)
     assert ort_hidden.shape == (2, 12, ort_hidden.shape[2]) and ov_pooled.shape == (2, ort_hidden.shape[2])
     np.testing.assert_allclose(ov_pooled, pool(ort_hidden, feeds["attention_mask"][:, :12], "mean"), atol=1e-4)
+    np.testing.assert_allclose(ov_tokens, ort_hidden, atol=1e-4)  # the token states kept beside the embedding
 
 
 def test_openvino_int8_is_an_nncf_ir_held_to_the_static_thresholds(tiny_checkpoint, tmp_path):
@@ -206,10 +207,10 @@ def test_cli_export_defaults_to_auto_and_records_what_it_measured(monkeypatch, t
     assert {(r["backend"], r["precision"]) for r in rows} == set(TWO_RUNTIMES)
     assert all(r["passed"] and set(r["timings_ms"]) == {"batch of 32", "one short text"} for r in rows)
     chosen = [r for r in rows if r["chosen"]]
-    assert len(chosen) == 1 and chosen[0]["score_ms"] == min(r["score_ms"] for r in rows)
+    assert len(chosen) == 1 and chosen[0]["score"] == min(r["score"] for r in rows if r["score"] is not None)
     assert (report["backend"], report["precision"], report["graph"]) == (
         chosen[0]["backend"], chosen[0]["precision"], chosen[0]["graph"])
-    assert report["passed"] and len(report["workloads"]) == 2
+    assert report["passed"] and len(report["workloads"]) == 2 and report["timing"]["optimize"] == "balanced"
 
 
 @pytest.mark.parametrize("faster, platform", [("openvino", ""), ("onnxruntime", "onnxruntime_onnx")])
@@ -232,6 +233,6 @@ def test_auto_keeps_the_fastest_configuration_that_passes(monkeypatch, tiny_chec
         ("openvino", "int8", False), ("onnxruntime", "fp32", True), ("openvino", "fp32", True)]
     assert "cosine_mean" in attempts[0]["failures"][0] and result.report["passed"]
     failed = [r for r in result.report["measured"] if not r["passed"]]
-    assert failed and all(r["timings_ms"] == {} and r["score_ms"] is None for r in failed)  # failures are not timed
+    assert failed and all(r["timings_ms"] == {} and r["score"] is None for r in failed)  # failures are not timed
     config = triton_config.read(out / "tiny_encoder" / "config.pbtxt")
     assert (config.platform, config.backend) == (platform, "openvino" if faster == "openvino" else "")

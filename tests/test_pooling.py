@@ -161,38 +161,46 @@ def test_validation_compares_the_pooled_output_as_it_comes(tiny):
 def test_pooled_layout_is_tokenizer_then_encoder():
     lay = tc.layout("embedding", ["input_ids", "attention_mask"], 384, 0, pooled=True)
     assert lay.encoder_answers and lay.post_inputs == ()
-    assert [(t.name, t.dims) for t in lay.encoder_outputs] == [("EMBEDDING", (384,))] == \
-        [(t.name, t.dims) for t in lay.outputs]
+    assert [(t.name, t.dims) for t in lay.outputs] == [("EMBEDDING", (384,))]
+    # the encoder also answers the token states it keeps; the embedding ensemble does not map them
+    assert [(t.name, t.dims) for t in lay.encoder_outputs] == [("EMBEDDING", (384,)), ("TOKEN_EMBEDDINGS", (-1, 384))]
     ensemble = tc.ensemble_config("m", "embedding", lay, ["input_ids", "attention_mask"], ("t", "e"), {})
     steps = ensemble.ensemble_scheduling.step
     assert [s.model_name for s in steps] == ["t", "e"]
     assert dict(steps[1].output_map) == {"EMBEDDING": "EMBEDDING"}
     serving = tc.EncoderServing(platform="onnxruntime_onnx")
     encoder = tc.encoder_config("e", lay, ["input_ids", "attention_mask"], serving)
-    assert [(o.name, list(o.dims)) for o in encoder.output] == [("EMBEDDING", [384])]
+    assert [(o.name, list(o.dims)) for o in encoder.output] == [("EMBEDDING", [384]), ("TOKEN_EMBEDDINGS", [-1, 384])]
     with pytest.raises(ValueError, match="takes 2 steps"):
         tc.ensemble_config("m", "embedding", lay, ["input_ids", "attention_mask"], ("t", "e", "p"), {})
 
 
 def test_export_pools_in_the_graph_and_retires_an_earlier_post_processing_step(tiny_checkpoint, tmp_path):
-    """The default export: two steps, the encoder's output EMBEDDING; exporting over a repository that
-    has the earlier three-step ensemble of the same name removes its post-processing model."""
+    """The default export: two steps, the encoder's outputs EMBEDDING and the token states, served by a
+    second ensemble; exporting over a repository that has the earlier three-step ensemble of the same
+    name removes its post-processing model, and exporting that again removes the token ensemble."""
     out = tmp_path / "repo"
     run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name="tiny", out=out, pool_in_graph=False))
     assert (out / "tiny_postprocess").is_dir()
     texts = validation_texts()[:40]
     before = _in_process(out, texts)  # the bench's in-process run of the served graph, python pooling
     result = run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name="tiny", out=out))
-    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["tiny", "tiny_encoder", "tiny_tokenizer"]
+    models = ["tiny", "tiny_encoder", "tiny_tokenizer"]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [*models, "tiny_tokens"]
     report = json.loads((out / "tiny_encoder" / "validation.json").read_text())
-    assert report == result.report and report["pooled_in_graph"] is True and report["outputs"] == ["EMBEDDING"]
+    assert report == result.report and report["pooled_in_graph"] is True
+    assert report["outputs"] == ["EMBEDDING", "TOKEN_EMBEDDINGS"]
     assert report["passed"] and report["max_abs_diff"] <= 1e-4
     graph = onnx.load(str(out / "tiny_encoder" / "1" / "model.onnx")).graph
-    assert [o.name for o in graph.output] == ["EMBEDDING"] and pooling_nodes(out / "tiny_encoder" / "1" / "model.onnx")
+    assert [o.name for o in graph.output] == ["EMBEDDING", "TOKEN_EMBEDDINGS"]
+    assert pooling_nodes(out / "tiny_encoder" / "1" / "model.onnx")
     ensemble = tc.read(out / "tiny" / "config.pbtxt")
     assert [s.model_name for s in ensemble.ensemble_scheduling.step] == ["tiny_tokenizer", "tiny_encoder"]
     assert ensemble.parameters["pooling"].string_value == "mean"  # clients still read how it pools
+    assert ensemble.parameters["token_model"].string_value == "tiny_tokens"
     np.testing.assert_allclose(_in_process(out, texts), before, atol=1e-5)  # the graph's own pooling
+    run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name="tiny", out=out, pool_in_graph=False))
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted([*models, "tiny_postprocess"])
 
 
 def _in_process(repo, texts):

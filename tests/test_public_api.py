@@ -43,3 +43,20 @@ def test_importing_the_exporter_package_stays_cheap():
 def test_the_light_parts_import_without_torch():
     assert _heavy_modules_after("import nexus_sli.exporter, nexus_sli.exporter.errors, "
                                 "nexus_sli.exporter.serving.server, nexus_sli.client, nexus_sli.cli.main") == []
+
+
+def test_the_gateway_command_runs_where_only_its_extra_is_installed():
+    """The gateway's image installs nexus-sli[gateway] alone: no onnx, torch or transformers.  Its command
+    must still parse, and a command that needs what is missing says which extra to install."""
+    import subprocess
+    import sys
+
+    blocked = "import sys\nfor m in ('onnx', 'onnxruntime', 'openvino', 'torch', 'transformers'): sys.modules[m] = None\n"
+    script = blocked + ("from nexus_sli.cli.main import build_parser, main\n"
+                        "args = build_parser().parse_args(['gateway', '--triton', 'dns:///triton-headless:8001'])\n"
+                        "print(args.triton)\n"
+                        "sys.exit(main(['export']))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "dns:///triton-headless:8001", done.stderr
+    assert done.returncode == 2 and "'export' needs nexus-sli[export]" in done.stderr
+    assert "pip install 'nexus-sli[export]'" in done.stderr

@@ -89,7 +89,7 @@ def test_auto_measured_every_configuration_and_kept_a_passing_one(served):
     assert {row["precision"] for row in rows} >= {"fp32", "int8"}
     (chosen,) = [row for row in rows if row["chosen"]]
     assert chosen["passed"] and chosen["cosine_min"] >= AUTO_BAR["cosine_min"]
-    assert chosen["score_ms"] == min(row["score_ms"] for row in rows if row["passed"])
+    assert chosen["score"] == min(row["score"] for row in rows if row["passed"])
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

@@ -477,20 +477,24 @@ def _kill_export_at(command, delay):
 class _Prober(threading.Thread):
     """Embeds ``TEXTS`` again and again through one client; records what came back."""
 
-    def __init__(self, url, protocol="grpc", model="embedder"):
+    def __init__(self, url, protocol="grpc", model="embedder", **options):
         super().__init__(daemon=True)
-        self.client = EncoderClient(url, protocol=protocol)
+        self.client = EncoderClient(url, protocol=protocol, **options)
         self.model = model
         self.stopping = threading.Event()
         self.results: list[tuple[float, object]] = []  # (time, vectors or the exception)
+        #: the longest call, in seconds
+        self.slowest = 0.0
 
     def run(self):
         while not self.stopping.is_set():
+            started = time.monotonic()
             try:
                 self.results.append((time.monotonic(), self.client.embed(TEXTS, model=self.model)))
             except Exception as exc:  # noqa: BLE001 - recorded and checked by the test
                 self.results.append((time.monotonic(), exc))
                 time.sleep(0.05)
+            self.slowest = max(self.slowest, time.monotonic() - started)
 
     def finish(self):
         self.stopping.set()
@@ -544,9 +548,11 @@ def test_killed_exports_while_serving_then_restart_on_the_same_ports(served):
     assert np.allclose(grpc_client.embed(TEXTS, model="embedder"), reference, atol=1e-5)
     serve.stop(served["process"])
     for client in (grpc_client, http_client):
+        client.retry_s = 1.0  # a server that stays down: the error once the retry budget is spent
+        started = time.monotonic()
         with pytest.raises(ServerUnavailableError, match="unreachable.*retry") as caught:
             client.embed(TEXTS, model="embedder")
-        assert isinstance(caught.value, RetryableError)
+        assert isinstance(caught.value, RetryableError) and time.monotonic() - started >= 1.0
     served["process"] = served["start"]()  # same repository, same ports
     for client in (grpc_client, http_client):
         deadline = time.monotonic() + 30
@@ -561,18 +567,16 @@ def test_killed_exports_while_serving_then_restart_on_the_same_ports(served):
         client.close()
 
 
-@pytest.mark.parametrize("ensemble, step", [("embedder", "tokenizer"), ("embedder", "encoder"),
-                                            ("legacy", "postprocess")])
-def test_killed_worker_is_restarted_and_clients_get_retryable_errors(served, ensemble, step, caplog):
-    """A python-backend process killed under load: requests meanwhile fail with a
-    clear, retryable error, the server reloads the model, and answers are right again."""
-    caplog.set_level(logging.INFO, logger="nexus_sli")
-    process = served["process"]
-    supervisor, model = process.supervisor, f"{ensemble}_{step}"
-    with EncoderClient(served["grpc"]) as client:
-        reference = client.embed(TEXTS, model=ensemble)
-    probers = [_Prober(served["grpc" if i % 2 else "http"], "grpc" if i % 2 else "http", ensemble)
-               for i in range(6)]
+#: Every python-backend step of an ensemble (the legacy export has the post-processing step)
+STEPS = [("embedder", "tokenizer"), ("embedder", "encoder"), ("legacy", "postprocess")]
+#: Concurrent clients while a worker is killed (issue 23: "16 concurrent clients")
+CLIENTS = 16
+
+
+def _kill_under_load(served, ensemble: str, step: str, probers: list) -> tuple[list, float, float]:
+    """Start ``probers``, SIGKILL the ``ensemble_step`` worker once they all got answers, wait for
+    the supervisor's reload and for every prober to be answered after it; (results, killed, reloaded)."""
+    supervisor, model = served["process"].supervisor, f"{ensemble}_{step}"
     for prober in probers:
         prober.start()
     _wait_until(lambda: all(prober.results for prober in probers), "every prober to get an answer")
@@ -590,17 +594,109 @@ def test_killed_worker_is_restarted_and_clients_get_retryable_errors(served, ens
     results = [r for prober in probers for r in prober.finish()]
     assert supervisor.restarts[-1][1] == model
     assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
+    return results, killed_at, recovered_at
+
+
+@pytest.mark.parametrize("ensemble, step", STEPS)
+def test_killed_worker_costs_latency_not_failed_calls(served, ensemble, step):
+    """A python-backend process killed under 16 concurrent clients with the client's default retries:
+    no call fails; the calls that met the dead worker are answered after the reload, correctly."""
+    with EncoderClient(served["grpc"]) as client:
+        reference = client.embed(TEXTS, model=ensemble)
+    probers = [_Prober(served["grpc" if i % 2 else "http"], "grpc" if i % 2 else "http", ensemble)
+               for i in range(CLIENTS)]
+    results, killed_at, recovered_at = _kill_under_load(served, ensemble, step, probers)
+    errors = [r for _, r in results if isinstance(r, Exception)]
+    assert not errors, f"{len(errors)} calls failed, first: {errors[0]!r}"
+    assert all(np.allclose(r, reference, atol=1e-5) for _, r in results)
+    slowest = max(p.slowest for p in probers)
+    # the calls that met the dead worker waited for the reload: the fault cost them latency
+    assert slowest >= (recovered_at - killed_at) * 0.5, (slowest, recovered_at - killed_at)
+    print(f"{ensemble}_{step}: killed, reloaded after {recovered_at - killed_at:.1f} s; {len(results)} calls, "
+          f"0 failed, slowest {slowest:.1f} s")
+
+
+@pytest.mark.parametrize("ensemble, step", STEPS)
+def test_killed_worker_without_retries_gives_clear_retryable_errors(served, ensemble, step, caplog):
+    """The same fault with retries off (``retry_s=0``): requests meanwhile fail with a clear,
+    retryable error, the server reloads the model, and answers are right again."""
+    caplog.set_level(logging.INFO, logger="nexus_sli")
+    process = served["process"]
+    with EncoderClient(served["grpc"]) as client:
+        reference = client.embed(TEXTS, model=ensemble)
+    probers = [_Prober(served["grpc" if i % 2 else "http"], "grpc" if i % 2 else "http", ensemble, retry_s=0)
+               for i in range(6)]
+    results, killed_at, recovered_at = _kill_under_load(served, ensemble, step, probers)
     errors = [r for _, r in results if isinstance(r, Exception)]
     assert errors, "no request met the dead worker"
     for error in errors:
         assert isinstance(error, RetryableError) and "retry" in str(error), repr(error)
     later = [r for t, r in results if t > recovered_at + 1.0]
     assert later and all(not isinstance(r, Exception) and np.allclose(r, reference, atol=1e-5) for r in later)
-    print(f"{model}: killed, reloaded after {recovered_at - killed_at:.1f} s; {len(errors)} retryable errors, "
-          f"{len(results) - len(errors)} answers")
-    secret = supervisor._key
+    print(f"{ensemble}_{step}: killed, reloaded after {recovered_at - killed_at:.1f} s; {len(errors)} retryable "
+          f"errors, {len(results) - len(errors)} answers")
+    secret = process.supervisor._key
     assert secret not in served["log"].read_text() and secret not in caplog.text
     assert secret not in repr(process) and secret not in " ".join(process.args)
+
+
+class _SdkProber(threading.Thread):
+    """Embeds through the gateway with the official ``openai`` SDK; records each call's status."""
+
+    def __init__(self, url: str, max_retries: int):
+        super().__init__(daemon=True)
+        import openai
+
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=max_retries, timeout=60)
+        self.stopping = threading.Event()
+        self.results: list[tuple[float, object]] = []  # (time, 200 or the exception)
+
+    def run(self):
+        while not self.stopping.is_set():
+            try:
+                response = self.client.embeddings.create(model="embedder", input=TEXTS)
+                self.results.append((time.monotonic(), 200 if len(response.data) == len(TEXTS) else "short"))
+            except Exception as exc:  # noqa: BLE001 - recorded and checked by the test
+                self.results.append((time.monotonic(), exc))
+                time.sleep(0.05)
+
+    def finish(self):
+        self.stopping.set()
+        self.join(TIMEOUT_S)
+        return self.results
+
+
+def _gateway_calls_under_fault(served, log, max_retries: int, *gateway_args: str) -> list:
+    """SIGKILL of the encoder's backend process under 16 clients of the ``openai`` SDK through a gateway:
+    every call's result (200, or the SDK's exception)."""
+    from nexus_sli.bench.served import Gateway
+
+    with Gateway(served["grpc"], *gateway_args, timeout_s=120, log=log) as gateway:
+        probers = [_SdkProber(gateway.url, max_retries) for _ in range(CLIENTS)]
+        results, _, _ = _kill_under_load(served, "embedder", "encoder", probers)
+    return [r for _, r in results]
+
+
+def test_killed_encoder_worker_through_the_gateway_is_503s_never_404s(served, tmp_path):
+    """Every retry off (the SDK's and the gateway's): the gateway's own answers while the model reloads
+    are 503s with Retry-After, never the 404 ``model_not_found`` no client retries."""
+    import openai
+
+    failed = [r for r in _gateway_calls_under_fault(served, tmp_path / "gw.log", 0, "--triton-retry", "0")
+              if r != 200]
+    assert failed, "no request met the dead worker"
+    for error in failed:
+        assert isinstance(error, openai.APIStatusError) and error.status_code == 503, repr(error)
+        assert error.response.headers.get("retry-after") == "5", dict(error.response.headers)
+
+
+def test_killed_encoder_worker_through_the_gateway_fails_no_call_with_the_defaults(served, tmp_path):
+    """The gateway's default retries and the SDK's default (``max_retries=2``): the fault costs latency only."""
+    import openai
+
+    results = _gateway_calls_under_fault(served, tmp_path / "gw.log", openai.DEFAULT_MAX_RETRIES)
+    failed = [r for r in results if r != 200]
+    assert results and not failed, f"{len(failed)} of {len(results)} calls failed, first: {failed[0]!r}"
 
 
 def _truncate(directory):

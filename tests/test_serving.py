@@ -77,7 +77,8 @@ def test_configs_parse_back_through_the_schema(server):
     assert not (server["repo"] / f"{NAME}_postprocess").exists()
     encoder = triton_config.read(server["repo"] / f"{NAME}_encoder" / "config.pbtxt")
     assert encoder.platform == "onnxruntime_onnx" and encoder.max_batch_size > 0
-    assert [(o.name, list(o.dims)) for o in encoder.output] == [("EMBEDDING", [384])]
+    # the encoder keeps the token states beside the embedding for NAME_tokens; NAME maps the embedding only
+    assert [(o.name, list(o.dims)) for o in encoder.output] == [("EMBEDDING", [384]), ("TOKEN_EMBEDDINGS", [-1, 384])]
     assert [(o.name, list(o.dims)) for o in ensemble.output] == [("EMBEDDING", [384])]
     assert [i.name for i in encoder.input] == ["input_ids", "attention_mask", "token_type_ids"]
     assert encoder.model_warmup and encoder.HasField("dynamic_batching")

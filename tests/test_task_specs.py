@@ -16,8 +16,9 @@ from nexus_sli.tasks.agreement import METRICS
 NAMES = list(TASKS)
 
 
-def test_the_five_served_tasks_are_registered_in_order():
-    assert NAMES == ["embedding", "classification", "rerank", "token-classification", "question-answering"]
+def test_the_six_served_tasks_are_registered_in_order():
+    assert NAMES == ["embedding", "classification", "rerank", "token-classification", "question-answering",
+                     "sparse-embedding"]
 
 
 def test_heads_and_specs_match_one_to_one():
@@ -28,7 +29,8 @@ def test_heads_and_specs_match_one_to_one():
 def test_a_spec_names_what_every_layer_needs(name):
     spec = get_task(name)
     assert spec.tokenizer_mode in TOKENIZER_MODES
-    assert spec.agreement in METRICS or (spec.agreement is None and name == "embedding")
+    # embeddings, dense and sparse, are judged by cosine, and only they pool in the graph
+    assert spec.agreement in METRICS or (spec.agreement is None and spec.pooled_by is not None)
     assert spec.client_output in {t.name for t in spec.results}
     assert callable(spec.parse) and spec.output_names()
     known = {t.name for t in (*spec.inputs, *spec.token_extras, *spec.encoder_outputs)} | {"attention_mask"}
@@ -38,7 +40,7 @@ def test_a_spec_names_what_every_layer_needs(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_the_ensemble_config_carries_the_spec_tensors(name):
     spec = get_task(name)
-    lay = tc.layout(name, ["input_ids", "attention_mask"], 16, 3)
+    lay = tc.layout(name, ["input_ids", "attention_mask"], 16, 3, vocab_size=50)
     steps = ("t", "e", "p")
     ensemble = tc.ensemble_config("m", name, lay, ["input_ids", "attention_mask"], steps, {})
     assert [i.name for i in ensemble.input] == [t.name for t in spec.inputs]
@@ -54,6 +56,10 @@ def test_symbolic_dims_resolve_to_the_model_sizes():
     lay = tc.layout("embedding", ["input_ids"], 384, 0)
     assert lay.outputs[0].dims == (384,) and lay.encoder_outputs[0].dims == (-1, 384)
     assert tc.layout("classification", ["input_ids"], 384, 7).outputs[0].dims == (7,)
+    sparse = tc.layout("sparse-embedding", ["input_ids"], 384, 0, vocab_size=30522)
+    assert sparse.outputs[0].dims == (30522,) and sparse.encoder_outputs[0].dims == (-1, 30522)
+    pooled = tc.layout("sparse-embedding", ["input_ids"], 384, 0, pooled=True, vocab_size=30522)
+    assert [(t.name, t.dims) for t in pooled.encoder_outputs] == [("SPARSE_EMBEDDING", (30522,))]
 
 
 def arch(*architectures, num_labels=2):
@@ -67,6 +73,8 @@ def test_the_task_is_inferred_from_the_architecture():
     assert infer_task(arch("XLMRobertaForSequenceClassification", num_labels=1)).name == "rerank"
     assert infer_task(arch("DebertaV2ForTokenClassification")).name == "token-classification"
     assert infer_task(arch("BertForQuestionAnswering")).name == "question-answering"
+    # a masked-LM checkpoint alone is exported for dense embeddings (SparseEncoder folders say sparse)
+    assert infer_task(arch("BertForMaskedLM")).name == "embedding"
 
 
 def test_unknown_and_duplicate_tasks_are_refused_with_the_known_names():
@@ -92,3 +100,8 @@ def test_each_head_turns_encoder_outputs_into_the_spec_results():
     ranked = get_task("rerank").parse([HEADS["rerank"]({"logits": np.array([[0.0], [3.0]])}, {})["SCORES"]],
                                       ["a", "b"], None)
     assert [r.document for r in ranked] == ["b", "a"]
+    # SPLADE: padding never counts, negative logits are inactive, log(1 + relu) of the max over real tokens
+    logits = np.array([[[1.0, -2.0, 0.5], [3.0, -1.0, 0.0], [9.0, 9.0, 9.0]]], np.float32)
+    params = {"splade_pooling": "max", "splade_activation": "relu"}
+    sparse = HEADS["sparse-embedding"]({"logits": logits, "attention_mask": np.array([[1, 1, 0]])}, params)
+    np.testing.assert_allclose(sparse["SPARSE_EMBEDDING"], np.log1p([[3.0, 0.0, 0.5]]), rtol=1e-6)

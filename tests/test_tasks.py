@@ -197,7 +197,8 @@ def test_async_client_sends_chunks_concurrently(served, protocol):
 
     async def run():
         async with AsyncEncoderClient(served[protocol], protocol=protocol) as c:
-            infer = c._client.infer
+            (connection,) = c.fleet.clients.values()
+            infer = connection.infer
 
             async def counted(*args, **kwargs):  # how many requests are on the wire at once
                 nonlocal in_flight, most
@@ -208,7 +209,7 @@ def test_async_client_sends_chunks_concurrently(served, protocol):
                 finally:
                     in_flight -= 1
 
-            c._client.infer = counted
+            connection.infer = counted
             vectors = await c.embed(texts, model="minilm")
             chunked_at_once = most
             labels = await c.classify(TEXTS, model="classifier")

@@ -19,22 +19,25 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from nexus_sli.exporter.errors import ValidationError
+from nexus_sli.exporter.errors import ExportError, ValidationError
 from nexus_sli.exporter.targets import Candidate, Configuration, ExportedGraph, plan
 from nexus_sli.exporter.triton.models import ServingFacts, write_models, write_readme
 from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
 from nexus_sli.exporter.triton.staging import Staging
 from nexus_sli.tasks import get_task, infer_task
+from nexus_sli.tasks.spec import TOKEN_MODEL_SUFFIX
 
 from . import onnx_files, stored_reference
 from .checkpoint import Checkpoint
+from .embedders import is_sparse_encoder, poolers
 from .handler import get_registry
 from .onnx_export import export_onnx, model_input_names
-from .pooling import Pooling
 from .report import ValidationReport
-from .source import check_name, load_config, max_sequence_length, normalizes, pooling_mode, resolve_model, tokenizer_file
-from .timing import Heats, Workload, footprint, memory_budget, time_in_heats, workloads
-from .validate import Embedder, Reference, build_reference, compare, parity_cases, text_batches, with_auto_bar
+from .source import (check_name, load_config, matryoshka_dims, max_sequence_length, prompts, resolve_model,
+                     tokenizer_file)
+from .timing import DEFAULT_OBJECTIVE, Heats, Workload, check_objective, footprint, memory_budget, time_in_heats, workloads
+from .validate import Embedder, Reference, SparseEmbedder, build_reference, compare, parity_cases, text_batches
+from .validate import with_auto_bar
 from .validate import thresholds as validate_thresholds
 from .walk import open_layer_cache, walk
 
@@ -60,10 +63,12 @@ class ExportOptions:
     cache: bool = True
     #: None: $NEXUS_SLI_CACHE_DIR, else ~/.cache/nexus-sli/layers (the LayerCache default)
     cache_dir: Path | None = None
-    #: embeddings: pooling and normalisation at the end of the encoder graph, the ensemble
-    #: tokenizer -> encoder (:mod:`pooling`); False writes the earlier tokenizer -> encoder ->
+    #: embeddings (dense and sparse): pooling (and normalisation) at the end of the encoder graph, the
+    #: ensemble tokenizer -> encoder (:mod:`pooling`); False writes the earlier tokenizer -> encoder ->
     #: python post-processing ensemble.  Internal: bench/experiments/pooling_in_graph.py measures both.
     pool_in_graph: bool = True
+    #: what ``auto`` keeps the fastest graph for (:data:`timing.OBJECTIVES`): balanced, throughput or latency
+    optimize: str = DEFAULT_OBJECTIVE
 
 
 @dataclass
@@ -85,7 +90,8 @@ class Prepared:
     tokenizer_path: Path
     graph: ExportedGraph
     reference: Reference
-    embedder: Embedder | None
+    #: how the graph's output becomes the served answer where the task pools (:mod:`embedders`)
+    embedder: Embedder | SparseEmbedder | None
     walk: dict
     #: what every passing candidate is timed on
     workloads: list[Workload]
@@ -119,13 +125,14 @@ class Attempt:
         return [{"backend": self.configuration.target.name, "precision": self.configuration.precision,
                  "graph": c.graph, **{f: getattr(c.report, f) for f in report_fields},
                  "timings_ms": {k: round(v, 3) for k, v in (c.timings or {}).items()},
-                 "score_ms": None if c.latency_ms is None else round(c.latency_ms, 3), "chosen": c is chosen}
+                 "score": None if c.score is None else round(c.score, 4), "chosen": c is chosen}
                 for c in self.candidates]
 
 
 def run_export(options: ExportOptions) -> ExportResult:
     """Export, validate and publish one model; see the module docstring for the steps."""
     configurations = plan(options.backend, options.precision, device=options.device)
+    check_objective(options.optimize)
     if options.task != "auto":
         get_task(options.task)  # an unknown task fails before any download
     source = resolve_model(options.model, options.allow_pickle)
@@ -136,13 +143,15 @@ def run_export(options: ExportOptions) -> ExportResult:
                  prepared.family.model_type, prepared.family.num_layers(prepared.config), name,
                  prepared.task.name, ", then ".join(c.describe() for c in configurations))
         attempts = [_attempt(configuration, prepared) for configuration in configurations]
-        fastest, timing = _time(attempts, prepared.workloads)
+        fastest, timing = _time(attempts, prepared.workloads, options.optimize)
         attempt, chosen = _choose(attempts, fastest, options.allow_degraded)
         _log_table(attempts, chosen)
         report = _report(options, prepared, attempts, attempt, chosen, timing)
-        _write(stage.root, name, prepared, attempt, chosen, report)
-        # an earlier export of this name may have had a post-processing step the new ensemble lacks
-        models = stage.publish(retire=(f"{name}_postprocess",) if prepared.graph.pooled else ())
+        ensembles = _write(stage.root, name, prepared, attempt, chosen, report)
+        # an earlier export of this name may have had a post-processing step, or a token ensemble, the new lacks
+        retire = ((f"{name}_postprocess",) if prepared.graph.pooled else ()) + (
+            () if name + TOKEN_MODEL_SUFFIX in ensembles else (name + TOKEN_MODEL_SUFFIX,))
+        models = stage.publish(retire=retire)
         write_readme(Path(options.out))
     log.info("wrote %s", ", ".join(str(m) for m in models))
     return ExportResult(name, models, report)
@@ -151,8 +160,11 @@ def run_export(options: ExportOptions) -> ExportResult:
 def _prepare(options: ExportOptions, source, work: Path) -> Prepared:
     """Walk the checkpoint into a PyTorch model, export the plain graph and compute the reference."""
     config = load_config(source.path)
-    task = infer_task(config) if options.task == "auto" else get_task(options.task)
+    task = _task(options, source, config)
     handler = get_registry().detect_family(config)
+    # what the folder says about pooling is read first: a model the export cannot reproduce fails before the walk
+    sizes = handler.family.hidden_size(config), handler.family.vocab_size(config)
+    embedder, pooling = poolers(source.path, task, *sizes)
     model, walked = _walk(options, source, config, task, handler)
     family = handler.family
     max_length = max_sequence_length(source.path, family, config)
@@ -169,15 +181,24 @@ def _prepare(options: ExportOptions, source, work: Path) -> Prepared:
     texts = text_batches(tokenizer, input_names, pad_id, max_length, pairs=task.pair)
     log.info("computing the PyTorch fp32 reference: %d parity cases, %d text batches", len(cases), len(texts))
     reference = build_reference(model, task, input_names, cases, texts)
-    embedder = Embedder(pooling_mode(source.path), normalizes(source.path)) if task.name == "embedding" else None
-    pooling = None
-    if embedder is not None and options.pool_in_graph:  # each target appends it to its candidates
-        pooling = Pooling(embedder.pooling, embedder.normalize, task.output_names()[0], task.client_output,
-                          family.hidden_size(config))
+    in_graph = pooling if options.pool_in_graph else None  # each target appends it to its candidates
+    if in_graph is None and getattr(embedder, "layer_norm", None) is not None:
+        raise ExportError("the python post-processing step does not apply a LayerNorm module: export this model "
+                          "with the pooling in the graph (the default)")
     graph = ExportedGraph(work / "plain.onnx", work, family, config, task, input_names, tokenizer, pad_id,
-                          max_length, pooling, large=bool(data))
+                          max_length, in_graph, large=bool(data))
     loads = workloads(tokenizer, input_names, pad_id, max_length, pairs=task.pair)
     return Prepared(source, config, task, family, tokenizer_path, graph, reference, embedder, walked, loads)
+
+
+def _task(options: ExportOptions, source, config):
+    """The task asked for; for ``auto``, sparse embeddings where the folder is a SparseEncoder's, else the
+    task the config's architectures say (a ``*ForMaskedLM`` architecture alone says dense embeddings)."""
+    if options.task != "auto":
+        return get_task(options.task)
+    if is_sparse_encoder(source.path):
+        return get_task("sparse-embedding")
+    return infer_task(config)
 
 
 def _walk(options: ExportOptions, source, config, task, handler):
@@ -219,14 +240,16 @@ def _attempt(configuration: Configuration, prepared: Prepared) -> Attempt:
     for number, candidate in enumerate(attempt.candidates, 1):
         log.info("%s %s, %s graph (%d of %d): validating against PyTorch", target.name, precision, candidate.graph,
                  number, len(attempt.candidates))
+        # a pooled graph answers the pooled output first, then the token states where it keeps them
+        pooled, tokens = (*graph.pooling.outputs, None)[:2] if graph.pooled else (None, None)
         candidate.report = compare(target.runner(candidate, precision), prepared.reference, precision,
                                    prepared.embedder, prepared.task, target.name, limits, target.trims_padding,
-                                   prepared.task.client_output if graph.pooled else None)
+                                   pooled=pooled, tokens=tokens)
         log.info("%s %s, %s graph: %s", target.name, precision, candidate.graph, candidate.report.summary())
     return attempt
 
 
-def _time(attempts: list[Attempt], loads: list[Workload]) -> tuple[Candidate | None, dict]:
+def _time(attempts: list[Attempt], loads: list[Workload], objective: str) -> tuple[Candidate | None, dict]:
     """Every candidate that passed, reopened and timed side by side on the workloads, in heats that fit in
     memory (:func:`timing.time_in_heats`); the fastest, and how it was timed (validation.json's ``timing``)."""
     passed = [(a.configuration, c) for a in attempts for c in a.passed]
@@ -236,10 +259,12 @@ def _time(attempts: list[Attempt], loads: list[Workload]) -> tuple[Candidate | N
     budget = memory_budget()
     log.info("timing %d graphs that passed, side by side: %s", len(passed), ", ".join(l.describe() for l in loads))
     heats = time_in_heats(lambda i: passed[i][0].target.runner(passed[i][1], passed[i][0].precision), sizes, loads,
-                          budget, name=lambda i: _label(*passed[i]))
-    for (_, candidate), timings in zip(passed, heats.timings):
+                          budget, name=lambda i: _label(*passed[i]), objective=objective)
+    last_score = {i: score for heat in heats.heats for i, score in heat.items()}  # later heats overwrite
+    for index, ((_, candidate), timings) in enumerate(zip(passed, heats.timings)):
         candidate.timings, candidate.latency_ms = timings, sum(timings.values())
-    return passed[heats.fastest][1], _timing_record(passed, sizes, budget, heats)
+        candidate.score = last_score[index]
+    return passed[heats.fastest][1], {"optimize": objective, **_timing_record(passed, sizes, budget, heats)}
 
 
 def _label(configuration: Configuration, candidate: Candidate) -> str:
@@ -250,14 +275,16 @@ def _timing_record(passed: list[tuple[Configuration, Candidate]], sizes: list[in
                    heats: Heats) -> dict:
     """How the graphs were timed: in one heat (all open together), or in several because they did not fit."""
     one = len(heats.heats) == 1
-    return {"heats": [{"score_ms": {_label(*passed[i]): round(score, 3) for i, score in heat.items()},
+    return {"heats": [{"score": {_label(*passed[i]): round(score, 4) for i, score in heat.items()},
                        "fastest": _label(*passed[min(heat, key=heat.get)]), "rounds": rounds}
                       for heat, rounds in zip(heats.heats, heats.rounds)],
             "memory_budget_bytes": budget, "estimated_bytes": {_label(*p): size for p, size in zip(passed, sizes)},
             "why": ("every graph open at once, side by side" if one else
                     "the graphs did not fit in the memory budget together: timed side by side in heats, the "
                     "fastest of each heat carried into the next; each graph's timings in `measured` are from its "
-                    "last heat, so compare scores within a heat")}
+                    "last heat, so compare scores within a heat"),
+            "score": "each workload's median over the heat's best on it, combined by a geometric mean weighted "
+                     "as `optimize` says (timing.OBJECTIVES); 1.0 is the best on every workload that counts"}
 
 
 def _timings(candidate: Candidate) -> str:
@@ -317,6 +344,7 @@ def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt],
         "allow_degraded": options.allow_degraded,
         "candidates": [{"graph": c.graph, "passed": c.report.passed,
                         "latency_ms": None if c.latency_ms is None else round(c.latency_ms, 3),
+                        "score": None if c.score is None else round(c.score, 4),
                         "max_abs_diff": c.report.max_abs_diff, "cosine_min": c.report.cosine_min}
                        for c in attempt.candidates],
         # every configuration validated and timed: how the export chose (docs/export.md, "Choosing a backend")
@@ -329,26 +357,52 @@ def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt],
         "inputs": prepared.graph.input_names,
         "truncate": options.truncate,
         "max_length": prepared.graph.max_length,
-        "pooling": embedder.pooling if embedder else None,
-        "normalize": embedder.normalize if embedder else None,
-        # the graph's one output is the pooled embedding (validation compares it as it comes)
+        "pooling": None,
+        "normalize": None,
+        **(embedder.record() if embedder else {}),  # revalidation reads it back (validate.embedder_from_report)
+        # the graph's first output is the pooled embedding (validation compares it as it comes), the token
+        # states follow where the graph keeps them
         "pooled_in_graph": prepared.graph.pooled,
-        "outputs": [prepared.task.client_output] if prepared.graph.pooled else prepared.task.output_names(),
+        "outputs": prepared.graph.pooling.outputs if prepared.graph.pooled else prepared.task.output_names(),
         "walk": prepared.walk,
     }
 
 
-def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: Candidate, report: dict) -> None:
-    """The models into the staging root, the chosen graph as the encoder's model file."""
+def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: Candidate,
+           report: dict) -> list[str]:
+    """The models into the staging root, the chosen graph as the encoder's model file; the ensembles' names."""
     task, config, embedder = prepared.task, prepared.config, prepared.embedder
     configuration = attempt.configuration
     facts = ServingFacts(prepared.graph.input_names, prepared.family.hidden_size(config),
                          int(getattr(config, "num_labels", 0) or 0), prepared.graph.max_length, prepared.graph.pad_id,
                          report["truncate"], task.post_params(config, embedder),
                          configuration.target.serving(configuration.precision), f"model{chosen.path.suffix}",
-                         prepared.graph.pooled)
-    write_models(root, name, task.name, facts, prepared.tokenizer_path)
+                         prepared.graph.pooled, *_retrieval(prepared),
+                         vocab_size=prepared.family.vocab_size(config))
+    ensembles = write_models(root, name, task.name, facts, prepared.tokenizer_path)
     encoder_dir = root / f"{name}_encoder"
     chosen.install(encoder_dir / "1")
     (encoder_dir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
     stored_reference.save(prepared.reference, encoder_dir)  # for nexus-sli validate on the serving host
+    return ensembles
+
+
+#: The tasks whose models may carry sentence-transformers prompts (SparseEncoder folders have them too).
+PROMPTED_TASKS = ("embedding", "sparse-embedding")
+
+
+def _retrieval(prepared: Prepared) -> tuple[dict, dict]:
+    """(prompts, described): a retrieval model's named prompts, for its tokenizer step and its ensemble,
+    and the Matryoshka sizes a dense one was trained for, for clients (empty where the model names none)."""
+    if prepared.task.name not in PROMPTED_TASKS:
+        return {}, {}
+    named, default = prompts(prepared.source.path)
+    given = {"prompts": json.dumps(named)} if named else {}
+    if default is not None:
+        given["default_prompt_name"] = default
+    if named:
+        log.info("prompts %s (applied by the tokenizer step; default: %s)", ", ".join(named), default or "none")
+    if prepared.task.name != "embedding":
+        return given, {}
+    dims = matryoshka_dims(prepared.source.path, prepared.family.hidden_size(prepared.config))
+    return given, ({"matryoshka_dims": json.dumps(dims)} if dims else {})

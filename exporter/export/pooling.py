@@ -14,6 +14,15 @@ validation applies to PyTorch's token states) mode for mode:
 - ``max``: the largest state over positions whose mask is > 0 (``-1e9`` elsewhere);
 - normalisation: ``x / max(||x||_2, 1e-12)``.
 
+The token states stay beside the embedding as a second output,
+``TOKEN_EMBEDDINGS`` (fp32, before pooling): a second ensemble serves them,
+and the served encoder computes only the outputs a request asks for.
+
+A sparse-embedding graph ends instead in sentence-transformers' SpladePooling
+(``python_models.encoding.splade``): masked-LM logits times the mask,
+``log(1 + relu(x))`` (twice for ``log1p_relu``), max or sum over the sequence,
+into ``[batch, vocab]``.
+
 They read the graph's ``attention_mask`` input by name, so in front of a padding
 trim (:mod:`padding_trim`) they see the trimmed mask, exactly as wide as the
 token states.  They compute in fp32: each target appends them to its candidate
@@ -37,7 +46,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from nexus_sli.exporter.errors import ExportError
 # the modes and guards of the python pooling: the graph offers exactly those modes, with the same guards
-from nexus_sli.exporter.triton.python_models.encoding import MASKED_OUT, MIN_COUNT, MIN_NORM, POOLING_MODES
+from nexus_sli.exporter.triton.python_models.encoding import (MASKED_OUT, MIN_COUNT, MIN_NORM, POOLING_MODES,
+                                                              SPLADE_ACTIVATIONS, SPLADE_STRATEGIES)
 
 from . import onnx_files
 
@@ -50,7 +60,8 @@ MASK = "attention_mask"
 def _constants() -> list[onnx.TensorProto]:
     values = {"axis1": np.array([1], np.int64), "axis2": np.array([2], np.int64), "zero": np.array(0, np.int64),
               "min_count": np.array(MIN_COUNT, np.float32), "min_norm": np.array(MIN_NORM, np.float32),
-              "masked_out": np.array(MASKED_OUT, np.float32), "zero_f": np.array(0.0, np.float32)}
+              "masked_out": np.array(MASKED_OUT, np.float32), "zero_f": np.array(0.0, np.float32),
+              "one_f": np.array(1.0, np.float32), "tiny": np.array(np.finfo(np.float32).tiny, np.float32)}
     return [numpy_helper.from_array(value, PREFIX + name) for name, value in values.items()]
 
 
@@ -94,42 +105,139 @@ def _normalize(vectors: str) -> tuple[list[onnx.NodeProto], str]:
     ], p + "normalized"
 
 
+def _tokens(states: str, tokens: str) -> onnx.NodeProto:
+    """The token states as the graph output ``tokens``, fp32 (an fp16 encoder's too), before any pooling."""
+    return helper.make_node("Cast", [states], [tokens], name=PREFIX + "tokens", to=TensorProto.FLOAT)
+
+
+def _log1p(x: str, name: str) -> tuple[list[onnx.NodeProto], str]:
+    """``log(1 + x)`` for ``x >= 0`` without losing the small values (ONNX has no Log1p): ``x * log(u) / (u - 1)``
+    with ``u = 1 + x``, and ``x`` itself where ``u`` rounds to 1 (Goldberg's formula, accurate to a few ulps)."""
+    p = PREFIX + name
+    return [
+        _node("Add", [x, PREFIX + "one_f"], p + "u"),
+        _node("Sub", [p + "u", PREFIX + "one_f"], p + "u_minus_1"),
+        _node("Equal", [p + "u_minus_1", PREFIX + "zero_f"], p + "rounds_to_1"),
+        _node("Max", [p + "u_minus_1", PREFIX + "tiny"], p + "divisor"),  # no 0/0 in the branch not taken
+        _node("Log", [p + "u"], p + "log_u"),
+        _node("Div", [x, p + "divisor"], p + "scale"),
+        _node("Mul", [p + "log_u", p + "scale"], p + "formula"),
+        _node("Where", [p + "rounds_to_1", x, p + "formula"], p + "log1p"),
+    ], p + "log1p"
+
+
+def _activate(x: str, activation: str, step: str) -> tuple[list[onnx.NodeProto], str]:
+    """SpladePooling's activation: ``log1p(relu(x))``, and a second ``log1p`` for ``log1p_relu``."""
+    nodes = [_node("Relu", [x], PREFIX + step + "relu")]
+    more, value = _log1p(PREFIX + step + "relu", step + "1/")
+    nodes += more
+    if activation == "log1p_relu":
+        more, value = _log1p(value, step + "2/")
+        nodes += more
+    return nodes, value
+
+
+def _splade(logits: str, strategy: str, activation: str) -> tuple[list[onnx.NodeProto], str]:
+    """Nodes pooling masked-LM ``logits`` ([batch, sequence, vocab]) with the mask into [batch, vocab], as
+    sentence-transformers' SpladePooling: logits times the mask, activation, max or sum over the sequence.
+    For ``max`` the activation runs after the max (it is monotonic, so the result is the same) on
+    [batch, vocab] instead of [batch, sequence, vocab]."""
+    p = PREFIX
+    nodes = [
+        _node("Cast", [logits], p + "logits", to=TensorProto.FLOAT),
+        _node("Cast", [MASK], p + "mask", to=TensorProto.FLOAT),
+        _node("Unsqueeze", [p + "mask", p + "axis2"], p + "weights"),  # [batch, sequence, 1]
+        _node("Mul", [p + "logits", p + "weights"], p + "masked"),    # padding -> 0, as SpladePooling
+    ]
+    if strategy == "max":
+        nodes.append(_node("ReduceMax", [p + "masked"], p + "max", axes=[1], keepdims=0))
+        more, pooled = _activate(p + "max", activation, "")
+        return nodes + more, pooled
+    more, weights = _activate(p + "masked", activation, "")
+    return nodes + more + [_node("ReduceSum", [weights, p + "axis1"], p + "pooled", keepdims=0)], p + "pooled"
+
+
+def _layer_norm(vectors: str, norm: dict) -> tuple[list[onnx.NodeProto], str, list[onnx.TensorProto]]:
+    """sentence-transformers' LayerNorm module on the pooled vectors: (nodes, output, its weights)."""
+    p = PREFIX
+    weights = [numpy_helper.from_array(np.asarray(norm[key], np.float32), p + f"layer_norm_{key}")
+               for key in ("weight", "bias")]
+    node = helper.make_node("LayerNormalization", [vectors, p + "layer_norm_weight", p + "layer_norm_bias"],
+                            [p + "layer_normed"], name=p + "layer_norm", axis=-1, epsilon=float(norm["eps"]))
+    return [node], p + "layer_normed", weights
+
+
 def add_pooling(source: Path, target: Path, states: str, output: str, mode: str, normalize: bool,
-                hidden_size: int) -> Path:
+                hidden_size: int, tokens: str | None = None, layer_norm: dict | None = None) -> Path:
     """Write ``source`` as ``target`` with its token-state output ``states`` pooled (``mode``, one of
     :data:`POOLING_MODES`) and L2-normalised (when ``normalize``) into the fp32 output ``output``
-    of shape ``[batch, hidden_size]``, which replaces ``states`` as the graph's output."""
+    of shape ``[batch, hidden_size]``, which replaces ``states`` as the graph's first output; with
+    ``tokens``, the token states stay beside it as that fp32 output ``[batch, sequence, hidden_size]``."""
     if mode not in POOLING_MODES:
         raise ExportError(f"cannot pool {mode!r} in the graph; known modes: {', '.join(POOLING_MODES)}")
+
+    initializers: list[onnx.TensorProto] = []
+
+    def nodes() -> tuple[list[onnx.NodeProto], str]:
+        pooled, vectors = _pool(states, mode)
+        if layer_norm is not None:  # sentence-transformers' LayerNorm module, before the normalisation
+            more, vectors, weights = _layer_norm(vectors, layer_norm)
+            pooled += more
+            initializers.extend(weights)
+        if normalize:
+            more, vectors = _normalize(vectors)
+            pooled += more
+        return pooled, vectors
+
+    def rewrite(model: onnx.ModelProto) -> None:
+        _append(model.graph, states, nodes, output, hidden_size, tokens)
+        model.graph.initializer.extend(initializers)
+
     # No onnx.checker here: fused graphs carry ONNX Runtime's contrib ops, unknown to it; the
     # exporter's validation runs every pooled graph on its runtime instead.  The weights are never
     # loaded: a graph past 2 GB keeps naming its data file (:func:`onnx_files.rewrite`).
-    return onnx_files.rewrite(source, target,
-                              lambda model: _append(model.graph, states, output, mode, normalize, hidden_size))
+    return onnx_files.rewrite(source, target, rewrite)
 
 
-def _append(graph: onnx.GraphProto, states: str, output: str, mode: str, normalize: bool, hidden_size: int) -> None:
-    """The pooling nodes after ``graph``'s output ``states``; ``output`` replaces it."""
+def add_splade_pooling(source: Path, target: Path, logits: str, output: str, strategy: str, activation: str,
+                       vocab_size: int) -> Path:
+    """Write ``source`` as ``target`` with its masked-LM output ``logits`` SPLADE-pooled (``strategy`` in
+    :data:`SPLADE_STRATEGIES`, ``activation`` in :data:`SPLADE_ACTIVATIONS`) into the fp32 output ``output``
+    of shape ``[batch, vocab_size]``, which replaces ``logits`` as the graph's output."""
+    if strategy not in SPLADE_STRATEGIES or activation not in SPLADE_ACTIVATIONS:
+        raise ExportError(f"cannot pool SPLADE {strategy!r} with activation {activation!r} in the graph; known: "
+                          f"{', '.join(SPLADE_STRATEGIES)} with {', '.join(SPLADE_ACTIVATIONS)}")
+    return onnx_files.rewrite(source, target, lambda model: _append(
+        model.graph, logits, lambda: _splade(logits, strategy, activation), output, vocab_size))
+
+
+def _append(graph: onnx.GraphProto, states: str, make_nodes, output: str, size: int,
+            tokens: str | None = None) -> None:
+    """The nodes ``make_nodes()`` gives (and the result's name) after ``graph``'s output ``states``;
+    ``output`` (``[batch, size]``) replaces it, followed by ``tokens`` where asked."""
     outputs = [o.name for o in graph.output]
     inputs = [i.name for i in graph.input]
     if states not in outputs or MASK not in inputs:
         raise ExportError(f"cannot pool in the graph: it needs the output {states!r} and the input {MASK!r} "
                           f"(outputs {outputs}, inputs {inputs})")
-    nodes, vectors = _pool(states, mode)
-    if normalize:
-        more, vectors = _normalize(vectors)
-        nodes += more
+    nodes, vectors = make_nodes()
     nodes.append(helper.make_node("Identity", [vectors], [output], name=PREFIX + "output"))
+    if tokens is not None:
+        nodes.append(_tokens(states, tokens))
     graph.node.extend(nodes)
     used = {name for node in nodes for name in node.input}
     graph.initializer.extend(c for c in _constants() if c.name in used)
+    states_type = next(o for o in graph.output if o.name == states)
     del graph.output[:]
-    graph.output.append(helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", hidden_size]))
+    graph.output.append(helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", size]))
+    if tokens is not None:
+        shape = [d.dim_param or d.dim_value for d in states_type.type.tensor_type.shape.dim]
+        graph.output.append(helper.make_tensor_value_info(tokens, TensorProto.FLOAT, shape))
 
 
 @dataclass(frozen=True)
 class Pooling:
-    """How one export pools in its graphs: what each target appends to its candidates."""
+    """How one embedding export pools in its graphs: what each target appends to its candidates."""
 
     mode: str
     normalize: bool
@@ -137,10 +245,49 @@ class Pooling:
     states: str
     output: str
     hidden_size: int
+    #: the output that keeps the token states beside the embedding (None: not kept)
+    tokens: str | None = None
+    #: sentence-transformers' LayerNorm module between the pooling and the normalisation (None: none)
+    layer_norm: dict | None = None
 
     def append(self, source: Path, target: Path) -> Path:
         """``source`` with the pooling at its end, as ``target``."""
-        return add_pooling(source, target, self.states, self.output, self.mode, self.normalize, self.hidden_size)
+        return add_pooling(source, target, self.states, self.output, self.mode, self.normalize, self.hidden_size,
+                           self.tokens, self.layer_norm)
+
+    @property
+    def outputs(self) -> list[str]:
+        """The pooled graph's outputs, in order."""
+        return [self.output, *self.per_token]
+
+    @property
+    def per_token(self) -> list[str]:
+        """The pooled graph's outputs that follow the sequence (cut with the padding)."""
+        return [self.tokens] if self.tokens else []
+
+
+@dataclass(frozen=True)
+class SpladePooling:
+    """How one sparse-embedding export pools in its graphs (sentence-transformers' SpladePooling)."""
+
+    strategy: str
+    activation: str
+    #: the masked-LM logits pooled, and the sparse embedding output that replaces them
+    states: str
+    output: str
+    vocab_size: int
+
+    def append(self, source: Path, target: Path) -> Path:
+        return add_splade_pooling(source, target, self.states, self.output, self.strategy, self.activation,
+                                  self.vocab_size)
+
+    @property
+    def outputs(self) -> list[str]:
+        return [self.output]
+
+    @property
+    def per_token(self) -> list[str]:
+        return []
 
 
 def pooling_nodes(path: Path) -> list[str]:

@@ -21,7 +21,7 @@ from nexus_sli.exporter.triton import config as tc
 from nexus_sli.tasks import get_task
 
 from . import stored_reference
-from .validate import Embedder, compare
+from .validate import compare, embedder_from_report
 
 #: Where each run is recorded, beside the export's own ``validation.json``.
 RECORD = "revalidation.json"
@@ -68,11 +68,14 @@ def against_reference(folder: Path, runner, backend: str, trims_padding: bool):
     exported = json.loads((folder / "validation.json").read_text())
     task = get_task(exported["task"])
     reference = stored_reference.load(folder, list(exported["inputs"]), task.output_names())
-    embedder = Embedder(exported["pooling"], exported["normalize"]) if exported["pooling"] else None
-    # exports before pooling moved into the graph have no such key: their graph answers token states
+    embedder = embedder_from_report(exported)
+    # exports before pooling moved into the graph have no such key: their graph answers token states;
+    # pooled exports before the token states were kept have one output
     pooled = task.client_output if exported.get("pooled_in_graph") else None
+    kept = task.token_states.name if task.token_states is not None else None
+    tokens = kept if pooled and kept in exported.get("outputs", []) else None
     return compare(runner, reference, exported["precision"], embedder, task, backend, exported["thresholds"],
-                   trims_padding, pooled)
+                   trims_padding, pooled, tokens)
 
 
 def _providers(runner) -> list[str]:

@@ -109,16 +109,37 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _st_module_path(path: Path, kind: str) -> Path | None:
+def st_module_path(path: Path, kind: str) -> Path | None:
+    """The folder of the sentence-transformers module of class ``kind`` (``Pooling``, ``SpladePooling``,
+    ``Normalize``) in ``modules.json``; None where the model has none.  The class name must match whole:
+    ``Pooling`` is not ``SpladePooling``."""
     for module in _read_json(path / "modules.json") if (path / "modules.json").is_file() else []:
-        if module.get("type", "").endswith(kind):
+        if module.get("type", "").rsplit(".", 1)[-1] == kind:
             return path / module.get("path", "")
     return None
 
 
+#: The sentence-transformers pipelines an embedding export reproduces, by module class name, in order.
+_SERVED_PIPELINES = (("Transformer", "Pooling"), ("Transformer", "Pooling", "Normalize"),
+                     ("Transformer", "Pooling", "LayerNorm"), ("Transformer", "Pooling", "LayerNorm", "Normalize"))
+#: torch.nn.LayerNorm's epsilon, which sentence-transformers' LayerNorm module keeps (it saves no other)
+LAYER_NORM_EPS = 1e-5
+
+
+def _check_pipeline(path: Path) -> None:
+    """Refuse a sentence-transformers pipeline with modules the export would leave out (a Dense
+    projection, a LayerNorm before the normalisation): served vectors would silently differ."""
+    listed = _read_json(path / "modules.json") if (path / "modules.json").is_file() else []
+    kinds = tuple(module.get("type", "").rsplit(".", 1)[-1] for module in listed)
+    if kinds and kinds not in _SERVED_PIPELINES:
+        raise NexusError(f"{path / 'modules.json'} lists the modules {', '.join(kinds)}; the export reproduces "
+                         f"{' or '.join(' -> '.join(p) for p in _SERVED_PIPELINES)} and would leave the others out")
+
+
 def pooling_mode(path: Path) -> str:
     """The sentence-transformers pooling mode, or mean pooling (with a warning)."""
-    folder = _st_module_path(path, "Pooling")
+    _check_pipeline(path)
+    folder = st_module_path(path, "Pooling")
     if folder is None:
         log.warning("%s has no sentence-transformers pooling config; using mean pooling", path)
         return "mean"
@@ -137,9 +158,66 @@ def pooling_mode(path: Path) -> str:
     return modes[0]
 
 
+def layer_norm(path: Path) -> dict | None:
+    """The weight, bias and epsilon of the pipeline's LayerNorm module (between the pooling and the
+    normalisation: a Matryoshka model's vectors are then cut after it), None where it has none."""
+    folder = st_module_path(path, "LayerNorm")
+    if folder is None:
+        return None
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        raise NexusError(f"{folder} has no model.safetensors: the LayerNorm module's weights cannot be read "
+                         "(pickle weights are not loaded)")
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(weights))
+    if {"norm.weight", "norm.bias"} - set(tensors):
+        raise NexusError(f"{weights} lacks norm.weight or norm.bias (it has {', '.join(sorted(tensors))})")
+    return {"weight": tensors["norm.weight"].astype("float32").tolist(),
+            "bias": tensors["norm.bias"].astype("float32").tolist(), "eps": LAYER_NORM_EPS}
+
+
 def normalizes(path: Path) -> bool:
     """True when the sentence-transformers pipeline ends in a Normalize module."""
-    return _st_module_path(path, "Normalize") is not None
+    return st_module_path(path, "Normalize") is not None
+
+
+def prompts(path: Path) -> tuple[dict[str, str], str | None]:
+    """The named prompts of a sentence-transformers folder (``config_sentence_transformers.json``'s
+    ``prompts``: name -> the text put in front of every input) and the one applied when a request
+    names none (``default_prompt_name``, or None).  sentence-transformers prepends a prompt to the
+    text before tokenising; so does the served tokenizer step."""
+    file = path / "config_sentence_transformers.json"
+    config = _read_json(file)
+    found = config.get("prompts") or {}
+    if not isinstance(found, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in found.items()):
+        raise NexusError(f"{file}: prompts must map names to strings, got {found!r}")
+    default = config.get("default_prompt_name")
+    if default is not None and default not in found:
+        raise NexusError(f"{file}: default_prompt_name {default!r} is not one of its prompts "
+                         f"({', '.join(found) or 'none'})")
+    folder = st_module_path(path, "Pooling")
+    if found and folder is not None and _read_json(folder / "config.json").get("include_prompt", True) is False:
+        # pooling without the prompt's tokens would need a mask apart from the attention mask the encoder reads
+        raise NexusError(f"{folder / 'config.json'} pools without the prompt's tokens (include_prompt: false); "
+                         "served prompts are pooled with the text, so this model cannot be exported faithfully")
+    return {name: text for name, text in found.items()}, default
+
+
+#: How sentence-transformers' model cards record the sizes a Matryoshka loss trained for.
+_MATRYOSHKA_DIMS = re.compile(r'"matryoshka_dims"\s*:\s*\[([\d,\s]+)\]')
+
+
+def matryoshka_dims(path: Path, hidden_size: int) -> list[int]:
+    """The embedding sizes the model was trained for, largest first, where its card names them (the
+    ``matryoshka_dims`` of the MatryoshkaLoss that sentence-transformers writes into README.md);
+    empty when it does not.  Any size up to ``hidden_size`` can be asked for either way."""
+    readme = path / "README.md"
+    found = _MATRYOSHKA_DIMS.search(readme.read_text(errors="replace")) if readme.is_file() else None
+    if found is None:
+        return []
+    dims = sorted({int(d) for d in found.group(1).replace(" ", "").split(",") if d}, reverse=True)
+    return [d for d in dims if 0 < d <= hidden_size]
 
 
 def max_sequence_length(path: Path, family: EncoderFamily, config: Any) -> int:

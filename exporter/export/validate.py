@@ -26,7 +26,7 @@ from .report import (
     ValidationReport,
     ValueMismatch,
 )
-from nexus_sli.exporter.triton.python_models.encoding import encode, l2_normalize, pool
+from nexus_sli.exporter.triton.python_models.encoding import encode, l2_normalize, pool, splade
 from nexus_sli.tasks import TaskSpec
 from nexus_sli.tasks.agreement import TIE_MARGIN, agreement
 
@@ -101,14 +101,55 @@ def parity_cases(input_names: list[str], vocab_size: int, pad_id: int, long_len:
 
 @dataclass
 class Embedder:
-    """How token states become the served embedding (pooling, normalisation)."""
+    """How token states become the served embedding (pooling, a layer norm, normalisation)."""
 
     pooling: str
     normalize: bool
+    #: sentence-transformers' LayerNorm module after the pooling ({"weight", "bias", "eps"}), or None
+    layer_norm: dict | None = None
 
     def __call__(self, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
         vectors = pool(hidden, mask, self.pooling)
+        if self.layer_norm is not None:
+            vectors = _layer_norm(vectors, self.layer_norm)
         return l2_normalize(vectors) if self.normalize else vectors
+
+    def record(self) -> dict:
+        """What validation.json keeps of it (:func:`embedder_from_report` reads it back)."""
+        return {"pooling": self.pooling, "normalize": self.normalize,
+                **({"layer_norm": self.layer_norm} if self.layer_norm is not None else {})}
+
+
+def _layer_norm(vectors: np.ndarray, norm: dict) -> np.ndarray:
+    """torch.nn.LayerNorm over the last axis, in float64 then back (the reference's own arithmetic)."""
+    x = vectors.astype(np.float64)
+    centred = x - x.mean(axis=-1, keepdims=True)
+    scaled = centred / np.sqrt((centred ** 2).mean(axis=-1, keepdims=True) + norm["eps"])
+    return (scaled * np.asarray(norm["weight"]) + np.asarray(norm["bias"])).astype(np.float32)
+
+
+@dataclass
+class SparseEmbedder:
+    """How masked-LM logits become the served sparse embedding (sentence-transformers' SpladePooling)."""
+
+    strategy: str
+    activation: str
+
+    def __call__(self, logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return splade(logits, mask, self.strategy, self.activation)
+
+    def record(self) -> dict:
+        return {"pooling": "splade", "normalize": False,
+                "splade": {"strategy": self.strategy, "activation": self.activation}}
+
+
+def embedder_from_report(exported: dict) -> Embedder | SparseEmbedder | None:
+    """The embedder an export's validation.json records (None: the task's graph does not pool)."""
+    if exported.get("splade"):
+        return SparseEmbedder(exported["splade"]["strategy"], exported["splade"]["activation"])
+    if not exported.get("pooling"):
+        return None
+    return Embedder(exported["pooling"], exported["normalize"], exported.get("layer_norm"))
 
 
 @dataclass
@@ -163,10 +204,10 @@ def _masked_max_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None) -> f
     return float(diff.max()) if diff.size else 0.0
 
 
-def compare(session: Any, reference: Reference, precision: str, embedder: Embedder | None,
+def compare(session: Any, reference: Reference, precision: str, embedder: Embedder | SparseEmbedder | None,
             task: TaskSpec | None = None, backend: str = "onnxruntime",
             limits: dict[str, float] | None = None, trims_padding: bool = True,
-            pooled: str | None = None) -> ValidationReport:
+            pooled: str | None = None, tokens: str | None = None) -> ValidationReport:
     """Run ``session`` on the reference inputs: names, then shapes and values, then
     fidelity against ``limits`` (default: :func:`thresholds`), every failure collected.
 
@@ -175,18 +216,23 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
     are compared with PyTorch's over that length; other graphs answer at the
     padded width.
 
-    ``pooled``: the name of the one output of a graph that ends in the pooling
-    (:mod:`pooling`); that output is compared as it comes, ``[batch, hidden]``,
-    with PyTorch's token states pooled by ``embedder`` (the python pooling runs on
-    the reference only, never on the graph's answer)."""
+    ``pooled``: the name of the first output of a graph that ends in the pooling
+    (:mod:`pooling`); that output is compared as it comes, ``[batch, hidden]`` (or
+    ``[batch, vocab]``), with PyTorch's outputs pooled by ``embedder`` (the python
+    pooling runs on the reference only, never on the graph's answer).  ``tokens``:
+    the graph's second output, the token states it keeps beside the pooled one,
+    compared with PyTorch's over the real tokens (a per-token output)."""
     limits = limits or thresholds(task, precision)
     measures = Measures()
     if pooled is not None:
-        reference = _pooled_reference(reference, embedder, pooled)
+        reference = _pooled_reference(reference, embedder, pooled, tokens)
+        per_token = {tokens} - {None}
+    else:
+        per_token = set(reference.output_names) if task is not None and task.per_token else set()
     failures = _name_failures(session, reference)
     if not failures:
         failures = _run_batches(session, reference, embedder, task, backend, measures,
-                                trims_padding and pooled is None, pooled is not None)
+                                per_token if trims_padding else set(), per_token, pooled is not None)
     texts = sum(len(b["input_ids"]) for b in reference.batches[reference.first_text:])
     report = ValidationReport.from_measures(precision, backend, limits, texts, measures, failures)
     if not failures:
@@ -205,46 +251,49 @@ def _name_failures(session: Any, reference: Reference) -> list[Failure]:
     return failures
 
 
-def _pooled_reference(reference: Reference, embedder: Embedder | None, output: str) -> Reference:
-    """``reference`` with PyTorch's token states pooled as the served embedding (``embedder``)."""
+def _pooled_reference(reference: Reference, embedder: Embedder | SparseEmbedder | None, output: str,
+                      tokens: str | None = None) -> Reference:
+    """``reference`` with PyTorch's outputs pooled as the served embedding (``embedder``), and with the
+    token states themselves beside it as ``tokens`` where the graph keeps them."""
     if embedder is None:
         raise ValueError("a graph that pools needs the embedder that says how (pooling, normalisation)")
-    pooled = Reference(reference.input_names, [output], text_batches=reference.text_batches)
+    names = [output, tokens] if tokens else [output]
+    pooled = Reference(reference.input_names, names, text_batches=reference.text_batches)
     for feeds, outputs in zip(reference.batches, reference.outputs):
-        pooled.add(feeds, [embedder(outputs[0], feeds["attention_mask"])])
+        pooled.add(feeds, [embedder(outputs[0], feeds["attention_mask"]), *outputs[:1]][:len(names)])
     return pooled
 
 
-def _run_batches(session: Any, reference: Reference, embedder: Embedder | None, task: TaskSpec | None,
-                 backend: str, measures: Measures, trims_padding: bool, pooled: bool = False) -> list[Failure]:
+def _run_batches(session: Any, reference: Reference, embedder, task: TaskSpec | None, backend: str,
+                 measures: Measures, trimmed: set[str], per_token: set[str], pooled: bool = False) -> list[Failure]:
     """Every reference batch through ``session``: shapes and values always, fidelity on
-    the text batches while nothing has failed."""
+    the text batches while nothing has failed.  ``per_token``: the outputs that follow the
+    sequence (compared over real tokens only); ``trimmed``: those the graph cuts to the
+    batch's longest real token."""
     failures: list[Failure] = []
+    names = reference.output_names
     for index, (feeds, expected) in enumerate(zip(reference.batches, reference.outputs)):
         try:
             got = session.run(None, feeds)
         except Exception as exc:  # runtimes report graph errors (baked shapes, bad indices) this way
             return [*failures, RuntimeFailure(f"{backend} failed on input shape {feeds['input_ids'].shape}: "
                                               f"{str(exc)[:300]}")]
-        expected, mask = _aligned(task if trims_padding else None, expected, feeds["attention_mask"])
+        mask = feeds["attention_mask"]
+        if trimmed:
+            mask = mask[:, :trimmed_length(mask)]
+            expected = [e[:, :mask.shape[1]] if name in trimmed else e for name, e in zip(names, expected)]
         # pooled vectors have no token axis to mask (a [batch, hidden] could match the mask's shape)
-        failures.extend(_compare_outputs(reference.output_names, got, expected, None if pooled else mask, measures))
+        masks = [mask if name in per_token else None for name in names]
+        failures.extend(_compare_outputs(names, got, expected, masks, measures))
         if index >= reference.first_text and not failures:
             _measure_fidelity(got, expected, mask, embedder, task, measures, pooled)
     return failures
 
 
-def _aligned(task: TaskSpec | None, expected: list[np.ndarray], mask: np.ndarray):
-    """PyTorch's outputs and the mask cut as the graph's padding trim cuts per-token outputs."""
-    if task is None or not task.per_token:
-        return expected, mask
-    length = trimmed_length(mask)
-    return [e[:, :length] for e in expected], mask[:, :length]
-
-
-def _compare_outputs(names: list[str], got, expected, mask: np.ndarray | None, measures: Measures) -> list[Failure]:
+def _compare_outputs(names: list[str], got, expected, masks: list[np.ndarray | None],
+                     measures: Measures) -> list[Failure]:
     failures: list[Failure] = []
-    for name, g, e in zip(names, got, expected):
+    for name, g, e, mask in zip(names, got, expected, masks):
         if g.shape != e.shape:
             inputs = f"mask shape {mask.shape}" if mask is not None else "the batch's inputs"
             failures.append(ShapeMismatch(f"{name}: shape {g.shape} != {e.shape} for {inputs}"))

@@ -232,7 +232,7 @@ def _load_rest(model, checkpoint, handler, target_base, layer_paths, consumed, r
     wanted = {k: v for k, v in model.state_dict().items() if not k.startswith(layer_targets)}
     buffers = _buffer_names(model)
     loaded = _collect_rest(checkpoint, handler, target_base, consumed, wanted, buffers, report)
-    _check_missing(handler.family, target_base, wanted, loaded, buffers, report)
+    _check_missing(handler.family, target_base, wanted, _with_tied(model, loaded), buffers, report)
     _check_shapes(wanted, loaded)
     model.load_state_dict(loaded, strict=False)
     report.tensors_loaded += len(loaded)
@@ -255,6 +255,8 @@ def _collect_rest(checkpoint, handler, target_base, consumed, wanted, buffers, r
             report.skip("buffer the model recomputes", key)
         elif relative.startswith(family.pretraining_head_prefixes) or key.startswith(family.pretraining_head_prefixes):
             report.skip("pre-training head the task does not use", key)
+        elif inside_base and relative.startswith(family.optional_prefixes):  # a masked-LM model has no pooler
+            report.skip("base-model tensor the task's model does not have", key)
         else:
             unconsumed.append(key)
     if unconsumed:
@@ -262,6 +264,19 @@ def _collect_rest(checkpoint, handler, target_base, consumed, wanted, buffers, r
             f"{len(unconsumed)} checkpoint tensor(s) match nothing in the {family.model_type} model "
             f"for this task: {', '.join(sorted(unconsumed)[:12])}" + (" ..." if len(unconsumed) > 12 else ""))
     return loaded
+
+
+def _with_tied(model: nn.Module, loaded: dict[str, torch.Tensor]) -> set[str]:
+    """The model keys ``loaded`` fills: its own, and every key of a parameter tied to one of them (a
+    masked-LM decoder shares the word embeddings; checkpoints save a tied tensor once, under one name)."""
+    names_of: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(parameter), []).append(name)
+    filled = set(loaded)
+    for names in names_of.values():
+        if filled & set(names):
+            filled.update(names)
+    return filled
 
 
 def _check_missing(family, target_base, wanted, loaded, buffers, report) -> None:

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export import onnx_files
 from nexus_sli.exporter.export.padding_trim import add_padding_trim
-from nexus_sli.exporter.export.pooling import Pooling
+from nexus_sli.exporter.export.pooling import Pooling, SpladePooling
 from nexus_sli.exporter.export.quantize import attention_output_matmuls, ffn_output_matmuls
 from nexus_sli.exporter.triton.config import EncoderServing
 
@@ -38,8 +38,9 @@ class ExportedGraph:
     pad_id: int
     max_length: int
     #: embeddings pooled in the graph (:mod:`export.pooling`): every candidate ends in the pooling and
-    #: answers ``[batch, hidden]``; None: the candidates answer token states
-    pooling: Pooling | None = None
+    #: answers ``[batch, hidden]`` (and the token states beside it), or SPLADE's ``[batch, vocab]``;
+    #: None: the candidates answer token states (or logits)
+    pooling: Pooling | SpladePooling | None = None
     #: the plain graph is past :data:`onnx_files.EXTERNAL_DATA_THRESHOLD` (its weights in a data file):
     #: targets may offer fewer candidates (:meth:`Target.left_out` says which and why)
     large: bool = False
@@ -57,7 +58,10 @@ class ExportedGraph:
 
     def trimmed(self, path: Path) -> Path:
         """``path`` pooled (:meth:`pooled_graph`) and with the padding trim in front (see :mod:`padding_trim`)."""
-        per_token = self.task.output_names() if self.task.per_token and not self.pooled else []
+        if self.pooling is not None:
+            per_token = self.pooling.per_token
+        else:
+            per_token = self.task.output_names() if self.task.per_token else []
         return add_padding_trim(self.pooled_graph(path), self.work / f"{path.stem}.trim.onnx", per_token)
 
     def ffn_outputs(self, path: Path) -> list[str]:
@@ -78,9 +82,11 @@ class Candidate:
     graph: str
     path: Path
     report: Any = None
-    #: median milliseconds per workload (:mod:`export.timing`), and their sum, by which candidates are ranked
+    #: median milliseconds per workload (:mod:`export.timing`), and their sum
     timings: dict[str, float] | None = None
     latency_ms: float | None = None
+    #: the score candidates are ranked by (:func:`export.timing.scores`, in the last heat it ran in; 1.0 the best)
+    score: float | None = None
 
     def files(self) -> list[Path]:
         """The model file and what it reads beside it: an OpenVINO IR's weights, an ONNX graph's

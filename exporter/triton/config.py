@@ -107,6 +107,9 @@ class Layout:
     #: the encoder's outputs are the ensemble's (an embedding graph that pools, export/pooling.py):
     #: no post-processing step
     encoder_answers: bool = False
+    #: the token states a graph that pools keeps beside its answer (an encoder output the task's
+    #: ensemble does not map; the second ensemble, :func:`token_ensemble_config`, does)
+    token_states: Tensor | None = None
 
     def rows(self, tensor: Tensor) -> Tensor:
         """``tensor`` as a step of this layout sees it (an explicit row dim when unbatched)."""
@@ -119,24 +122,27 @@ class Layout:
         return self.rows(next(t for t in (*self.tokens, *self.encoder_outputs) if t.name == name))
 
 
-def _tensor(tensor: spec.Tensor, hidden_size: int, num_labels: int) -> Tensor:
-    resolved = tensor.resolved(hidden_size, num_labels)
+def _tensor(tensor: spec.Tensor, hidden_size: int, num_labels: int, vocab_size: int = 0) -> Tensor:
+    resolved = tensor.resolved(hidden_size, num_labels, vocab_size)
     return Tensor(resolved.name, pb.DataType.Value(f"TYPE_{resolved.dtype}"), resolved.dims)
 
 
-def layout(task: str, input_names: list[str], hidden_size: int, num_labels: int, pooled: bool = False) -> Layout:
+def layout(task: str, input_names: list[str], hidden_size: int, num_labels: int, pooled: bool = False,
+           vocab_size: int = 0) -> Layout:
     """The ensemble's tensors for ``task``, read from its spec (:mod:`nexus_sli.tasks`).
 
     ``pooled``: the encoder graph ends in the pooling and answers the task's results itself
-    (``[batch, hidden]`` embeddings), so the ensemble is tokenizer -> encoder."""
+    (``[batch, hidden]`` embeddings, ``[batch, vocab]`` sparse ones), so the ensemble is tokenizer ->
+    encoder; where the task keeps its token states (``token_states``), the encoder answers them too."""
     task_spec = get_task(task)
-    convert = lambda tensors: tuple(_tensor(t, hidden_size, num_labels) for t in tensors)  # noqa: E731
+    convert = lambda tensors: tuple(_tensor(t, hidden_size, num_labels, vocab_size) for t in tensors)  # noqa: E731
     ids = tuple(Tensor(n, pb.TYPE_INT64, (-1,)) for n in input_names)
     results = convert(task_spec.results)
-    encoder_outputs = results if pooled else convert(task_spec.encoder_outputs)
+    states = convert((task_spec.token_states,))[0] if pooled and task_spec.token_states else None
+    encoder_outputs = (*results, *([states] if states else [])) if pooled else convert(task_spec.encoder_outputs)
     return Layout(task_spec.batched, task_spec.tokenizer_mode, convert(task_spec.inputs),
                   (*ids, *convert(task_spec.token_extras)), encoder_outputs,
-                  () if pooled else task_spec.post_inputs, results, encoder_answers=pooled)
+                  () if pooled else task_spec.post_inputs, results, encoder_answers=pooled, token_states=states)
 
 
 def _io(cls, tensor: Tensor):
@@ -158,10 +164,11 @@ def _model(name: str, inputs, outputs, batched: bool, params: dict | None = None
 
 
 def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, truncate: bool,
-                     pad_widths: list[int] | None = None) -> pb.ModelConfig:
+                     pad_widths: list[int] | None = None, prompts: dict[str, str] | None = None) -> pb.ModelConfig:
+    """``prompts``: the model's named prompts (``prompts``: JSON, ``default_prompt_name``), applied by the step."""
     widths = pad_widths or [min(PAD_WIDTH, max_length)]
     params = {"mode": lay.mode, "max_length": max_length, "pad_id": pad_id, "truncate": str(truncate).lower(),
-              "pad_widths": ",".join(map(str, widths))}
+              "pad_widths": ",".join(map(str, widths)), **(prompts or {})}
     if lay.mode == "qa":
         params["stride"] = QA_STRIDE
     if not lay.batched:  # one request becomes many encoder rows: the tokenizer refuses more than it takes
@@ -250,6 +257,30 @@ def ensemble_config(name: str, task: str, lay: Layout, input_names: list[str], s
     step.add(model_name=postprocess[0], model_version=-1,
              input_map={n: {**internal, **external}[n] for n in lay.post_inputs},
              output_map={t.name: t.name for t in lay.outputs})
+    return config
+
+
+def token_ensemble_config(name: str, lay: Layout, input_names: list[str], steps: tuple[str, str],
+                          params: dict[str, str]) -> pb.ModelConfig:
+    """The second ensemble of a graph that keeps its token states (``lay.token_states``): raw strings in,
+    tokenizer -> the same encoder, out the token states ``[-1, hidden]`` and the tokenizer's attention
+    mask (:data:`spec.TOKEN_MASK`), by which a client cuts each text's real tokens."""
+    if lay.token_states is None:
+        raise ValueError(f"ensemble {name}: the encoder keeps no token states to serve")
+    mask = _tensor(spec.TOKEN_MASK, 0, 0)
+    config = pb.ModelConfig(name=name, max_batch_size=MAX_BATCH_SIZE if lay.batched else 0, platform="ensemble")
+    config.input.extend(_io(pb.ModelInput, t) for t in lay.inputs)
+    config.output.extend(_io(pb.ModelOutput, t) for t in (lay.token_states, mask))
+    for key, value in {"task": spec.TOKEN_TASK, **params}.items():
+        config.parameters[key].string_value = str(value)
+    # the tokenizer's mask is both the encoder's input and this ensemble's output
+    internal = {t.name: f"_{t.name}" for t in lay.tokens} | {"attention_mask": mask.name}
+    tokenizer, encoder = steps
+    step = config.ensemble_scheduling.step
+    step.add(model_name=tokenizer, model_version=-1, input_map={t.name: t.name for t in lay.inputs},
+             output_map={t.name: internal[t.name] for t in lay.tokens})
+    step.add(model_name=encoder, model_version=-1, input_map={n: internal[n] for n in input_names},
+             output_map={lay.token_states.name: lay.token_states.name})
     return config
 
 

@@ -1,7 +1,10 @@
 """The models of one export: NAME_tokenizer, NAME_encoder, NAME_postprocess, NAME.
 
 An embedding export whose encoder graph pools (:mod:`export.pooling`) has no
-NAME_postprocess: its ensemble is NAME_tokenizer -> NAME_encoder.
+NAME_postprocess: its ensemble is NAME_tokenizer -> NAME_encoder.  Where that
+graph keeps its token states (an embedding's), a second ensemble NAME_tokens
+(NAME_tokenizer -> the same NAME_encoder) serves them, and NAME's parameter
+``token_model`` names it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 
 from nexus_sli.tasks import get_task
+from nexus_sli.tasks.spec import TOKEN_MODEL_PARAMETER, TOKEN_MODEL_SUFFIX
 
 from . import config as tc
 
@@ -26,7 +30,10 @@ It chains `NAME_tokenizer` (python backend, `tokenizers`), `NAME_encoder`
 (`onnxruntime_onnx`, or the `openvino` backend where exported with
 `--backend openvino`) and `NAME_postprocess` (python backend, numpy). An
 embedding model has no `NAME_postprocess`: its encoder graph ends in the
-pooling and normalisation and answers `EMBEDDING` itself.
+pooling and normalisation and answers `EMBEDDING` itself; beside it, the
+ensemble `NAME_tokens` (`NAME_tokenizer` -> the same `NAME_encoder`) answers
+each token's vector, `TOKEN_EMBEDDINGS`, with the tokenizer's `ATTENTION_MASK`.
+A sparse-embedding model's encoder answers `SPARSE_EMBEDDING` ([vocab]) itself.
 
 Serve it with `tritonserver --model-repository <this folder>`; locally,
 `nexus-sli serve --model-repository <this folder>` starts the Triton server
@@ -69,6 +76,13 @@ class ServingFacts:
     model_filename: str = "model.onnx"
     #: the encoder graph ends in the pooling and answers the embedding: no post-processing model
     pooled: bool = False
+    #: the model's named prompts as the tokenizer step and clients read them (``prompts``: JSON,
+    #: ``default_prompt_name``); empty for a model without prompts
+    prompts: dict = field(default_factory=dict)
+    #: more ensemble parameters for clients (``matryoshka_dims``: the sizes the model was trained for)
+    described: dict = field(default_factory=dict)
+    #: the masked-LM head's output size (sparse embeddings' dims; 0 where no tensor has it)
+    vocab_size: int = 0
 
 
 def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None = None) -> None:
@@ -84,14 +98,15 @@ def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None 
         shutil.copyfile(source, version / name)
 
 
-def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenizer_json: Path) -> None:
-    """Write every file of the ensemble except the encoder's model file(s) under ``1/``."""
-    lay = tc.layout(task, facts.input_names, facts.hidden_size, facts.num_labels, facts.pooled)
+def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenizer_json: Path) -> list[str]:
+    """Write every file of the ensemble(s) except the encoder's model file(s) under ``1/``; return the
+    ensembles' names (``NAME``, and ``NAME_tokens`` where the encoder keeps its token states)."""
+    lay = tc.layout(task, facts.input_names, facts.hidden_size, facts.num_labels, facts.pooled, facts.vocab_size)
     tokenizer, encoder, postprocess = f"{name}_tokenizer", f"{name}_encoder", f"{name}_postprocess"
     steps = (tokenizer, encoder) if lay.encoder_answers else (tokenizer, encoder, postprocess)
     _copy_python_model("tokenizer_model", root / tokenizer, {"tokenizer.json": tokenizer_json})
     tc.write(tc.tokenizer_config(tokenizer, lay, facts.max_length, facts.pad_id, facts.truncate,
-                                 facts.encoder.widths(facts.max_length)), root / tokenizer)
+                                 facts.encoder.widths(facts.max_length), facts.prompts), root / tokenizer)
     (root / encoder / "1").mkdir(parents=True, exist_ok=True)
     tc.write(tc.encoder_config(encoder, lay, facts.input_names, facts.encoder, facts.model_filename,
                                facts.max_length), root / encoder)
@@ -99,8 +114,19 @@ def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenize
         _copy_python_model("postprocess_model", root / postprocess)
         head = {"task": task, "head": get_task(task).head}
         tc.write(tc.postprocess_config(postprocess, lay, {**head, **facts.post_params}), root / postprocess)
-    (root / name / "1").mkdir(parents=True, exist_ok=True)  # Triton wants a version folder, even for ensembles
-    tc.write(tc.ensemble_config(name, task, lay, facts.input_names, steps, facts.post_params), root / name)
+    tokens = name + TOKEN_MODEL_SUFFIX if lay.token_states is not None else None
+    described = {**facts.described, **({TOKEN_MODEL_PARAMETER: tokens} if tokens else {})}
+    _write_ensemble(root, tc.ensemble_config(name, task, lay, facts.input_names, steps,
+                                             {**facts.post_params, **facts.prompts, **described}))
+    if tokens:  # the same prompts: a token request is tokenised as an embedding request is
+        _write_ensemble(root, tc.token_ensemble_config(tokens, lay, facts.input_names, (tokenizer, encoder),
+                                                       {**facts.prompts, "embedding_model": name}))
+    return [name, *([tokens] if tokens else [])]
+
+
+def _write_ensemble(root: Path, config) -> None:
+    (root / config.name / "1").mkdir(parents=True, exist_ok=True)  # Triton wants a version folder, even for ensembles
+    tc.write(config, root / config.name)
 
 
 def write_readme(out: Path) -> None:

@@ -121,10 +121,12 @@ class RemoteModel:
 
 @dataclass
 class GroupPlan:
-    """One ensemble and its steps (or a model alone), published together under one version number."""
+    """One ensemble and its steps (or the ensembles that share steps, or a model alone), published
+    together under one version number."""
 
+    #: the steps first, the ensembles last
     models: list[str]
-    ensemble: str | None
+    ensembles: list[str]
     version: int
     previous: dict[str, list[int]]
     reason: str
@@ -209,19 +211,26 @@ def read_local(repository: Path) -> dict[str, LocalModel]:
 
 
 def groups_of(models: dict[str, LocalModel]) -> list[list[str]]:
-    """Ensembles with the steps they use (steps first, the ensemble last); other models alone."""
-    grouped: list[list[str]] = []
-    taken: set[str] = set()
+    """Ensembles with the steps they use (steps first, the ensembles last); ensembles that share a step
+    (an embedding's ``NAME`` and ``NAME_tokens`` share its tokenizer and encoder) in one group, as a step
+    gets one version number; other models alone."""
+    groups: list[tuple[list[str], list[str]]] = []  # (steps, ensembles)
     for name, model in sorted(models.items()):
-        if model.config.platform == "ensemble":
-            steps = [s.model_name for s in model.config.ensemble_scheduling.step]
-            missing = [s for s in steps if s not in models]
-            if missing:
-                raise PublishError(f"ensemble {name} uses {', '.join(missing)}, which {model.folder.parent} lacks")
-            grouped.append([*dict.fromkeys(steps), name])
-            taken.update(steps, [name])
-    grouped += [[name] for name in sorted(models) if name not in taken]
-    return grouped
+        if model.config.platform != "ensemble":
+            continue
+        steps = list(dict.fromkeys(s.model_name for s in model.config.ensemble_scheduling.step))
+        missing = [s for s in steps if s not in models]
+        if missing:
+            raise PublishError(f"ensemble {name} uses {', '.join(missing)}, which {model.folder.parent} lacks")
+        sharing = [g for g in groups if set(g[0]) & set(steps)]
+        merged = ([*dict.fromkeys([*(s for g in sharing for s in g[0]), *steps])],
+                  [*(e for g in sharing for e in g[1]), name])
+        at = groups.index(sharing[0]) if sharing else len(groups)
+        groups = [g for g in groups if g not in sharing]
+        groups.insert(min(at, len(groups)), merged)
+    grouped = [[*steps, *ensembles] for steps, ensembles in groups]
+    taken = {name for group in grouped for name in group}
+    return grouped + [[name] for name in sorted(models) if name not in taken]
 
 
 def _normalized(config: pb.ModelConfig) -> str:
@@ -377,15 +386,15 @@ def plan(repository: Path, destination: Destination, store: Store | None = None)
     for names in groups_of(local):
         reasons = {n: _changed(store, local[n], remote[n]) for n in names}
         changed = [f"{n}: {r}" for n, r in reasons.items() if r]
-        if not changed and not _switched(names, remote):
+        if not changed and not _switched([n for n in names if local[n].config.platform == "ensemble"], remote):
             changed = ["an earlier publish stopped while switching the configs"]
         if not changed:
             unchanged.update({n: remote[n].served for n in names})
             continue
         # one number for the group, above every folder on the store, partial ones included
         version = 1 + max((v for n in names for v in remote[n].versions), default=0)
-        ensemble = names[-1] if local[names[-1]].config.platform == "ensemble" else None
-        keep = _pinned(names, remote) if ensemble else {}
+        ensembles = [n for n in names if local[n].config.platform == "ensemble"]
+        keep = _pinned(ensembles, remote)
         for name, kept in keep.items():
             if kept and _normalized(remote[name].config) != _normalized(local[name].config):
                 raise PublishError(
@@ -402,34 +411,33 @@ def plan(repository: Path, destination: Destination, store: Store | None = None)
                 uploads.append((None, destination.key(name, str(version)) + "/", sha256_b64(b"")))
             extras += [(model.folder / rel, destination.key(name, rel), sha) for rel, sha in model.extras.items()]
         serves = {n: sorted(set(keep.get(n, [])) | {version}) for n in names}
-        groups.append(GroupPlan(names, ensemble, version, {n: remote[n].served for n in names}, "; ".join(changed),
-                                uploads, serves, extras))
+        groups.append(GroupPlan(names, ensembles, version, {n: remote[n].served for n in names},
+                                "; ".join(changed), uploads, serves, extras))
     unreferenced = {n: sorted(r.versions - set(r.served)) for n, r in remote.items() if r.versions - set(r.served)}
     return Plan(destination, groups, unchanged, unreferenced, local)
 
 
-def _switched(names: list[str], remote: dict[str, RemoteModel]) -> bool:
-    """Whether the ensemble pins each step's newest served version (not so after a publish
-    stopped between the steps' configs and the ensemble's)."""
-    config = remote[names[-1]].config
-    if config is None or config.platform != "ensemble":
-        return True
+def _published_ensembles(ensembles: list[str], remote: dict[str, RemoteModel]) -> list[pb.ModelConfig]:
+    return [c for c in (remote[n].config for n in ensembles) if c is not None and c.platform == "ensemble"]
+
+
+def _switched(ensembles: list[str], remote: dict[str, RemoteModel]) -> bool:
+    """Whether each published ensemble pins its steps' newest served versions (not so after a publish
+    stopped between the steps' configs and the ensembles')."""
     return all(remote[step.model_name].served and step.model_version == remote[step.model_name].served[-1]
-               for step in config.ensemble_scheduling.step)
+               for config in _published_ensembles(ensembles, remote) for step in config.ensemble_scheduling.step)
 
 
-def _pinned(names: list[str], remote: dict[str, RemoteModel]) -> dict[str, list[int]]:
-    """Per step, the version the published ensemble pins now (what its steps must keep serving
-    through the switch), where the step's folder for it is on the store."""
-    config = remote[names[-1]].config
-    if config is None or config.platform != "ensemble":
-        return {}
-    pins = {}
-    for step in config.ensemble_scheduling.step:
-        found = remote.get(step.model_name)
-        if found is not None and step.model_version in found.versions:
-            pins[step.model_name] = [step.model_version]
-    return pins
+def _pinned(ensembles: list[str], remote: dict[str, RemoteModel]) -> dict[str, list[int]]:
+    """Per step, the versions the published ensembles pin now (what their steps must keep serving
+    through the switch), where the step's folder for them is on the store."""
+    pins: dict[str, set[int]] = {}
+    for config in _published_ensembles(ensembles, remote):
+        for step in config.ensemble_scheduling.step:
+            found = remote.get(step.model_name)
+            if found is not None and step.model_version in found.versions:
+                pins.setdefault(step.model_name, set()).add(step.model_version)
+    return {step: sorted(versions) for step, versions in pins.items()}
 
 
 #: Called after each uploaded object (files, then configs) with its key (tests use it to stop a publish midway).
@@ -506,14 +514,19 @@ def _switch(store: Store, group: GroupPlan, local: dict[str, LocalModel], after_
         body = published_config(local[name].config, versions, pin)
         _put_config(store, store.destination.key(name, CONFIG), body, after_upload)
 
-    steps = group.models[:-1] if group.ensemble else []
-    # the ensemble pins exact step versions; its steps serve the pinned one and the new one, before
+    if not group.ensembles:
+        put(group.models[0], [group.version])
+        log.info("%s now serves version %d", group.models[0], group.version)
+        return
+    # an ensemble pins exact step versions; its steps serve the pinned one and the new one, before
     # and after its PUT (the next publish drops the older), so a server that reads the ensemble's
     # config and its steps' at any moments finds the versions the ensemble names
-    for name in steps:
-        put(name, group.serves[name])
-    put(group.models[-1], [group.version], group.version if group.ensemble else None)  # the switch
-    log.info("%s now serves version %d", group.models[-1], group.version)
+    for name in group.models:
+        if name not in group.ensembles:
+            put(name, group.serves[name])
+    for name in group.ensembles:  # the switch: each ensemble's one PUT
+        put(name, [group.version], group.version)
+        log.info("%s now serves version %d", name, group.version)
 
 
 def _put_config(store: Store, key: str, body: bytes, after_upload: UploadHook | None) -> None:

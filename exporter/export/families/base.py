@@ -22,6 +22,8 @@ from nexus_sli.exporter.errors import (
 )
 
 ENCODER = "encoder"
+#: The transformers auto class of a task model that keeps the masked-LM head (sparse embeddings).
+MASKED_LM = "AutoModelForMaskedLM"
 
 
 def config_value(config: Any, keys: tuple[str, ...], default: Any = None) -> Any:
@@ -63,8 +65,12 @@ class EncoderFamily:
     position_offset_from_pad: ClassVar[bool] = False
     #: Base-model tensors a checkpoint may lack when the task does not use them.
     optional_prefixes: ClassVar[tuple[str, ...]] = ("pooler.",)
-    #: Pre-training heads: present in many checkpoints, never used by a served task.
+    #: Pre-training heads: present in many checkpoints, unused by the served tasks but one: the
+    #: sparse-embedding task's model has the masked-LM head, and the walk loads it there.
     pretraining_head_prefixes: ClassVar[tuple[str, ...]] = ()
+    #: Whether the sparse-embedding task (SPLADE over the masked-LM head) is built for this family:
+    #: only where its export was checked against sentence-transformers' SparseEncoder (tests/test_sparse.py).
+    masked_lm: ClassVar[bool] = False
     #: Why a family is registered without layer code (shown in errors and docs).
     not_implemented_reason: ClassVar[str | None] = None
 
@@ -147,6 +153,10 @@ class EncoderFamily:
     def build_model(self, task: Any, config: Any) -> nn.Module:
         """The model ``task`` serves, with freshly initialised weights the walk
         then replaces.  Families transformers lacks override this."""
+        if task.auto_class == MASKED_LM and not self.masked_lm:
+            served = ", ".join(f.model_type for f in FAMILIES.values() if f.masked_lm)
+            raise UnsupportedModelError(f"task {task.name!r} reads the masked-LM head, which the exporter builds "
+                                        f"for {served}, not for {self.model_type}")
         return task.build(config)
 
     def create_layer(self, config: Any, layer_idx: int) -> nn.Module:

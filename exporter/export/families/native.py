@@ -27,6 +27,7 @@ class BertFamily(EncoderFamily):
     layer_class = "bert.modeling_bert:BertLayer"
     layer_takes_index = True
     pretraining_head_prefixes = ("cls.",)
+    masked_lm = True
 
 
 @register
@@ -37,6 +38,7 @@ class ElectraFamily(BertFamily):
     default_prefix = "electra."
     layer_class = "electra.modeling_electra:ElectraLayer"
     pretraining_head_prefixes = ("discriminator_predictions.", "generator_predictions.", "generator_lm_head.")
+    masked_lm = False
 
 
 @register
@@ -48,6 +50,7 @@ class RobertaFamily(BertFamily):
     layer_class = "roberta.modeling_roberta:RobertaLayer"
     position_offset_from_pad = True
     pretraining_head_prefixes = ("lm_head.",)
+    masked_lm = False
 
 
 @register
@@ -97,6 +100,7 @@ class DistilBertFamily(EncoderFamily):
     num_layers_keys = ("n_layers", "num_hidden_layers")
     optional_prefixes = ()
     pretraining_head_prefixes = ("vocab_transform.", "vocab_layer_norm.", "vocab_projector.")
+    masked_lm = True
 
 
 @register

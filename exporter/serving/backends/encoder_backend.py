@@ -13,6 +13,10 @@ into batches and the batches' outputs back into responses:
   backends of an NGC container, so the post-processing sees one behaviour;
   outputs that do not (an embedding graph's pooled ``[batch, hidden]``) come
   back one row per text, each from the group it ran in;
+- only the outputs the execution's requests ask for are computed and returned
+  (the union of their ``requested_output_names``, each request answered with its
+  own): an embedding graph's token states, which only its ``NAME_tokens``
+  ensemble asks for, cost nothing on embedding requests;
 - when the joint run fails, each request runs alone, so only a bad request
   (token ids outside the vocabulary, inputs that do not fit together) gets an
   error, and it names the reason.
@@ -46,8 +50,8 @@ class EncoderBackend(ABC):
         """Open the model at ``path`` with the config's ``parameters``."""
 
     @abstractmethod
-    def infer(self, feeds: dict) -> dict:
-        """Outputs by name for one batch of int64 arrays ``[rows, length]``."""
+    def infer(self, feeds: dict, names: list) -> dict:
+        """The outputs ``names`` (some of the config's) by name, for one batch of int64 arrays ``[rows, length]``."""
 
     def _feeds(self, request):
         """The request's inputs, checked to fit together: [rows, length] each, the same for all."""
@@ -62,8 +66,15 @@ class EncoderBackend(ABC):
             raise ValueError(f"inputs must all have one shape [rows, length]; got {shapes}")
         return feeds
 
-    def _run(self, per_request):
-        """All requests' rows, run in planned groups: each request's outputs, in order."""
+    def _wanted(self, request):
+        """The outputs ``request`` asks for, in the config's order (all of them where it names none)."""
+        asked = set(request.requested_output_names()) if hasattr(request, "requested_output_names") else set()
+        return [name for name in self.outputs if name in asked] or list(self.outputs)
+
+    def _run(self, per_request, wanted):
+        """All requests' rows, run in planned groups, computing the outputs in ``wanted`` (one list per
+        request): each request's own outputs, in order."""
+        names = [name for name in self.outputs if any(name in w for w in wanted)]
         width = max(feeds[self.inputs[0]].shape[1] for feeds in per_request)
         batch = {
             name: np.concatenate([
@@ -77,9 +88,10 @@ class EncoderBackend(ABC):
         results = {}
         for rows in plan(lengths):
             length = int(lengths[rows].max())
-            got = self.infer({name: np.ascontiguousarray(array[rows, :length]) for name, array in batch.items()})
-            for name, follows_sequence in self.outputs.items():
-                value = got[name]
+            group = {name: np.ascontiguousarray(array[rows, :length]) for name, array in batch.items()}
+            got = self.infer(group, names)
+            for name in names:
+                value, follows_sequence = got[name], self.outputs[name]
                 if name not in results:
                     shape = (len(lengths), longest, *value.shape[2:]) if follows_sequence else (len(lengths), *value.shape[1:])
                     results[name] = np.zeros(shape, dtype=np.float32)
@@ -88,9 +100,9 @@ class EncoderBackend(ABC):
                 else:
                     results[name][rows] = value
         answers, start = [], 0
-        for feeds in per_request:
+        for feeds, asked in zip(per_request, wanted):
             size = feeds[self.inputs[0]].shape[0]
-            answers.append({name: results[name][start:start + size] for name in self.outputs})
+            answers.append({name: results[name][start:start + size] for name in asked})
             start += size
         return answers
 
@@ -106,14 +118,15 @@ class EncoderBackend(ABC):
                 feeds[number] = self._feeds(request)
             except ValueError as exc:
                 errors[number] = mark(INVALID_INPUT, str(exc))
+        wanted = {number: self._wanted(requests[number]) for number in feeds}
         answers = {}
         if feeds:
             try:
-                answers = dict(zip(feeds, self._run(list(feeds.values()))))
+                answers = dict(zip(feeds, self._run(list(feeds.values()), list(wanted.values()))))
             except Exception:  # noqa: BLE001 - one bad request (ids out of the vocabulary, ...): find it
                 for number, request_feeds in feeds.items():
                     try:
-                        answers[number] = self._run([request_feeds])[0]
+                        answers[number] = self._run([request_feeds], [wanted[number]])[0]
                     except Exception as exc:  # noqa: BLE001 - reported to this request's sender
                         errors[number] = mark(INFERENCE_FAILED,
                                               f"the encoder failed on this request: {type(exc).__name__}: {exc}")

@@ -58,7 +58,8 @@ class TritonPythonModel(EncoderBackend):
             _log(f"nexus-sli onnxruntime backend, {self.model_name}: {note}")
         self.session = ort.InferenceSession(str(path), options, providers=providers)
         _log(f"nexus-sli onnxruntime backend, {self.model_name}: session providers {self.session.get_providers()}")
-        self.output_names = [o.name for o in self.session.get_outputs()]
 
-    def infer(self, feeds):
-        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
+    def infer(self, feeds, names):
+        # only the outputs asked for: ONNX Runtime neither copies the others out nor runs the nodes
+        # that only they need
+        return dict(zip(names, self.session.run(names, feeds)))

@@ -27,9 +27,9 @@ class TritonPythonModel(EncoderBackend):
         core = ov.Core()
         self.compiled = core.compile_model(core.read_model(str(path)), "CPU", compile_properties(params))
         self.request = self.compiled.create_infer_request()
-        self.output_names = [output.get_any_name() for output in self.compiled.outputs]
+        self.ports = {output.get_any_name(): output for output in self.compiled.outputs}
 
-    def infer(self, feeds):
+    def infer(self, feeds, names):
         results = self.request.infer(feeds)
-        # the request reuses its output buffers on the next run: copy out
-        return {name: results[output].copy() for name, output in zip(self.output_names, self.compiled.outputs)}
+        # the request reuses its output buffers on the next run: copy out, only what was asked for
+        return {name: results[self.ports[name]].copy() for name in names}

@@ -10,6 +10,10 @@ import numpy as np
 from tokenizers import Tokenizer
 
 POOLING_MODES = ("mean", "cls", "max")
+#: sentence-transformers' SpladePooling: how token weights are pooled over a text, and the activation
+#: before it (``relu``: log(1 + relu(x)); ``log1p_relu``: log(1 + log(1 + relu(x))))
+SPLADE_STRATEGIES = ("max", "sum")
+SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
 #: The pooling's guards (the graph's pooling, ``export/pooling.py``, uses the same): the least
 #: mask count a mean divides by, the value masked positions take in a max, the least norm.
 MIN_COUNT, MASKED_OUT, MIN_NORM = 1e-9, -1e9, 1e-12
@@ -115,6 +119,19 @@ def pool(hidden: np.ndarray, mask: np.ndarray, mode: str) -> np.ndarray:
     if mode == "max":
         return np.where(weights > 0, hidden, np.float32(MASKED_OUT)).max(axis=1)
     raise ValueError(f"unknown pooling mode {mode!r}; known modes: {', '.join(POOLING_MODES)}")
+
+
+def splade(logits: np.ndarray, mask: np.ndarray, strategy: str = "max", activation: str = "relu") -> np.ndarray:
+    """Sparse embedding ``[batch, vocab]`` from masked-LM logits ``[batch, seq, vocab]``, as
+    sentence-transformers' SpladePooling: logits times the mask, ``log1p(relu(.))`` (twice for
+    ``log1p_relu``), then the max or the sum over the sequence."""
+    if strategy not in SPLADE_STRATEGIES or activation not in SPLADE_ACTIVATIONS:
+        raise ValueError(f"unknown SPLADE pooling {strategy!r} / activation {activation!r}; known: "
+                         f"{', '.join(SPLADE_STRATEGIES)} / {', '.join(SPLADE_ACTIVATIONS)}")
+    weights = np.log1p(np.maximum(logits.astype(np.float32) * mask[..., None].astype(np.float32), 0))
+    if activation == "log1p_relu":
+        weights = np.log1p(weights)
+    return weights.max(axis=1) if strategy == "max" else weights.sum(axis=1)
 
 
 def l2_normalize(vectors: np.ndarray) -> np.ndarray:

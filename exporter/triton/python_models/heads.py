@@ -14,9 +14,9 @@ import json
 import numpy as np
 
 if __package__:  # imported from the nexus_sli package (validation, tests)
-    from .encoding import l2_normalize, pool
+    from .encoding import l2_normalize, pool, splade
 else:  # a file copied beside model.py in a Triton repository
-    from encoding import l2_normalize, pool
+    from encoding import l2_normalize, pool, splade
 
 #: Longest answer span considered, in tokens (as transformers' QA pipeline).
 MAX_ANSWER_TOKENS = 30
@@ -114,6 +114,11 @@ def embedding_head(x: dict, params: dict) -> dict:
     return {"EMBEDDING": vectors.astype(np.float32)}
 
 
+def sparse_embedding_head(x: dict, params: dict) -> dict:
+    vectors = splade(x["logits"], x["attention_mask"], params["splade_pooling"], params["splade_activation"])
+    return {"SPARSE_EMBEDDING": vectors.astype(np.float32)}
+
+
 def classification_head(x: dict, params: dict) -> dict:
     scores = class_scores(x["logits"].astype(np.float64), params.get("multi_label") == "true")
     return {"SCORES": scores.astype(np.float32)}
@@ -145,4 +150,5 @@ HEADS = {
     "rerank": rerank_head,
     "token-classification": token_classification_head,
     "question-answering": question_answering_head,
+    "sparse-embedding": sparse_embedding_head,
 }

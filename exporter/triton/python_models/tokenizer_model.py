@@ -11,6 +11,13 @@ merge requests: Triton batches only equal shapes.  CPU repositories have one
 width, and the encoder cuts the padding off again; GPU repositories have
 buckets (:func:`encoding.padded_length`).
 
+An embedding model's named prompts (``prompts``, ``default_prompt_name``
+parameters, from its sentence-transformers config) are applied here, as
+sentence-transformers applies them: the prompt of the request parameter
+``prompt_name`` (else the default prompt, if the model has one) is put in
+front of each text before tokenising, so truncation counts it and every
+client, whatever it sends through, gets the model's prompt.
+
 Every request gets its own answer: a request that cannot be tokenized gets an
 error naming the input, the item and the reason, and the other requests of the
 same execution are unaffected.
@@ -22,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from encoding import TOKENIZER_MODES, TextTooLongError, check_lengths, load_tokenizer, padded_length, to_arrays, windows
-from error_codes import INVALID_INPUT, mark
+from error_codes import INVALID_INPUT, PROMPT_PARAMETER, mark
 
 
 def _strings(request, name):
@@ -60,6 +67,18 @@ class TritonPythonModel:
         if self.mode == "qa":  # counts a question's tokens, however long it is
             self.counter = load_tokenizer(path, self.max_length, truncate=False)
         self.output_names = [output["name"] for output in config["output"]]
+        self.prompts = json.loads(params.get("prompts", "{}"))
+        self.default_prompt = params.get("default_prompt_name")
+
+    def _prompt(self, request):
+        """The text put in front of each of the request's texts: its named prompt, else the default."""
+        name = json.loads(request.parameters() or "{}").get(PROMPT_PARAMETER)
+        if name is None:
+            return self.prompts[self.default_prompt] if self.default_prompt else ""
+        if name not in self.prompts:
+            known = ", ".join(repr(n) for n in self.prompts) if self.prompts else "none (this model has no prompts)"
+            raise ValueError(f"unknown {PROMPT_PARAMETER} {name!r}; this model's prompts: {known}")
+        return self.prompts[name]
 
     def _too_many(self, rows):
         return self.max_rows is not None and rows > self.max_rows
@@ -84,6 +103,8 @@ class TritonPythonModel:
         return found
 
     def _encodings(self, request):
+        if self.mode != "single":
+            self._prompt(request)  # prompts belong to embedding models: a prompt_name here is an error, not ignored
         if self.mode == "qa":
             return self._qa(request)
         if self.mode == "pair":
@@ -97,7 +118,8 @@ class TritonPythonModel:
                                  f"{self.max_rows}; send them in several requests (the client does)")
             encodings = self.tokenizer.encode_batch([(query[0], d) for d in documents])
         else:
-            encodings = self.tokenizer.encode_batch(_strings(request, "TEXT"))
+            prompt = self._prompt(request)
+            encodings = self.tokenizer.encode_batch([prompt + text for text in _strings(request, "TEXT")])
         if not self.truncate:
             check_lengths(encodings, self.max_length)
         return encodings
