@@ -74,8 +74,12 @@ def truncate(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
     size = vectors.shape[-1]
     if isinstance(dimensions, bool) or not isinstance(dimensions, (int, np.integer)) or not 1 <= dimensions <= size:
         raise InvalidInputError(f"dimensions must be an integer from 1 to the model's {size}, got {dimensions!r}")
-    cut = vectors[..., :dimensions]
-    return cut / np.maximum(np.linalg.norm(cut, axis=-1, keepdims=True), MIN_NORM)
+    return unit_rows(vectors[..., :dimensions])
+
+
+def unit_rows(vectors: np.ndarray) -> np.ndarray:
+    """Each vector over its L2 norm (never over less than :data:`MIN_NORM`)."""
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), MIN_NORM)
 
 
 def embed(texts, info: p.ModelInfo, prompt_name: str | None = None, dimensions: int | None = None) -> Plan:

@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from . import protocol as p
-from .errors import ClientError, ReplicasFailedError, RetryableError
+from .errors import ClientError, ReplicasFailedError, RetryableError, ServerUnavailableError
 
 #: How long a replica that failed is tried only after the others.
 DOWN_FOR_S = 5.0
@@ -81,8 +81,6 @@ class Resolved:
 
     def urls(self) -> list[str]:
         """The addresses now: a ServerUnavailableError when the name has none (no pod is ready)."""
-        from .errors import ServerUnavailableError  # the client's error, raised where it belongs
-
         try:
             addresses = self.resolve(self.host, self.port)
         except OSError as exc:
@@ -271,7 +269,5 @@ class Fleet:
 
 def unresolved(fleet: Fleet) -> list[tuple[str, RetryableError]]:
     """The failed "tries" of a pass that had no replica to try: a name that has not resolved to any."""
-    from .errors import ServerUnavailableError
-
     name = fleet.resolved.name if fleet.resolved else "?"
     return [(name, fleet.error or ServerUnavailableError(f"{name} has no server to try; retry"))]

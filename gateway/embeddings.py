@@ -50,11 +50,6 @@ def normalizes(model: ServedModel) -> bool:
     return model.params.get("normalize", "false") == "true"
 
 
-def unit_rows(vectors: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    return vectors / np.maximum(norms, 1e-12)
-
-
 def encode(vector: np.ndarray, encoding_format: str):
     """One embedding as OpenAI sends it: a list of floats, or base64 of little-endian float32."""
     if encoding_format == "base64":

@@ -15,10 +15,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from nexus_sli.client.calls import truncate
+from nexus_sli.client.calls import truncate, unit_rows
 from nexus_sli.tasks.spec import TOKEN_TASK
 
-from .embeddings import check_dimensions, check_prompt, encode, normalizes, prompts, trained_dimensions, unit_rows
+from .embeddings import check_dimensions, check_prompt, encode, normalizes, prompts, trained_dimensions
 from .errors import GatewayError
 from .limits import check_texts, read_json, text_list
 

@@ -14,8 +14,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from nexus_sli.client.calls import unit_rows
+
 from .discovery import MISS_REFRESH_S
-from .embeddings import check_dimensions, check_prompt, normalizes, unit_rows
+from .embeddings import check_dimensions, check_prompt, normalizes
 from .errors import GatewayError
 from .limits import check_texts, flag, read_json, text_list
 
