@@ -741,13 +741,14 @@ def run_bench(options: BenchOptions) -> dict:
     plan, shape = plan_for(options)
     log.info("plan: %s (%s: %.0f M matmul FLOPs per token)", plan.name, resolve_model(options.model).model_id,
              shape.flops_per_token() / 1e6)
-    info = machine.machine_info()
+    info, checkout = machine.machine_info(), machine.checkout()  # the checkout before the run writes results
     setup = prepare(options, plan)
     repetitions = Repetitions.for_plan(plan, options.repetitions, setup.default)
     measurements, memory, threads = measure(setup, plan, repetitions)
     table = rows(measurements)
     stats = text_set.length_stats(token_counts(setup.facts["fp32"], setup.texts, truncate=False),
                                   setup.facts["fp32"].max_length)
+    limit = compute_limit.summary(setup.model_dir, setup.tokens, table, (BATCH32, CONCURRENT16))
     results = {
         "schema": 1,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -758,6 +759,7 @@ def run_bench(options: BenchOptions) -> dict:
         "served_models": setup.names,
         "machine": info,
         "libraries": machine.library_versions(),
+        "checkout": checkout,
         "default_configuration": setup.default,
         "settings": {"plan": plan_record(plan, shape, options.quick, len(text_set.bench_texts())),
                      "repetitions": repetitions.done, "repetition_plan": repetitions.record(),
@@ -770,8 +772,8 @@ def run_bench(options: BenchOptions) -> dict:
         "rows": table,
         "skipped": setup.skipped,
         "peers": setup.peers,
-        "targets": evaluate(table, setup.default),
-        "compute_limit": compute_limit.summary(setup.model_dir, setup.tokens, table, (BATCH32, CONCURRENT16)),
+        "targets": evaluate(table, setup.default, limit),
+        "compute_limit": limit,
         "duration_s": round(time.perf_counter() - started, 1),
     }
     report.write_all(results, Path(options.out), options.benchmarks_md)

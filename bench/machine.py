@@ -36,6 +36,25 @@ def machine_info() -> dict:
     }
 
 
+def checkout() -> dict:
+    """The commit the bench ran from, and whether tracked files differed from it (a run on a
+    fresh clone is ``clean``); ``None`` values outside a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                                  check=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    changes = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "clean": None if changes is None else not changes}
+
+
 def library_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 

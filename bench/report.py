@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+from . import cpu_classes
 from .measure import BATCH32, CONCURRENT16, GATEWAY_PATH, GATEWAY_PROTOCOL, LATENCY1, SEQ_LEN, SHORT32
 
 MODE_TEXT = {BATCH32: "batches of 32", CONCURRENT16: "16 concurrent clients, 1 text each",
@@ -72,6 +73,8 @@ def _median(target: dict) -> str:
         return "-"
     if "fidelity" in target["target"]:
         return f"{median:.6f}"
+    if target["required"].endswith("%"):
+        return f"{median:.1%}"
     return f"{median:.2f} ms" if target["required"].endswith("ms") else f"{median:.2f}x"
 
 
@@ -126,14 +129,14 @@ def limit_line(results: dict) -> str:
 
 
 def targets_section(results: dict) -> list[str]:
-    """Issue 14's targets: the CPU above the table, what a status means below it."""
+    """The targets (issues 14 and 24): the CPU above the table, what a status means below it."""
     plan = results["settings"].get("repetition_plan") or {}
     stopped = (f" Repetitions: {plan['repetitions']} (at least {plan['minimum']}, at most {plan['maximum']} while "
                f"one more fits in {plan['budget_s']:.0f} s of repetitions; each took "
                f"{', '.join(f'{x:.0f}' for x in plan['repetition_s'])} s); stopped: {plan['stopped']}."
                if plan.get("stopped") else "")
     return [
-        "## Targets (issue 14)", "",
+        "## Targets (issues 14 and 24)", "",
         cpu_line(results["machine"]), "",
         default_line(results.get("default_configuration")), "",
         *targets_table(results["targets"]), "",
@@ -377,8 +380,8 @@ How it measures:
 """
 
 
-#: What was tried for the targets not met: hand-written from the experiments in
-#: ``bench/experiments/`` on the packaged model.  The pages link it (and docs/benchmarks.md's short
+#: What was tried for the targets not met: hand-written from experiments on the packaged model
+#: (their scripts left the package once recorded; tried.md says where they are).  The pages link it (and docs/benchmarks.md's short
 #: table of it) instead of carrying it: a BENCHMARKS page is the latest run's results.
 TRIED = Path(__file__).with_name("data") / "tried.md"
 TRIED_LINK = ("What was tried for the targets, lever by lever: the table in "
@@ -402,10 +405,13 @@ def benchmarks_page(results: dict, page: str) -> str:
     body = "\n".join(line for line in body.split("\n") if not line.startswith(("Machine: ", "Command: ")))
     latest = "## Latest run\n\n" + re.sub(r"\n{3,}", "\n\n", body).replace("\n## ", "\n### ")
     tried = "\n" + TRIED_LINK
-    if not default:  # the experiments were made on the packaged model
+    classes = ""
+    if default:
+        classes = "\n".join(cpu_classes.section(Path(where["out"]))) + "\n\n"
+    else:  # the experiments were made on the packaged model
         default_page = layout(None).page.name
         tried += f"\nThe same bench on the packaged all-MiniLM-L6-v2: [{default_page}]({default_page}).\n"
-    return intro + latest.rstrip("\n") + "\n" + tried
+    return intro + classes + latest.rstrip("\n") + "\n" + tried
 
 
 def write_all(results: dict, out: Path, benchmarks_md: Path | None = None) -> None:
@@ -415,4 +421,6 @@ def write_all(results: dict, out: Path, benchmarks_md: Path | None = None) -> No
     (out / "latest.md").write_text(page)
     plot(results, out / "latest.png")
     if benchmarks_md is not None:
+        if not results.get("quick") and (results.get("layout") or {}).get("short_name") is None:
+            cpu_classes.keep(results, out)  # the packaged model's full run: its CPU class's latest
         Path(benchmarks_md).write_text(benchmarks_page(results, page))

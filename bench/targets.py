@@ -1,4 +1,4 @@
-"""Issue 14's targets, judged on the default export with paired per-repetition ratios.
+"""The bench's targets (issues 14 and 24), judged on the default export with paired per-repetition ratios.
 
 Every speed target compares the served default configuration (what ``auto``
 exports on this machine) with a reference measured in the same repetition:
@@ -54,10 +54,14 @@ class Bound:
         return f"{self.op} {self._fmt(self.value)}"
 
     def _fmt(self, value: float) -> str:
+        if self.unit == "%":  # a share: values are fractions
+            return f"{value:.0%}"
         return f"{value:.2f}{self.unit}" if self.unit == "x" else f"{value:.2f} {self.unit}"
 
     def gap(self, median: float) -> str:
         """How far ``median`` is from the bound, in the bound's terms."""
+        if self.unit == "%":
+            return f"{self._fmt(median)} measured, {self.text()} needed"
         if self.unit != "x":
             return f"{self._fmt(median)} measured, {self._fmt(abs(median - self.value))} over"
         if self.op == ">=":
@@ -267,6 +271,24 @@ def _latency(rows: Rows) -> list[dict]:
     return results
 
 
+def _share_of_peak(rows: Rows, limit: dict | None) -> list[dict]:
+    """(e): the default's served batches of 32 as a share of the estimated peak of the arithmetic it
+    runs (the int8 peak when it runs int8; bench/compute_limit.py), repetition by repetition."""
+    from .compute_limit import fraction_of_peak, number_format
+
+    target, comparison = "(e) share of the compute peak", "served batches of 32 over the precision's estimated peak"
+    protocol = _best_protocol(rows, BATCH32, lambda r: r["texts_per_s"])
+    served = rows.served(BATCH32, protocol) if protocol else None
+    config = _config(rows, protocol)
+    peak = ((limit or {}).get("peaks") or {}).get(number_format(served["precision"])) if served else None
+    if served is None or peak is None:
+        why = _missing_served(rows, BATCH32) if served is None else "no peak estimate for its precision in this run"
+        return [_result(target, comparison, Bound(">=", 0.35, "%"), [], config, missing=why)]
+    shares = [fraction_of_peak(rate, limit["flops_per_text"], peak["flops"]) for rate in _rates(served) if rate]
+    return [_result(target, f"{comparison} ({number_format(served['precision'])}, {peak['instruction_set']})",
+                    Bound(">=", 0.35, "%"), shares, config, rows.unqualified())]
+
+
 def _fp32_fidelity(rows: list[dict]) -> list[dict]:
     fp32 = [r for r in rows if r["path"] == SERVED and r["precision"] == "fp32" and r["cosine_min"] is not None]
     if not fp32:
@@ -281,13 +303,14 @@ def _fp32_fidelity(rows: list[dict]) -> list[dict]:
              "gap": "" if met else f"min cosine {worst['cosine_min']:.6f} < {FP32_SERVED_COSINE_MIN}"}]
 
 
-def evaluate(rows: list[dict], default: dict | None) -> list[dict]:
-    """Every comparison of targets (a)-(c) and the fp32 fidelity row: required, median and spread of
+def evaluate(rows: list[dict], default: dict | None, limit: dict | None = None) -> list[dict]:
+    """Every comparison of targets (a)-(e) and the fp32 fidelity row: required, median and spread of
     the per-repetition values, status, the configuration and the gap.
 
     ``default``: the configuration ``auto`` exports on this machine, ``{"label", "backend",
     "precision"}`` (``label``: the served rows' precision column); None when unknown, and then
-    every speed target is *not measured*."""
+    every speed target is *not measured*.  ``limit``: the run's compute-limit estimate
+    (:func:`compute_limit.summary`), for (e); without it (e) is *not measured*."""
     found = Rows(rows, default)
     return [
         *_throughput(found, "(a) client batches of 32", BATCH32, 2.5, 1.3, PEER_KINDS, "peer"),
@@ -296,6 +319,7 @@ def evaluate(rows: list[dict], default: dict | None) -> list[dict]:
         *_latency(found),
         *_throughput(found, "(d) client batches of 32 short texts (<= 16 tokens, in arrival order)", SHORT32, 2.5,
                      None, (), "", reference_mode=SHORT32),
+        *_share_of_peak(found, limit),
         *_fp32_fidelity(rows),
     ]
 

@@ -106,7 +106,7 @@ def fastembed_venv() -> PeerVenv:
     venv = PeerVenv(FASTEMBED)
     if venv.installed() is None:
         pytest.skip("fastembed's venv (bench/.peers/fastembed) is not installed: the full bench makes it "
-                    "(make bench, or python -m nexus_sli.bench.experiments.peers_only); make test never does")
+                    "(make bench, or python -m nexus_sli.bench.peers_only); make test never does")
     return venv
 
 

@@ -142,6 +142,55 @@ def test_compile_properties_follow_the_triton_openvino_parameters():
     assert compile_properties({"NUM_STREAMS": "2", "PERFORMANCE_HINT": "THROUGHPUT"})["NUM_STREAMS"] == "2"
 
 
+@pytest.fixture(scope="module")
+def openvino_shim(tmp_path_factory, request):
+    """The ``openvino`` backend as Triton loads it (``prepare_backends``' files), importable here."""
+    import importlib
+    import sys
+
+    from nexus_sli.exporter.serving.server import prepare_backends
+
+    folder = prepare_backends(tmp_path_factory.mktemp("backends"))
+    sys.path[:0] = [str(folder / "python"), str(folder / "openvino")]
+    request.addfinalizer(lambda: [sys.path.remove(str(folder / p)) for p in ("python", "openvino")])
+    spec = importlib.util.spec_from_file_location("openvino_shim_model", folder / "openvino" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("params, lengths", [({}, 32), ({"WARMUP_QUERY_TOKENS": "5"}, 5), ({"WARMUP_QUERY_TOKENS": "0"}, 0)])
+def test_openvino_backend_warms_one_query_of_each_length_at_load(openvino_shim, exported, monkeypatch, params, lengths):
+    """OpenVINO prepares kernels on the first run at each new input shape (docs/repository.md): the
+    shim runs one real query of every length up to WARMUP_QUERY_TOKENS at load, with the model's own
+    inputs, and serves the same numbers afterwards."""
+    ran = []
+    real_request = openvino_shim.ov.CompiledModel.create_infer_request
+
+    def recording(compiled):
+        request = real_request(compiled)
+
+        class Recorder:
+            def infer(self, feeds):
+                ran.append({name: array.shape for name, array in feeds.items()})
+                return request.infer(feeds)
+        return Recorder()
+
+    monkeypatch.setattr(openvino_shim.ov.CompiledModel, "create_infer_request", recording)
+    model = openvino_shim.TritonPythonModel()
+    model.load(exported / "ov_encoder" / "1" / "model.onnx", params)
+    inputs = {port.get_any_name() for port in model.compiled.inputs}
+    assert [feeds.keys() == inputs for feeds in ran] == [True] * lengths
+    assert [next(iter(feeds.values())) for feeds in ran] == [(1, n) for n in range(1, lengths + 1)]
+    # warmed or not, a query gives what a fresh session gives
+    feeds = _feeds([7], 7)
+    got = model.infer({name: feeds[name] for name in inputs}, list(model.ports))
+    want = OpenVINOSession(exported / "ov_encoder" / "1" / "model.onnx", {}).run(
+        list(model.ports), {name: feeds[name] for name in inputs})
+    for name, value in zip(model.ports, want):
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5)
+
+
 def test_calibration_texts_are_not_validation_texts():
     calibration, validation = calibration_texts(), set(validation_texts())
     assert len(calibration) >= 300 and not validation.intersection(calibration)

@@ -65,7 +65,9 @@ class ExportOptions:
     cache_dir: Path | None = None
     #: embeddings (dense and sparse): pooling (and normalisation) at the end of the encoder graph, the
     #: ensemble tokenizer -> encoder (:mod:`pooling`); False writes the earlier tokenizer -> encoder ->
-    #: python post-processing ensemble.  Internal: bench/experiments/pooling_in_graph.py measures both.
+    #: python post-processing ensemble.  Internal: measured both ways by bench/experiments/pooling_in_graph.py
+    #: (removed after its finding was recorded in bench/data/tried.md; ``git show
+    #: c81662c:bench/experiments/pooling_in_graph.py``).
     pool_in_graph: bool = True
     #: what ``auto`` keeps the fastest graph for (:data:`timing.OBJECTIVES`): balanced, throughput or latency
     optimize: str = DEFAULT_OBJECTIVE

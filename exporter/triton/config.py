@@ -24,9 +24,10 @@ MAX_BATCH_SIZE = 64
 QUEUE_DELAY_US = 500
 #: The python steps do not wait: a lone query paid every step's delay (0.6 ms
 #: queued per step, from Triton's statistics), while the encoder merges what the
-#: tokenizer sends regardless.  Measured with bench/experiments/queue_delay.py:
+#: tokenizer sends regardless.  Measured with bench/experiments/queue_delay.py
+#: (removed after its finding was recorded; ``git show c81662c:bench/experiments/queue_delay.py``):
 #: single-query p50 3.7 ms instead of 4.7-5.1 ms, 16 concurrent clients within
-#: noise (BENCHMARKS.md, "What was tried").  Under load each still merges what
+#: noise (bench/data/tried.md).  Under load each still merges what
 #: queued while it ran.
 TOKENIZER_QUEUE_DELAY_US = 0
 POSTPROCESS_QUEUE_DELAY_US = 0

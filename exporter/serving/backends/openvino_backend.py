@@ -9,7 +9,17 @@ backend, so the same repository runs on an NGC container:
 
 - ``HINT_BF16`` ``YES``: bf16 inference precision (on CPUs with bf16);
   anything else keeps f32, which the exporter validated;
-- ``INFERENCE_NUM_THREADS``, ``NUM_STREAMS``, ``PERFORMANCE_HINT``: passed on.
+- ``INFERENCE_NUM_THREADS``, ``NUM_STREAMS``, ``PERFORMANCE_HINT``: passed on;
+- ``WARMUP_QUERY_TOKENS`` (ours; default :data:`WARMUP_QUERY_TOKENS`): one query
+  of every length up to this many tokens is run at load.
+
+Why the warm-up: OpenVINO's CPU plugin prepares its kernels for each new input
+shape on the first run at that shape, and on a 2-core AVX2 machine that first
+run took 1.6x (fp32) and 1.85x (int8) its repeats for one query (MiniLM-L6, a
+median 4-7 ms more; ONNX Runtime 1.01x; docs/repository.md, "OpenVINO's first
+run at a shape").  So every new query length would be a slow query, a p99
+nobody chose.  Batches' shapes (rows x length) are too many to warm; their
+first run costs 1.1-1.2x, once per shape and process.
 """
 
 import sys
@@ -17,9 +27,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared modules beside this file
 
+import numpy as np  # noqa: E402
 import openvino as ov  # noqa: E402
 from encoder_backend import EncoderBackend  # noqa: E402
 from openvino_properties import compile_properties  # noqa: E402
+
+#: Query lengths (tokens, special tokens included) warmed at load: most search queries fit.
+WARMUP_QUERY_TOKENS = 32
 
 
 class TritonPythonModel(EncoderBackend):
@@ -28,6 +42,15 @@ class TritonPythonModel(EncoderBackend):
         self.compiled = core.compile_model(core.read_model(str(path)), "CPU", compile_properties(params))
         self.request = self.compiled.create_infer_request()
         self.ports = {output.get_any_name(): output for output in self.compiled.outputs}
+        self.warm_up(int(params.get("WARMUP_QUERY_TOKENS", WARMUP_QUERY_TOKENS)))
+
+    def warm_up(self, tokens):
+        """Run one row of each length 1..``tokens``: real token ids (1) and a full mask, so
+        the encoder backend's cut to the real length leaves the shape as warmed."""
+        names = [port.get_any_name() for port in self.compiled.inputs]
+        for length in range(1, tokens + 1):
+            self.request.infer({name: np.full((1, length), 0 if name == "token_type_ids" else 1, dtype=np.int64)
+                                for name in names})
 
     def infer(self, feeds, names):
         results = self.request.infer(feeds)

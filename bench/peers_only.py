@@ -1,6 +1,6 @@
 """The peers alone beside the baseline: fastembed and infinity-emb against sentence-transformers.
 
-``.venv/bin/python -m nexus_sli.bench.experiments.peers_only [--texts N] [--repetitions R]``
+``.venv/bin/python -m nexus_sli.bench.peers_only [--texts N] [--repetitions R]``
 (default: the whole bench text set, 1 repetition) makes the peers' venvs where missing
 (``bench/peers.py``; minutes the first time), starts them, and times them and the
 baseline interleaved in the three workloads exactly as the full bench does (the same
@@ -16,9 +16,9 @@ import dataclasses
 import json
 import logging
 
-from ..harness import QUICK, BenchOptions, _baselines, _groups, _warm_up, in_process_measurements, prepare, rows
-from ..peers import Peers
-from . import bench_repository
+from .harness import QUICK, BenchOptions, _baselines, _groups, _warm_up, in_process_measurements, prepare, rows
+from .peers import Peers
+from .texts import repository_root
 
 COLUMNS = ("path", "protocol", "mode", "texts", "texts_per_s", "p50_ms", "p99_ms", "cosine_min", "cosine_mean",
            "ratio_vs_baseline", "peer")
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     repetitions = args.repetitions
     plan = dataclasses.replace(QUICK, texts=args.texts or None, latency_queries=100, latency_budget_s=10.0, seq_lens=(),
                                peers=True)
-    setup = prepare(BenchOptions(repository=bench_repository(), quick=True), plan)
+    setup = prepare(BenchOptions(repository=repository_root() / "bench" / ".repo", quick=True), plan)
     measurements = in_process_measurements(setup, plan, _baselines(setup))
     with Peers(setup.model_id, setup.model_dir, setup.facts["fp32"], setup.skipped) as peers:
         measurements += peers.measurements(_groups(setup), plan.latency_budget_s)

@@ -1,0 +1,88 @@
+"""The CPU classes table of BENCHMARKS.md and target (e), the share of the compute peak.
+
+Pure functions over results: no server, no model.  The kept Zen 5 run in
+bench/results/classes/ is real data from a full `make bench`; the rest is built here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nexus_sli.bench import cpu_classes
+from nexus_sli.bench import targets as bench_targets
+from tests.test_bench import DEFAULT, LIMIT, _by_comparison, _run_rows
+
+AVX2 = {"avx2": True, "avx512f": False, "avx512_vnni": False, "avx512_bf16": False,
+        "amx_tile": False, "amx_int8": False, "amx_bf16": False}
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (AVX2, "avx2"),
+    ({**AVX2, "avx512f": True}, "avx2"),  # AVX-512 without VNNI: int8 is no faster, the AVX2 class's choices
+    ({**AVX2, "avx512f": True, "avx512_vnni": True}, "avx512-vnni"),
+    ({**AVX2, "avx512f": True, "avx512_vnni": True, "avx512_bf16": True}, "avx512-vnni-bf16"),
+    ({**AVX2, "avx512f": True, "avx512_vnni": True, "amx_tile": True, "amx_int8": True, "amx_bf16": True}, "amx"),
+])
+def test_cpu_class_from_flags(flags, expected):
+    assert cpu_classes.cpu_class(flags) == expected
+
+
+def _results(flags=AVX2, rows=None, limit=LIMIT, quick=False):
+    return {"machine": {"flags": flags, "cpu_model": "Test CPU"}, "created": "2026-11-26T05:00:00+00:00",
+            "checkout": {"commit": "abc123def456", "clean": True}, "default_configuration": DEFAULT,
+            "rows": rows if rows is not None else _run_rows(), "compute_limit": limit, "quick": quick}
+
+
+def test_a_kept_run_is_its_class_row_judged_by_the_current_targets(tmp_path):
+    kept = cpu_classes.keep(_results(), tmp_path)
+    assert kept == tmp_path / "classes" / "avx2.json"
+    (row,) = [r for r in cpu_classes.rows(tmp_path, tmp_path / "none.json") if r["class"] == "avx2"]
+    assert (row["cpu"], row["date"], row["default"]) == ("Test CPU", "2026-11-26", "onnxruntime fp32")
+    assert row["source"] == "`make bench` at abc123def456 (clean checkout)"
+    # batches of 32: paired ratios 3.0, 3.0, 3.02 -> median 3.00x, met, so no status beside it
+    assert row["figures"][0] == "3.00x" and row["figures"][4] == "51%"
+    judged = [t for t in bench_targets.evaluate(_run_rows(), DEFAULT, LIMIT) if t["status"] != "not measured"]
+    assert row["met"] == f"{sum(t['met'] for t in judged)}/{len(judged)}"
+
+
+def test_a_missed_target_shows_its_status_and_classes_without_runs_say_so(tmp_path):
+    cpu_classes.keep(_results(rows=_run_rows(served_batch=(184, 202, 186))), tmp_path)
+    notes = tmp_path / "notes.json"
+    notes.write_text(json.dumps({"avx512-vnni": {"reported": {
+        "cpu": "Reported CPU", "date": "2026-11-01", "source": "reported elsewhere", "default": "openvino int8",
+        "figures": ["3.27x", "-", "2.24x", "-", "15-20%"], "met": "6/9"}, "stops": "int8 at 15-20% of its peak"}}))
+    found = {r["class"]: r for r in cpu_classes.rows(tmp_path, notes)}
+    assert [r["class"] for r in cpu_classes.rows(tmp_path, notes)] == [c for c, _ in cpu_classes.CLASSES]
+    assert found["avx2"]["figures"][0] == "1.84x (not met)"
+    assert found["avx512-vnni"]["figures"][0] == "3.27x" and found["avx512-vnni"]["source"] == "reported elsewhere"
+    assert found["avx512-vnni"]["stops"] == "int8 at 15-20% of its peak"
+    assert found["amx"]["figures"] == ["not run"] * len(cpu_classes.COLUMNS)
+    table = cpu_classes.section(tmp_path, notes)
+    assert table[0] == "## CPU classes side by side"
+    assert sum(line.startswith("| ") for line in table) == 1 + len(cpu_classes.CLASSES)  # heading + one per class
+    assert all(line.count("|") == table[4].count("|") for line in table[4:])
+
+
+def test_the_kept_zen5_run_is_rejudged_by_the_current_rules():
+    kept = json.loads((cpu_classes.classes_dir(cpu_classes.Path("bench/results")) / "avx512-vnni-bf16.json")
+                      .read_text())
+    row = cpu_classes.summary(kept)
+    assert row["class"] == "avx512-vnni-bf16" and row["default"] == "openvino int8"
+    # that run had no short-text row: said, not guessed
+    assert row["figures"][1] == "not measured"
+    found = _by_comparison(kept["targets"])
+    assert row["figures"][0].startswith(f"{found[('(a)', 'vs sentence-transformers encode(batch_size=32)')]['median']:.2f}x")
+
+
+def test_share_of_peak_needs_the_estimate_and_reports_its_gap():
+    found = _by_comparison(bench_targets.evaluate(_run_rows(), DEFAULT))
+    share = found[("(e)", "served batches of 32 over the precision's estimated peak")]
+    assert share["status"] == "not measured" and "no peak estimate" in share["gap"]
+    low = {**LIMIT, "peaks": {"fp32": {"flops": 3000e9, "instruction_set": "avx512-full"}}}
+    share = _by_comparison(bench_targets.evaluate(_run_rows(), DEFAULT, low))[
+        ("(e)", "served batches of 32 over the precision's estimated peak")]
+    assert share["comparison"].endswith("(fp32, avx512-full)")
+    assert share["status"] == "not met" and share["median"] == pytest.approx(305 / 3000, abs=1e-6)
+    assert share["gap"] == "10% measured, >= 35% needed"
