@@ -86,3 +86,17 @@ def test_share_of_peak_needs_the_estimate_and_reports_its_gap():
     assert share["comparison"].endswith("(fp32, avx512-full)")
     assert share["status"] == "not met" and share["median"] == pytest.approx(305 / 3000, abs=1e-6)
     assert share["gap"] == "10% measured, >= 35% needed"
+
+
+def test_the_committed_page_is_what_its_run_renders():
+    """BENCHMARKS.md is rendered from bench/results (never edited by hand), and the latest full run is
+    its CPU class's kept run."""
+    from pathlib import Path
+
+    from nexus_sli.bench.report import benchmarks_page
+
+    results = json.loads(Path("bench/results/latest.json").read_text())
+    page = benchmarks_page(results, Path("bench/results/latest.md").read_text())
+    assert Path("BENCHMARKS.md").read_text() == page
+    kept = cpu_classes.classes_dir(Path("bench/results")) / f"{cpu_classes.cpu_class(results['machine']['flags'])}.json"
+    assert json.loads(kept.read_text()) == results
