@@ -58,14 +58,23 @@ def keep(results: dict, results_dir: Path) -> Path:
 
 
 def _figure(target: dict | None) -> str:
+    """A target's median as the targets table prints it, with its status unless it was met."""
+    from .report import median_text  # report renders this module's section: imported when called
+
     if target is None or target["median"] is None:
         return "not measured"
-    median = target["median"]
-    if target["required"].endswith("%"):
-        value = f"{median:.0%}"
-    else:
-        value = f"{median:.2f}x"
+    value = median_text(target)
     return value if target["status"] == "met" else f"{value} ({target['status']})"
+
+
+def _run_source(row: dict, note: dict) -> str:
+    """Where a kept run came from: the notes' words where they say it (a run from before runs
+    recorded their checkout), else the commit it recorded."""
+    if note.get("run_source"):
+        return note["run_source"]
+    if not row["commit"]:
+        return "`make bench`"
+    return f"`make bench` at {row['commit']}" + (" (clean checkout)" if row["clean"] else "")
 
 
 def summary(results: dict) -> dict:
@@ -95,10 +104,8 @@ def rows(results_dir: Path, notes_file: Path = NOTES) -> list[dict]:
         note = notes.get(name, {})
         kept = classes_dir(results_dir) / f"{name}.json"
         if kept.is_file():
-            row = {**summary(json.loads(kept.read_text())), "source": note.get("run_source")}
-            row["source"] = row["source"] or (f"`make bench` at {row['commit']}"
-                                              + (" (clean checkout)" if row["clean"] else "") if row["commit"] else
-                                              "`make bench`")
+            row = summary(json.loads(kept.read_text()))
+            row["source"] = _run_source(row, note)
         elif note.get("reported"):
             row = {"class": name, **note["reported"]}
         else:

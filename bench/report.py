@@ -67,7 +67,8 @@ def _status(target: dict) -> str:
     return status if status == "met" else f"**{status}**"
 
 
-def _median(target: dict) -> str:
+def median_text(target: dict) -> str:
+    """A target's median in its bound's terms (x, %, ms, or a cosine)."""
     median = target["median"]
     if median is None:
         return "-"
@@ -83,7 +84,7 @@ def targets_table(targets: list[dict]) -> list[str]:
              "|---|---|---|---:|---:|---:|---|---|---|"]
     for t in targets:
         spread = "-" if t["spread"] is None else f"{t['spread']:.1%}"
-        lines.append(f"| {t['target']} | {t['comparison']} | {t['required']} | {_median(t)} | {spread} "
+        lines.append(f"| {t['target']} | {t['comparison']} | {t['required']} | {median_text(t)} | {spread} "
                      f"| {t['repetitions'] or '-'} | {_status(t)} | {t['config'] or '-'} | {t['gap'] or '-'} |")
     return lines
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .compute_limit import fraction_of_peak, number_format
 from .measure import BATCH32, CONCURRENT16, LATENCY1, SHORT32
 
 #: fidelity the default configuration needs before its speed counts (cosine to the reference)
@@ -274,8 +275,6 @@ def _latency(rows: Rows) -> list[dict]:
 def _share_of_peak(rows: Rows, limit: dict | None) -> list[dict]:
     """(e): the default's served batches of 32 as a share of the estimated peak of the arithmetic it
     runs (the int8 peak when it runs int8; bench/compute_limit.py), repetition by repetition."""
-    from .compute_limit import fraction_of_peak, number_format
-
     target, comparison = "(e) share of the compute peak", "served batches of 32 over the precision's estimated peak"
     protocol = _best_protocol(rows, BATCH32, lambda r: r["texts_per_s"])
     served = rows.served(BATCH32, protocol) if protocol else None

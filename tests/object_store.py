@@ -8,6 +8,7 @@ configured here, so a wrong secret is refused as on a real store.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -107,6 +108,27 @@ def start(folder: Path, timeout: float = 60.0) -> S3Server:
         time.sleep(0.2)
     server.stop()
     raise RuntimeError(f"SeaweedFS S3 gateway was not up within {timeout:.0f} s; see {log}")
+
+
+@contextlib.contextmanager
+def serving(folder: Path, bucket: str):
+    """The store started under ``folder`` with ``bucket`` created, and the environment Triton and
+    boto3 read pointed at it (the standard AWS variables; ``TRITON_AWS_MOUNT_DIRECTORY``, where Triton
+    copies each model from the store, default /tmp, the test's own ``folder/triton-tmp``) until the
+    block ends; then the store is stopped."""
+    import pytest
+
+    server = start(folder / "seaweedfs")
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in server.env().items():
+                patch.setenv(name, value)
+            (folder / "triton-tmp").mkdir()
+            patch.setenv("TRITON_AWS_MOUNT_DIRECTORY", str(folder / "triton-tmp"))
+            server.client().create_bucket(Bucket=bucket)
+            yield server
+    finally:
+        server.stop()
 
 
 def _bucket_api_ready(server: S3Server) -> bool:

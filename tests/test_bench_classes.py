@@ -42,7 +42,7 @@ def test_a_kept_run_is_its_class_row_judged_by_the_current_targets(tmp_path):
     assert (row["cpu"], row["date"], row["default"]) == ("Test CPU", "2026-11-26", "onnxruntime fp32")
     assert row["source"] == "`make bench` at abc123def456 (clean checkout)"
     # batches of 32: paired ratios 3.0, 3.0, 3.02 -> median 3.00x, met, so no status beside it
-    assert row["figures"][0] == "3.00x" and row["figures"][4] == "51%"
+    assert row["figures"][0] == "3.00x" and row["figures"][4] == "50.8%"
     judged = [t for t in bench_targets.evaluate(_run_rows(), DEFAULT, LIMIT) if t["status"] != "not measured"]
     assert row["met"] == f"{sum(t['met'] for t in judged)}/{len(judged)}"
 

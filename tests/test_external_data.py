@@ -20,7 +20,6 @@ import weakref
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
@@ -36,16 +35,11 @@ from nexus_sli.exporter.targets.openvino_cpu import LARGE_MODEL_VARIANT
 from nexus_sli.exporter.triton.publish import read_local
 from nexus_sli.exporter.triton.python_models.encoding import encode, load_tokenizer
 from nexus_sli.bench.served import free_ports
+from tiny_models import quiet_session
 
 #: Past this many bytes of weights a graph gets a data file in these tests: the tiny XLM-R has ~160 kB.
 LOW_THRESHOLD = 10_000
 ROWS, COLUMNS = 16, 64
-
-
-def _session(path):
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 # --- onnx_files on a handmade graph -------------------------------------------------------------
@@ -69,7 +63,7 @@ def _model(weights) -> onnx.ModelProto:
 
 def _answers(path, weights) -> bool:
     x = np.random.default_rng(1).standard_normal((3, ROWS)).astype(np.float32)
-    return np.allclose(_session(path).run(None, {"x": x})[0], x @ weights[0] + weights[1], atol=1e-5)
+    return np.allclose(quiet_session(path).run(None, {"x": x})[0], x @ weights[0] + weights[1], atol=1e-5)
 
 
 def test_a_small_graph_stays_one_file(tmp_path, weights):
@@ -117,7 +111,7 @@ def test_rewrite_edits_the_graph_and_links_its_data_beside_the_new_one(tmp_path,
     # a copy, not a hard link: ONNX refuses data files with several links, and the source's stays readable
     assert beside.read_bytes() == (tmp_path / "a" / "g.onnx.data").read_bytes() and beside.stat().st_nlink == 1
     onnx.load(str(target)), onnx.load(str(source))
-    assert [o.name for o in _session(target).get_outputs()] == ["z"] and _answers(target, weights)
+    assert [o.name for o in quiet_session(target).get_outputs()] == ["z"] and _answers(target, weights)
 
 
 def test_gather_streams_one_file_per_tensor_into_one_data_file(tmp_path, weights):
@@ -194,7 +188,7 @@ def _bytes(tensor) -> int:
 def test_the_graph_cannot_run_without_its_data_file(large_path, tmp_path):
     shutil.copyfile(large_path["repo"] / "ort_fp32_encoder" / "1" / "model.onnx", tmp_path / "model.onnx")
     with pytest.raises(Exception, match="model.onnx.data"):
-        _session(tmp_path / "model.onnx")
+        quiet_session(tmp_path / "model.onnx")
 
 
 @pytest.mark.parametrize("name", [*EXPORTS, "gpu", "auto"])

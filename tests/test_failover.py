@@ -103,21 +103,11 @@ def test_a_connection_closed_mid_response_is_retryable():
 def store(tmp_path_factory, tiny_checkpoint):
     """The tiny embedder published once to SeaweedFS; the AWS variables set for Triton."""
     root = tmp_path_factory.mktemp("failover")
-    s3 = object_store.start(root / "seaweedfs")
     checkpoint = tiny_checkpoint("bert")
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            for name, value in s3.env().items():
-                patch.setenv(name, value)
-            # Triton copies each model from the store into this folder (default /tmp): the test's own
-            (root / "tmp").mkdir()
-            patch.setenv("TRITON_AWS_MOUNT_DIRECTORY", str(root / "tmp"))
-            s3.client().create_bucket(Bucket=BUCKET)
-            run_export(ExportOptions(model=str(checkpoint), name="embedder", out=root / "repo"))
-            pub.publish(root / "repo", pub.Destination.parse(f"s3://{BUCKET}/fleet", s3.endpoint))
-            yield {"s3": s3, "root": root, "reference": object_store.torch_embeddings(checkpoint, TEXTS)}
-    finally:
-        s3.stop()
+    with object_store.serving(root, BUCKET) as s3:
+        run_export(ExportOptions(model=str(checkpoint), name="embedder", out=root / "repo"))
+        pub.publish(root / "repo", pub.Destination.parse(f"s3://{BUCKET}/fleet", s3.endpoint))
+        yield {"s3": s3, "root": root, "reference": object_store.torch_embeddings(checkpoint, TEXTS)}
 
 
 @pytest.fixture(scope="module", params=["grpc", "http"])

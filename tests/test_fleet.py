@@ -228,19 +228,10 @@ def store(tmp_path_factory, tiny_tokenizer):
     from tiny_models import build_tiny
 
     root = tmp_path_factory.mktemp("rollout")
-    s3 = object_store.start(root / "seaweedfs")
     old, new = (build_tiny("bert", root / f"checkpoint-{seed}", tiny_tokenizer, seed=seed) for seed in (0, 1))
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            for name, value in s3.env().items():
-                patch.setenv(name, value)
-            (root / "tmp").mkdir()
-            patch.setenv("TRITON_AWS_MOUNT_DIRECTORY", str(root / "tmp"))
-            s3.client().create_bucket(Bucket=BUCKET)
-            yield {"s3": s3, "root": root, "checkpoints": {"old": old, "new": new},
-                   "reference": {v: object_store.torch_embeddings(c, TEXTS) for v, c in (("old", old), ("new", new))}}
-    finally:
-        s3.stop()
+    with object_store.serving(root, BUCKET) as s3:
+        yield {"s3": s3, "root": root, "checkpoints": {"old": old, "new": new},
+               "reference": {v: object_store.torch_embeddings(c, TEXTS) for v, c in (("old", old), ("new", new))}}
 
 
 def _publish(store, version: str) -> None:

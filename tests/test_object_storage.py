@@ -31,17 +31,8 @@ TEXTS = ["the first text", "another one, a little longer than the first", "short
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    server = object_store.start(tmp_path_factory.mktemp("seaweedfs"))
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            for name, value in server.env().items():  # boto3 and Triton read the same standard variables
-                patch.setenv(name, value)
-            # Triton copies each model from the store into this folder (default /tmp): the test's own
-            patch.setenv("TRITON_AWS_MOUNT_DIRECTORY", str(tmp_path_factory.mktemp("triton-tmp")))
-            server.client().create_bucket(Bucket=BUCKET)
-            yield server
-    finally:
-        server.stop()
+    with object_store.serving(tmp_path_factory.mktemp("s3"), BUCKET) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,10 @@ import json
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 
 from nexus_sli.exporter.errors import ExportError
-from nexus_sli.exporter.export.onnx_export import export_onnx, model_input_names
 from nexus_sli.exporter.export.padding_trim import add_padding_trim
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.pooling import PREFIX, Pooling, add_pooling, pooling_nodes
@@ -32,7 +30,7 @@ from nexus_sli.exporter.targets.tensorrt_plan import wants_fp32
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton.python_models.encoding import POOLING_MODES, l2_normalize, pool
 from nexus_sli.tasks import get_task
-from tiny_models import COMMON, VOCAB, padded_feeds
+from tiny_models import COMMON, VOCAB, plain_graph, quiet_session
 
 HIDDEN = COMMON["hidden_size"]
 TASK = get_task("embedding")
@@ -40,25 +38,13 @@ TASK = get_task("embedding")
 LENGTHS, WIDTH = (7, 3, 12, 1, 12), 20
 
 
-def _session(path):
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, tiny_checkpoint):
     """The tiny BERT's model, its plain graph, and a padded batch."""
     from transformers import AutoModel
 
-    folder = tmp_path_factory.mktemp("pooling")
     model = AutoModel.from_pretrained(str(tiny_checkpoint("bert")), attn_implementation="eager").eval()
-    names = model_input_names(model, model.config)
-    plain = folder / "plain.onnx"
-    export_onnx(model, TASK, names, VOCAB, plain)
-    feeds = padded_feeds(LENGTHS, WIDTH, seed=7)
-    return {"model": model, "names": names, "plain": plain, "folder": folder,
-            "feeds": {n: feeds[n] for n in names}}
+    return plain_graph(model, TASK, tmp_path_factory.mktemp("pooling"), LENGTHS, WIDTH, seed=7)
 
 
 def _python_pooling(states: np.ndarray, mask: np.ndarray, mode: str, normalize: bool) -> np.ndarray:
@@ -70,16 +56,16 @@ def _python_pooling(states: np.ndarray, mask: np.ndarray, mode: str, normalize: 
 @pytest.mark.parametrize("mode", POOLING_MODES)
 def test_graph_pooling_matches_the_python_pooling_on_padded_batches(tiny, mode, normalize):
     folder, feeds = tiny["folder"], tiny["feeds"]
-    pooled = add_pooling(tiny["plain"], folder / f"{mode}-{normalize}.onnx", "last_hidden_state", "EMBEDDING",
+    pooled = add_pooling(tiny["path"], folder / f"{mode}-{normalize}.onnx", "last_hidden_state", "EMBEDDING",
                          mode, normalize, HIDDEN)
     trimmed = add_padding_trim(pooled, folder / f"{mode}-{normalize}.trim.onnx", [])
-    (states,) = _session(tiny["plain"]).run(None, feeds)
+    (states,) = quiet_session(tiny["path"]).run(None, feeds)
     expected = _python_pooling(states, feeds["attention_mask"], mode, normalize)
     with torch.no_grad():
         torch_states = tiny["model"](**{k: torch.from_numpy(v) for k, v in feeds.items()}).last_hidden_state.numpy()
     from_pytorch = _python_pooling(torch_states, feeds["attention_mask"], mode, normalize)
     for graph in (pooled, trimmed):
-        session = _session(graph)
+        session = quiet_session(graph)
         assert [o.name for o in session.get_outputs()] == ["EMBEDDING"]
         (got,) = session.run(None, feeds)
         assert got.shape == (len(LENGTHS), HIDDEN) and got.dtype == np.float32
@@ -88,13 +74,13 @@ def test_graph_pooling_matches_the_python_pooling_on_padded_batches(tiny, mode, 
     if normalize:
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
     # a row alone, without the batch's padding, gets the same vector: padding changes nothing
-    (alone,) = _session(trimmed).run(None, {k: v[1:2, :LENGTHS[1]] for k, v in feeds.items()})
+    (alone,) = quiet_session(trimmed).run(None, {k: v[1:2, :LENGTHS[1]] for k, v in feeds.items()})
     np.testing.assert_allclose(alone[0], got[1], atol=2e-6)
 
 
 def test_modes_differ_so_the_comparison_above_can_fail(tiny):
     """The three modes give different vectors on this model: a wrong mode in the graph would be caught."""
-    (states,) = _session(tiny["plain"]).run(None, tiny["feeds"])
+    (states,) = quiet_session(tiny["path"]).run(None, tiny["feeds"])
     mask = tiny["feeds"]["attention_mask"]
     vectors = {mode: _python_pooling(states, mask, mode, True) for mode in POOLING_MODES}
     for a in POOLING_MODES:
@@ -105,9 +91,9 @@ def test_modes_differ_so_the_comparison_above_can_fail(tiny):
 
 def test_unknown_mode_and_missing_tensors_are_export_errors(tiny, tmp_path):
     with pytest.raises(ExportError, match="known modes: mean, cls, max"):
-        add_pooling(tiny["plain"], tmp_path / "x.onnx", "last_hidden_state", "EMBEDDING", "weightedmean", True, HIDDEN)
+        add_pooling(tiny["path"], tmp_path / "x.onnx", "last_hidden_state", "EMBEDDING", "weightedmean", True, HIDDEN)
     with pytest.raises(ExportError, match="needs the output 'logits'"):
-        add_pooling(tiny["plain"], tmp_path / "x.onnx", "logits", "EMBEDDING", "mean", True, HIDDEN)
+        add_pooling(tiny["path"], tmp_path / "x.onnx", "logits", "EMBEDDING", "mean", True, HIDDEN)
 
 
 def test_fp16_graph_keeps_the_pooling_in_fp32(tiny):
@@ -116,7 +102,7 @@ def test_fp16_graph_keeps_the_pooling_in_fp32(tiny):
     folder = tiny["folder"] / "gpu"
     folder.mkdir()
     pooling = Pooling("mean", True, "last_hidden_state", "EMBEDDING", HIDDEN)
-    graph = ExportedGraph(tiny["plain"], folder, None, None, TASK, tiny["names"], None, 0, 128, pooling)
+    graph = ExportedGraph(tiny["path"], folder, None, None, TASK, tiny["names"], None, 0, 128, pooling)
     (candidate,) = OnnxRuntimeTensorRT().candidates(graph, "fp16")
     model = onnx.shape_inference.infer_shapes(onnx.load(str(candidate.path)))
     graph_proto = model.graph
@@ -129,9 +115,9 @@ def test_fp16_graph_keeps_the_pooling_in_fp32(tiny):
     floating = {types[v] for v in values if types.get(v) in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}
     assert floating == {onnx.TensorProto.FLOAT}
     assert any(types.get(i) == onnx.TensorProto.FLOAT16 for n in graph_proto.node for i in n.input), "nothing is fp16"
-    pooled = pooling.append(tiny["plain"], folder / "fp32.onnx")
-    (fp32,) = _session(pooled).run(None, tiny["feeds"])
-    (fp16,) = _session(candidate.path).run(None, tiny["feeds"])
+    pooled = pooling.append(tiny["path"], folder / "fp32.onnx")
+    (fp32,) = quiet_session(pooled).run(None, tiny["feeds"])
+    (fp16,) = quiet_session(candidate.path).run(None, tiny["feeds"])
     assert (np.sum(fp32 * fp16, axis=1) > 0.999).all()
 
 
@@ -144,12 +130,12 @@ def test_validation_compares_the_pooled_output_as_it_comes(tiny):
     """A pooled graph passes fp32 parity against PyTorch pooled by the same embedder; the same graph
     judged as another mode's fails on values, and fails on names when the pooled output is not expected."""
     folder, model = tiny["folder"], tiny["model"]
-    pooled = add_pooling(tiny["plain"], folder / "validate.onnx", "last_hidden_state", "EMBEDDING", "mean", True,
+    pooled = add_pooling(tiny["path"], folder / "validate.onnx", "last_hidden_state", "EMBEDDING", "mean", True,
                          HIDDEN)
     trimmed = add_padding_trim(pooled, folder / "validate.trim.onnx", [])
     reference = build_reference(model, TASK, tiny["names"], parity_cases(tiny["names"], VOCAB, 0, 128),
                                 [tiny["feeds"]])
-    session = _session(trimmed)
+    session = quiet_session(trimmed)
     report = compare(session, reference, "fp32", Embedder("mean", True), TASK, pooled="EMBEDDING")
     assert report.passed and report.max_abs_diff < 1e-5 and report.cosine_min > 0.99999
     wrong = compare(session, reference, "fp32", Embedder("cls", True), TASK, pooled="EMBEDDING")

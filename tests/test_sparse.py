@@ -29,7 +29,6 @@ from transformers import BertConfig, DistilBertConfig
 
 from nexus_sli.bench.served import free_ports
 from nexus_sli.exporter.errors import CheckpointError, NexusError, UnsupportedModelError
-from nexus_sli.exporter.export.onnx_export import export_onnx, model_input_names
 from nexus_sli.exporter.export.padding_trim import add_padding_trim
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.pooling import add_splade_pooling, pooling_nodes
@@ -40,7 +39,7 @@ from nexus_sli.exporter.serving import server as serve
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton.python_models.encoding import SPLADE_ACTIVATIONS, SPLADE_STRATEGIES, splade
 from nexus_sli.tasks import get_task
-from tiny_models import COMMON, VOCAB, padded_feeds
+from tiny_models import COMMON, VOCAB, padded_feeds, plain_graph, quiet_session
 
 TASK = get_task("sparse-embedding")
 #: short, long, empty, one character, and past the models' 128 positions (truncated)
@@ -155,20 +154,9 @@ def test_exports_validate_and_describe_the_sparse_ensemble(served):
 @pytest.fixture(scope="module")
 def plain(checkpoints, tmp_path_factory):
     """The BERT masked-LM's plain graph (logits out) and a padded batch."""
-    folder = tmp_path_factory.mktemp("splade-graph")
     model = transformers.AutoModelForMaskedLM.from_pretrained(str(checkpoints["root"] / "bert_mlm"),
                                                               attn_implementation="eager").eval()
-    names = model_input_names(model, model.config)
-    export_onnx(model, TASK, names, VOCAB, folder / "plain.onnx")
-    feeds = padded_feeds(LENGTHS, WIDTH, seed=3)
-    return {"model": model, "names": names, "path": folder / "plain.onnx", "folder": folder,
-            "feeds": {n: feeds[n] for n in names}}
-
-
-def _session(path):
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return plain_graph(model, TASK, tmp_path_factory.mktemp("splade-graph"), LENGTHS, WIDTH, seed=3)
 
 
 @pytest.mark.parametrize("activation", SPLADE_ACTIVATIONS)
@@ -187,10 +175,10 @@ def test_graph_and_numpy_splade_match_sentence_transformers_module(plain, strate
     pooled = add_splade_pooling(plain["path"], folder / f"{strategy}-{activation}.onnx", "logits",
                                 "SPARSE_EMBEDDING", strategy, activation, VOCAB)
     trimmed = add_padding_trim(pooled, folder / f"{strategy}-{activation}.trim.onnx", [])
-    (graph_logits,) = _session(plain["path"]).run(None, feeds)
+    (graph_logits,) = quiet_session(plain["path"]).run(None, feeds)
     expected = splade(graph_logits, feeds["attention_mask"], strategy, activation)
     for path in (pooled, trimmed):
-        session = _session(path)
+        session = quiet_session(path)
         assert [o.name for o in session.get_outputs()] == ["SPARSE_EMBEDDING"]
         (got,) = session.run(None, feeds)
         assert got.shape == (len(LENGTHS), VOCAB) and got.dtype == np.float32
@@ -229,9 +217,9 @@ def test_validation_fails_a_graph_that_pools_otherwise(plain):
     wrong = add_splade_pooling(plain["path"], plain["folder"] / "wrong.onnx", "logits", "SPARSE_EMBEDDING",
                                "sum", "relu", VOCAB)
     embedder = SparseEmbedder("max", "relu")
-    report = compare(_session(right), reference, "fp32", embedder, TASK, pooled="SPARSE_EMBEDDING")
+    report = compare(quiet_session(right), reference, "fp32", embedder, TASK, pooled="SPARSE_EMBEDDING")
     assert report.passed and report.max_abs_diff < 1e-5 and report.cosine_min > 0.99999
-    failed = compare(_session(wrong), reference, "fp32", embedder, TASK, pooled="SPARSE_EMBEDDING")
+    failed = compare(quiet_session(wrong), reference, "fp32", embedder, TASK, pooled="SPARSE_EMBEDDING")
     assert not failed.passed and any(isinstance(f, ValueMismatch) for f in failed.failures)
 
 

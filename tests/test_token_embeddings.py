@@ -14,7 +14,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -22,7 +21,6 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules
 
 from nexus_sli.bench.served import free_ports
-from nexus_sli.exporter.export.onnx_export import export_onnx, model_input_names
 from nexus_sli.exporter.export.padding_trim import add_padding_trim, trimmed_length
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.pooling import Pooling
@@ -33,7 +31,7 @@ from nexus_sli.exporter.serving import server as serve
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton import publish
 from nexus_sli.tasks import get_task
-from tiny_models import COMMON, VOCAB, padded_feeds
+from tiny_models import COMMON, VOCAB, plain_graph, quiet_session
 
 NAME = "tokens_st"
 HIDDEN = COMMON["hidden_size"]
@@ -169,19 +167,9 @@ def test_revalidation_compares_the_token_states_too(served, tmp_path):
 def plain(tiny_checkpoint, tmp_path_factory):
     from transformers import AutoModel
 
-    folder = tmp_path_factory.mktemp("token-graph")
     model = AutoModel.from_pretrained(str(tiny_checkpoint("bert")), attn_implementation="eager").eval()
-    names = model_input_names(model, model.config)
-    export_onnx(model, get_task("embedding"), names, VOCAB, folder / "plain.onnx")
-    feeds = padded_feeds((7, 3, 12, 1, 12), 20, seed=9)
-    return {"model": model, "names": names, "path": folder / "plain.onnx", "folder": folder,
-            "feeds": {n: feeds[n] for n in names}}
-
-
-def _session(path):
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return plain_graph(model, get_task("embedding"), tmp_path_factory.mktemp("token-graph"), (7, 3, 12, 1, 12), 20,
+                       seed=9)
 
 
 def test_the_pooled_graph_keeps_the_token_states_and_validation_compares_them(plain):
@@ -189,8 +177,8 @@ def test_the_pooled_graph_keeps_the_token_states_and_validation_compares_them(pl
     pooled = pooling.append(plain["path"], plain["folder"] / "pooled.onnx")
     trimmed = add_padding_trim(pooled, plain["folder"] / "pooled.trim.onnx", pooling.per_token)
     feeds = plain["feeds"]
-    (states,) = _session(plain["path"]).run(None, feeds)
-    session = _session(trimmed)
+    (states,) = quiet_session(plain["path"]).run(None, feeds)
+    session = quiet_session(trimmed)
     assert [o.name for o in session.get_outputs()] == ["EMBEDDING", "TOKEN_EMBEDDINGS"]
     embedding, tokens = session.run(None, feeds)
     length = trimmed_length(feeds["attention_mask"])

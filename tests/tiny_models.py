@@ -88,3 +88,25 @@ def padded_feeds(lengths: list[int], width: int, vocab: int = VOCAB, seed: int =
         mask[row, :n] = 1
         ids[row, n:] = 0
     return {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+
+
+def quiet_session(path: Path):
+    """An ONNX Runtime CPU session that logs errors only (the tests' graphs would warn about their
+    unused initializers on every run)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def plain_graph(model, task, folder: Path, lengths: tuple[int, ...], width: int, seed: int) -> dict:
+    """``model``'s plain ONNX graph at ``folder/plain.onnx`` (what the pipeline exports before the
+    pooling and the trim) and a padded batch of its inputs."""
+    from nexus_sli.exporter.export.onnx_export import export_onnx, model_input_names
+
+    names = model_input_names(model, model.config)
+    export_onnx(model, task, names, VOCAB, folder / "plain.onnx")
+    feeds = padded_feeds(lengths, width, seed=seed)
+    return {"model": model, "names": names, "path": folder / "plain.onnx", "folder": folder,
+            "feeds": {n: feeds[n] for n in names}}
