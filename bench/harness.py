@@ -36,8 +36,10 @@ from .measure import (
     LATENCY1,
     SEQ_LEN,
     SHORT32,
+    STATIC_GRAPH,
     Measurement,
     cosines,
+    in_process_precision,
     one_by_one,
     timed,
 )
@@ -212,10 +214,11 @@ def variants(default: dict | None = None, every: bool = True) -> dict[str, tuple
     return found
 
 
-def variant_label(backend: str, precision: str) -> str:
-    """The label of the served rows of ``backend`` at ``precision`` (the rows' precision column)."""
+def variant_label(backend: str, precision: str, graph: str = "") -> str:
+    """The label of the served rows of ``backend`` at ``precision`` (the rows' precision column); ONNX Runtime's
+    static int8 ``graph`` is ``int8-static``, apart from the dynamic int8 a named ``int8`` export keeps."""
     if backend == "onnxruntime":
-        return precision
+        return f"{precision}-static" if STATIC_GRAPH in graph else precision
     return f"{'openvino' if backend == 'openvino' else backend}-{precision}"
 
 
@@ -291,7 +294,7 @@ def default_configuration(options: "BenchOptions", plan: Plan | None = None, exp
 def chosen_configuration(report: dict, path: Path | None = None) -> dict:
     """The row an auto export kept, as the bench's label, with the export's measured table."""
     chosen = next(row for row in report["measured"] if row["chosen"])
-    return {"label": variant_label(chosen["backend"], chosen["precision"]), "backend": chosen["backend"],
+    return {"label": variant_label(chosen["backend"], chosen["precision"], chosen["graph"]), "backend": chosen["backend"],
             "precision": chosen["precision"], "graph": chosen["graph"], "source": None if path is None else str(path),
             "optimize": report.get("timing", {}).get("optimize", "balanced"),
             "measured": [{k: row.get(k) for k in ("backend", "precision", "graph", "passed", "cosine_min",
@@ -319,6 +322,8 @@ def ensure_exported(options: BenchOptions, plan: Plan | None = None) -> dict[str
         if not plan.every_variant and default is not None and label == default["label"]:
             continue  # the auto export, made above into the repository (auto_export)
         backend, precision, _ = variants(default)[label]
+        if label not in variants():
+            backend = precision = "auto"  # a configuration only auto makes (ONNX Runtime's static int8)
         report = Path(options.repository) / f"{name}_encoder" / "validation.json"
         if label in skipped or (not options.reexport and report.is_file()
                                 and json.loads(report.read_text()).get("model") == source.model_id):
@@ -428,7 +433,7 @@ def _peers(setup: Setup, plan: Plan) -> list[InProcess]:
     default = setup.default["label"] if setup.default else None
     for label in setup.names:
         encoder = GraphEncoder.for_model(setup.repository, setup.facts[label])
-        peers.append(InProcess(encoder.path, variants(setup.default)[label][1], encoder, latency=label == default))
+        peers.append(InProcess(encoder.path, in_process_precision(label), encoder, latency=label == default))
     return peers
 
 

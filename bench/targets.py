@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .compute_limit import fraction_of_peak, number_format
-from .measure import BATCH32, CONCURRENT16, LATENCY1, SHORT32
+from .measure import BATCH32, CONCURRENT16, LATENCY1, SHORT32, in_process_precision
 
 #: fidelity the default configuration needs before its speed counts (cosine to the reference)
 QUALIFYING = {"cosine_mean": 0.995, "cosine_min": 0.98}
@@ -168,7 +168,7 @@ class Rows:
             return None
         return next((r for r in self.rows if r["protocol"] == IN_PROCESS and r.get("peer") is None
                      and not r.get("baseline") and r["mode"] == mode and r["path"] == self.default["backend"]
-                     and r["precision"] == self.default["precision"]), None)
+                     and r["precision"] == in_process_precision(self.default["label"])), None)
 
     def unqualified(self) -> str:
         """Why the default configuration's fidelity does not qualify it ("" when it does)."""

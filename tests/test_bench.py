@@ -16,7 +16,7 @@ import pytest
 
 from nexus_sli.bench import targets as bench_targets
 from nexus_sli.bench.harness import Repetitions, chosen_configuration, run_repetitions, variant_label, variants
-from nexus_sli.bench.measure import Measurement, Sample
+from nexus_sli.bench.measure import Measurement, Sample, in_process_precision
 from nexus_sli.bench.texts import bench_texts, generate_from_sources, length_stats
 from nexus_sli.cli.main import main
 from nexus_sli.exporter.targets.cpu import supports_bf16
@@ -355,6 +355,13 @@ def test_auto_choice_maps_to_the_bench_label():
     assert (chosen["label"], chosen["backend"], chosen["precision"]) == ("openvino-bf16", "openvino", "bf16")
     assert len(chosen["measured"]) == 3
     assert variant_label("onnxruntime", "int8") == "int8"
+    # ONNX Runtime's static int8, which only auto makes, is told apart from the dynamic int8 of a named export,
+    # and its in-process rows keep the label (the path column names the runtime)
+    static = variant_label("onnxruntime", "int8", "plain+static-sq0.75+attn-ffn-out-fp32")
+    assert static == "int8-static" and in_process_precision(static) == static
+    assert variants({"label": static, "backend": "onnxruntime", "precision": "int8"})[static] == (
+        "onnxruntime", "int8", "_int8_static") and static not in variants()
+    assert [in_process_precision(label) for label in ("fp32", "int8", "openvino-int8")] == ["fp32", "int8", "int8"]
     # a default outside the fixed variants is added to what the bench exports and serves
     odd = {"label": "openvino-fp16", "backend": "openvino", "precision": "fp16"}
     assert variants(odd)["openvino-fp16"] == ("openvino", "fp16", "_ov_fp16") and "openvino-fp16" not in variants()

@@ -205,6 +205,11 @@ def test_a_large_model_gets_one_nncf_variant_and_the_report_says_why(large_path)
     assert [c["graph"] for c in exported["candidates"]] == [LARGE_MODEL_VARIANT]
     assert "one NNCF variant" in exported["attempts"][0]["left_out"]
     assert sorted(p.name for p in (large_path["gpu"] / "ov_int8_encoder" / "1").iterdir()) == ["model.bin", "model.xml"]
+    # held to the auto bar, ONNX Runtime's int8 keeps its dynamic variants and leaves NNCF's static one out
+    auto = json.loads((large_path["gpu"] / "auto_encoder" / "validation.json").read_text())
+    (ort_int8,) = [a for a in auto["attempts"] if (a["backend"], a["precision"]) == ("onnxruntime", "int8")]
+    assert "no NNCF static one" in ort_int8["left_out"]
+    assert not [r for r in auto["measured"] if "static" in r["graph"]]
 
 
 def test_publishing_uploads_the_data_file(large_path):

@@ -12,7 +12,8 @@ from nexus_sli.exporter.targets import plan as plan_configurations
 from nexus_sli.exporter.targets.cpu import supports_bf16
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
-from nexus_sli.exporter.targets.openvino_cpu import OpenVINOSession, calibration_texts
+from nexus_sli.exporter.export.static_int8 import calibration_texts
+from nexus_sli.exporter.targets.openvino_cpu import OpenVINOSession
 from nexus_sli.exporter.export.optimize import session
 from nexus_sli.exporter.export.padding_trim import trimmed_length
 from nexus_sli.exporter.serving.backends.batching import plan, real_lengths

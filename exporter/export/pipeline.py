@@ -231,7 +231,7 @@ def _attempt(configuration: Configuration, prepared: Prepared) -> Attempt:
     target, precision = configuration.target, configuration.precision
     work = prepared.graph.work / f"{target.name}-{precision}"
     work.mkdir(exist_ok=True)
-    graph = replace(prepared.graph, work=work)
+    graph = replace(prepared.graph, work=work, auto=configuration.auto)
     limits = target.thresholds(prepared.task, precision) or validate_thresholds(prepared.task, precision)
     if configuration.auto:
         limits = with_auto_bar(limits, prepared.task)

@@ -44,6 +44,9 @@ class ExportedGraph:
     #: the plain graph is past :data:`onnx_files.EXTERNAL_DATA_THRESHOLD` (its weights in a data file):
     #: targets may offer fewer candidates (:meth:`Target.left_out` says which and why)
     large: bool = False
+    #: the candidates are held to ``validate.AUTO_BAR`` (``auto`` chose the configuration): a target may offer
+    #: variants that only such a bar needs, slower than the ones that keep the precision's own bar
+    auto: bool = False
 
     @property
     def pooled(self) -> bool:

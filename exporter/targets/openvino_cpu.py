@@ -5,11 +5,9 @@
   the graph stays one file and the CPU decides nothing by itself.  Where the
   CPU has no bf16 (:func:`cpu.supports_bf16`) the export falls back to fp32
   and says so.  ``auto`` picks bf16 only where the CPU has it.
-- int8 is NNCF post-training static quantization of the OpenVINO model,
-  calibrated on ``data/calibration_texts.txt`` (the project's 330 topic
-  sentences and 42 paragraphs joined from them; none of them is a validation
-  text), written as an IR (``model.xml`` + ``model.bin``).  Quantizing every
-  MatMul costs fidelity on real models (docs/export.md has the measurement), so
+- int8 is NNCF post-training static quantization of the OpenVINO model
+  (:mod:`export.static_int8`, which says what it is calibrated on), written
+  as an IR (``model.xml`` + ``model.bin``).  Quantizing every MatMul costs fidelity on real models (docs/export.md has the measurement), so
   besides the all-MatMul graph three variants keep MatMuls of one role in
   higher precision: the feed-forward output projections (the layers ONNX
   Runtime's int8 keeps in fp32, :func:`quantize.ffn_output_matmuls`); and, with
@@ -25,32 +23,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
 from nexus_sli.exporter.export.pooling import pooling_nodes
+from nexus_sli.exporter.export.static_int8 import (CALIBRATION_BATCH, LARGE_MODEL_CALIBRATION_BATCH, SMOOTH_QUANT_ALPHA,
+                                                  calibration_feeds, quantize_ir)
 from nexus_sli.exporter.export.validate import AUTO_BAR
 from nexus_sli.exporter.serving.backends.openvino_properties import compile_properties
 from nexus_sli.exporter.triton.config import EncoderServing
-from nexus_sli.exporter.triton.python_models.encoding import encode
 
 from .base import Candidate, ExportedGraph, Target
 from .cpu import BF16_FLAGS
 
 log = logging.getLogger(__name__)
-
-CALIBRATION_BATCH = 16
-#: Calibration texts per batch for a graph past 2 GB: NNCF holds every activation it collects statistics of
-#: for a whole batch at once; on xlm-roberta-large's shape one NNCF run peaked at 15.0 GiB (10.5 min) in
-#: batches of 16 and 8.4 GiB (7.4 min) in batches of 4, over the same texts.
-LARGE_MODEL_CALIBRATION_BATCH = 4
-
-
-def calibration_texts() -> list[str]:
-    text = resources.files("nexus_sli.exporter.export").joinpath("data/calibration_texts.txt").read_text("utf-8")
-    return [line for line in text.splitlines() if line.strip()]
 
 
 @dataclass
@@ -81,42 +68,6 @@ class OpenVINOSession:
         if output_names is not None:
             ports = [port for name in output_names for port in ports if port.get_any_name() == name]
         return [results[port].copy() for port in ports]
-
-
-def calibration_feeds(tokenizer, input_names: list[str], pad_id: int, max_length: int,
-                      pairs: bool, batch: int = CALIBRATION_BATCH) -> list[dict[str, np.ndarray]]:
-    texts = calibration_texts()
-    if pairs:
-        texts = list(zip(texts, texts[1:] + texts[:1]))
-    return [encode(tokenizer, texts[i:i + batch], input_names, pad_id, max_length)
-            for i in range(0, len(texts), batch)]
-
-
-#: SmoothQuant's alpha for MatMuls in the variants that keep the attention output projections:
-#: on all-MiniLM-L6-v2 0.75 kept the bar where NNCF's default 0.95 broke a short text (min cosine
-#: 0.855) and 0.5 did less (bench/data/tried.md, "int8 that keeps the bar: static levers")
-SMOOTH_QUANT_ALPHA = 0.75
-
-
-def quantize_int8(source: Path, target: Path, calibration: list[dict[str, np.ndarray]],
-                  keep: list[str] | None = None, smooth_quant_alpha: float | None = None) -> Path:
-    """NNCF static int8 of the ONNX graph ``source`` as the IR ``target`` (``.xml``);
-    the MatMuls named in ``keep`` stay in higher precision; ``smooth_quant_alpha``
-    replaces NNCF's default SmoothQuant alpha for MatMuls."""
-    import nncf
-    import openvino as ov
-    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
-
-    # NNCF logs every operation it leaves unquantized at INFO: the export log has its own summary
-    nncf.set_log_level(logging.WARNING)
-    model = ov.Core().read_model(str(source))
-    scope = nncf.IgnoredScope(names=list(keep), validate=False) if keep else None
-    advanced = (AdvancedQuantizationParameters(smooth_quant_alphas=AdvancedSmoothQuantParameters(
-        matmul=smooth_quant_alpha)) if smooth_quant_alpha is not None else None)
-    quantized = nncf.quantize(model, nncf.Dataset(calibration), model_type=nncf.ModelType.TRANSFORMER,
-                              subset_size=len(calibration), ignored_scope=scope, advanced_parameters=advanced)
-    ov.save_model(quantized, str(target), compress_to_fp16=False)
-    return target
 
 
 #: The one int8 variant a graph past 2 GB gets (:attr:`ExportedGraph.large`): the one ``auto`` kept wherever
@@ -159,7 +110,7 @@ class OpenVINOCPU(Target):
                  sum(len(f["input_ids"]) for f in calibration), len(calibration[0]["input_ids"]),
                  ", ".join(label for label, *_ in variants))
         pool = pooling_nodes(trimmed)  # an embedding graph's pooling stays in fp32 (:mod:`export.pooling`)
-        return [Candidate(label, quantize_int8(trimmed, graph.work / f"plain.ov-int8{suffix}.xml", calibration,
+        return [Candidate(label, quantize_ir(trimmed, graph.work / f"plain.ov-int8{suffix}.xml", calibration,
                                                keep + pool, alpha))
                 for label, suffix, keep, alpha in variants]
 

@@ -1,0 +1,137 @@
+"""Static int8: NNCF post-training quantization, calibrated on project texts.
+
+Two runtimes serve it: OpenVINO reads NNCF's IR (:func:`quantize_ir`), ONNX
+Runtime a QDQ ONNX graph NNCF writes from the plain graph (:func:`quantize_qdq`).
+Both use the same calibration texts (``data/calibration_texts.txt``: the
+project's 330 topic sentences and 42 paragraphs joined from them, none of them a
+validation text), the same SmoothQuant alpha and the same choice of MatMuls kept
+in higher precision (the target names them), so that one measured recipe serves
+either runtime.
+
+Why ONNX Runtime gets a static int8 besides its dynamic one: the dynamic int8
+scales each MatMul's input by one per-batch range, which a few outlier hidden
+dimensions set for every token; on all-MiniLM-L6-v2 no dynamic variant keeps
+the ``auto`` bar (min cosine 0.955-0.976).  SmoothQuant moves those outliers
+into the weights, and with the attention and feed-forward output projections
+in fp32 the static graph keeps it (0.99208 on the 2-core AVX2 EPYC, where
+OpenVINO's int8 of the same recipe is slower than fp32; bench/data/tried.md,
+"ONNX Runtime static int8").
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from nexus_sli.exporter.triton.python_models.encoding import encode
+
+CALIBRATION_BATCH = 16
+#: Calibration texts per batch for a graph past 2 GB: NNCF holds every activation it collects statistics of
+#: for a whole batch at once; on xlm-roberta-large's shape one NNCF run peaked at 15.0 GiB (10.5 min) in
+#: batches of 16 and 8.4 GiB (7.4 min) in batches of 4, over the same texts.
+LARGE_MODEL_CALIBRATION_BATCH = 4
+
+#: SmoothQuant's alpha for MatMuls in the variants that keep the attention output projections:
+#: on all-MiniLM-L6-v2 0.75 kept the bar where NNCF's default 0.95 broke a short text (min cosine
+#: 0.855) and 0.5 did less (bench/data/tried.md, "int8 that keeps the bar: static levers")
+SMOOTH_QUANT_ALPHA = 0.75
+
+
+def calibration_texts() -> list[str]:
+    text = resources.files("nexus_sli.exporter.export").joinpath("data/calibration_texts.txt").read_text("utf-8")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def calibration_feeds(tokenizer, input_names: list[str], pad_id: int, max_length: int,
+                      pairs: bool, batch: int = CALIBRATION_BATCH) -> list[dict[str, np.ndarray]]:
+    texts = calibration_texts()
+    if pairs:
+        texts = list(zip(texts, texts[1:] + texts[:1]))
+    return [encode(tokenizer, texts[i:i + batch], input_names, pad_id, max_length)
+            for i in range(0, len(texts), batch)]
+
+
+def _quantize(model, calibration: list[dict[str, np.ndarray]], keep: list[str], smooth_quant_alpha: float | None,
+              ignored_types: list[str] | None = None):
+    """``nncf.quantize`` of an OpenVINO or ONNX ``model`` with the MatMuls named in ``keep`` (and every node of
+    ``ignored_types``) left out, and ``smooth_quant_alpha`` (None: NNCF's default) for MatMuls."""
+    import nncf
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
+
+    # NNCF logs every operation it leaves unquantized at INFO: the export log has its own summary
+    nncf.set_log_level(logging.WARNING)
+    scope = (nncf.IgnoredScope(names=list(keep), types=list(ignored_types or []), validate=False)
+             if keep or ignored_types else None)
+    advanced = (AdvancedQuantizationParameters(smooth_quant_alphas=AdvancedSmoothQuantParameters(
+        matmul=smooth_quant_alpha)) if smooth_quant_alpha is not None else None)
+    return nncf.quantize(model, nncf.Dataset(calibration), model_type=nncf.ModelType.TRANSFORMER,
+                         subset_size=len(calibration), ignored_scope=scope, advanced_parameters=advanced)
+
+
+def quantize_ir(source: Path, target: Path, calibration: list[dict[str, np.ndarray]],
+                keep: list[str] | None = None, smooth_quant_alpha: float | None = None) -> Path:
+    """NNCF static int8 of the ONNX graph ``source`` as the OpenVINO IR ``target`` (``.xml``);
+    the MatMuls named in ``keep`` stay in higher precision."""
+    import openvino as ov
+
+    quantized = _quantize(ov.Core().read_model(str(source)), calibration, keep or [], smooth_quant_alpha)
+    ov.save_model(quantized, str(target), compress_to_fp16=False)
+    return target
+
+
+def quantize_qdq(source: Path, target: Path, calibration: list[dict[str, np.ndarray]],
+                 keep: list[str] | None = None, smooth_quant_alpha: float | None = None) -> Path:
+    """NNCF static int8 of the ONNX graph ``source`` as the QDQ ONNX graph ``target``, for ONNX Runtime.
+
+    ``source`` is the plain graph, not the pooled one: NNCF's ONNX pre-pass removes no-op Casts and fails on
+    one that writes a graph output (the pooled graph's token states), so the target appends the pooling after
+    quantizing, in fp32, as it does for the dynamic int8."""
+    import onnx
+
+    # NNCF's default overflow fix (7-bit weights in the first layer only) is kept: 7-bit weights everywhere,
+    # meant for CPUs without VNNI, lost fidelity on the AVX2 EPYC (all-MiniLM-L6-v2: min cosine 0.98994
+    # against 0.99461; all-mpnet-base-v2 fell under the bar, mean 0.99497 against 0.99861)
+    quantized = _quantize(
+        onnx.load(str(source)), calibration, keep or [], smooth_quant_alpha,
+        # The embedding tables feed Gathers: quantized, ONNX Runtime would dequantize the whole table on
+        # every run (4.8 of a single query's 9.6 ms on all-MiniLM-L6-v2), where OpenVINO folds it once.
+        ignored_types=["Gather"])
+    onnx.save(unsigned_activations(quantized), str(target))
+    return target
+
+
+def unsigned_activations(model):
+    """``model`` with each activation's int8 QuantizeLinear/DequantizeLinear pair made uint8 (zero point + 128,
+    the same scale: every value dequantizes as before).  NNCF writes int8 wherever a range reaches below 0, but
+    ONNX Runtime's x86 integer kernels take u8 activations: from int8 ones its optimizer made 12 of 36 MatMuls
+    integer and ran a short text 5x slower than fp32 (bench/data/tried.md, "ONNX Runtime static int8")."""
+    import onnx
+    from onnx import numpy_helper
+
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    changed: set[str] = set()
+    outputs: set[str] = set()
+    for quantize in graph.node:
+        if (quantize.op_type != "QuantizeLinear" or quantize.input[0] in initializers or len(quantize.input) < 3
+                or initializers[quantize.input[2]].data_type != onnx.TensorProto.INT8):
+            continue  # weights stay int8 (ONNX Runtime wants s8 weights); inputs without a zero point are uint8
+        dequantizers = readers.get(quantize.output[0], [])
+        if not dequantizers or any(node.op_type != "DequantizeLinear" for node in dequantizers):
+            raise ValueError(f"{quantize.name}: a QuantizeLinear read by anything but DequantizeLinear")
+        outputs.add(quantize.output[0])
+        for name in {quantize.input[2], *(node.input[2] for node in dequantizers)} - changed:
+            shifted = numpy_helper.to_array(initializers[name]).astype(np.int16) + 128
+            initializers[name].CopyFrom(numpy_helper.from_array(shifted.astype(np.uint8), name))
+            changed.add(name)
+    for info in [*graph.value_info, *graph.output]:
+        if info.name in outputs:
+            info.type.tensor_type.elem_type = onnx.TensorProto.UINT8
+    return model
