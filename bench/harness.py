@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from nexus_sli.exporter.export.source import ModelSource, check_name, resolve_model
+from nexus_sli.exporter.export.static_int8 import STATIC_INT8_GRAPH
 
 from . import machine, texts as text_set
 from .compute_limit import EncoderShape, encoder_shape
@@ -36,7 +37,6 @@ from .measure import (
     LATENCY1,
     SEQ_LEN,
     SHORT32,
-    STATIC_GRAPH,
     Measurement,
     cosines,
     in_process_precision,
@@ -218,7 +218,7 @@ def variant_label(backend: str, precision: str, graph: str = "") -> str:
     """The label of the served rows of ``backend`` at ``precision`` (the rows' precision column); ONNX Runtime's
     static int8 ``graph`` is ``int8-static``, apart from the dynamic int8 a named ``int8`` export keeps."""
     if backend == "onnxruntime":
-        return f"{precision}-static" if STATIC_GRAPH in graph else precision
+        return f"{precision}-static" if graph == STATIC_INT8_GRAPH else precision
     return f"{'openvino' if backend == 'openvino' else backend}-{precision}"
 
 
@@ -294,7 +294,8 @@ def default_configuration(options: "BenchOptions", plan: Plan | None = None, exp
 def chosen_configuration(report: dict, path: Path | None = None) -> dict:
     """The row an auto export kept, as the bench's label, with the export's measured table."""
     chosen = next(row for row in report["measured"] if row["chosen"])
-    return {"label": variant_label(chosen["backend"], chosen["precision"], chosen["graph"]), "backend": chosen["backend"],
+    return {"label": variant_label(chosen["backend"], chosen["precision"], chosen["graph"]),
+            "backend": chosen["backend"],
             "precision": chosen["precision"], "graph": chosen["graph"], "source": None if path is None else str(path),
             "optimize": report.get("timing", {}).get("optimize", "balanced"),
             "measured": [{k: row.get(k) for k in ("backend", "precision", "graph", "passed", "cosine_min",
@@ -322,8 +323,9 @@ def ensure_exported(options: BenchOptions, plan: Plan | None = None) -> dict[str
         if not plan.every_variant and default is not None and label == default["label"]:
             continue  # the auto export, made above into the repository (auto_export)
         backend, precision, _ = variants(default)[label]
-        if label not in variants():
-            backend = precision = "auto"  # a configuration only auto makes (ONNX Runtime's static int8)
+        only_auto = default is not None and label == default["label"] and default.get("graph") == STATIC_INT8_GRAPH
+        if only_auto:  # ONNX Runtime's static int8: only an export held to the auto bar makes it
+            precision = "auto"
         report = Path(options.repository) / f"{name}_encoder" / "validation.json"
         if label in skipped or (not options.reexport and report.is_file()
                                 and json.loads(report.read_text()).get("model") == source.model_id):
@@ -335,6 +337,11 @@ def ensure_exported(options: BenchOptions, plan: Plan | None = None) -> dict[str
         except ValidationError as exc:
             log.warning("%s is left out of the bench: %s", label, exc)
             skipped[label] = str(exc)
+            continue
+        kept = chosen_configuration(json.loads(report.read_text()))["label"] if only_auto else label
+        if kept != label:  # auto's choice is a timing: this export of it may have kept another graph
+            log.warning("%s is left out of the bench: its export kept %s instead", label, kept)
+            skipped[label] = f"the bench's ONNX Runtime auto export kept {kept}, not {label}"
     Path(options.repository).mkdir(parents=True, exist_ok=True)
     skipped_file.write_text(json.dumps(skipped, indent=2) + "\n")
     return {label: name for label, name in names.items() if label not in skipped}

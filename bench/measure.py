@@ -15,10 +15,6 @@ LATENCY1 = "latency1"            # sequential single short queries
 SEQ_LEN = "seq_len"              # batches of 32 texts of one token length
 SHORT32 = "short32"              # client batches of 32 short texts (16 tokens or fewer), in the set's order
 
-#: the graph label of ONNX Runtime's static int8 (exporter/export/static_int8.py), a candidate only ``auto`` makes
-STATIC_GRAPH = "+static-"
-
-
 def in_process_precision(label: str) -> str:
     """The precision column of a served configuration's in-process rows: its label (:func:`harness.variant_label`)
     less the backend, which the path column names (``openvino-int8``: ``int8``; ``int8-static`` stays)."""

@@ -9,9 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
-from nexus_sli.exporter.export.static_int8 import SMOOTH_QUANT_ALPHA, unsigned_activations
-
-STATIC = f"plain+static-sq{SMOOTH_QUANT_ALPHA}+attn-ffn-out-fp32"
+from nexus_sli.exporter.export.static_int8 import SMOOTH_QUANT_ALPHA, STATIC_INT8_GRAPH as STATIC, unsigned_activations
 
 
 def _qdq_matmul(zero_point: int = -7) -> onnx.ModelProto:
@@ -129,3 +127,48 @@ def test_the_static_graph_runs_integer_matmuls_on_u8_activations(tiny_checkpoint
     # what is still dequantized feeds no arithmetic (a value's Shape at most): no MatMul runs in fp32 on it
     left = {n.output[0] for n in optimized if n.op_type == "DequantizeLinear"}
     assert all(n.op_type == "Shape" for n in optimized if set(n.input) & left)
+
+
+def test_unsigned_activations_refuse_a_zero_point_shared_beyond_its_pair():
+    model = _qdq_matmul()
+    model.graph.node.append(helper.make_node("DequantizeLinear", ["w", "w_scale", "x_zero"], ["w_dq2"], name="other"))
+    with pytest.raises(ValueError, match="shared beyond the pair"):
+        unsigned_activations(model)
+
+
+@pytest.mark.parametrize("kept", [STATIC, "plain"])
+def test_the_bench_exports_a_static_default_through_auto_and_checks_what_it_kept(tiny_checkpoint, tmp_path,
+                                                                                 monkeypatch, kept):
+    """The static int8 only an export held to the auto bar makes: the bench exports that label with ONNX
+    Runtime and precision auto, and leaves it out, saying why, when that export's timing kept another graph."""
+    import json
+
+    from nexus_sli.bench import harness
+    from nexus_sli.exporter.export import pipeline
+
+    default = {"label": "int8-static", "backend": "onnxruntime", "precision": "int8", "graph": STATIC}
+    monkeypatch.setattr(harness, "default_configuration", lambda options, plan=None, export=True: default)
+    exported = {}
+
+    def fake_export(options):  # what the bench asks for, and a validation.json that says what was kept
+        exported[options.name] = (options.backend, options.precision)
+        folder = options.out / f"{options.name}_encoder"
+        folder.mkdir(parents=True)
+        row = {"backend": "onnxruntime", "precision": "int8" if kept == STATIC else "fp32", "graph": kept,
+               "chosen": True}
+        (folder / "validation.json").write_text(json.dumps({"model": "x", "measured": [row]}))
+
+    monkeypatch.setattr(pipeline, "run_export", fake_export)
+    options = harness.BenchOptions(model=str(tiny_checkpoint("bert")), repository=tmp_path / "repo")
+    plan = harness.FULL
+    names = harness.ensure_exported(options, plan)
+    static_name = next(name for name in exported if name.endswith("_int8_static"))
+    assert exported[static_name] == ("onnxruntime", "auto")
+    # every other configuration is exported by name, as before
+    assert sorted(v for n, v in exported.items() if n != static_name) == sorted(
+        (backend, precision) for backend, precision, _ in harness.variants().values())
+    skipped = json.loads((tmp_path / "repo" / harness.SKIPPED_FILE).read_text())
+    if kept == STATIC:
+        assert names["int8-static"] == static_name and not skipped
+    else:
+        assert "int8-static" not in names and "kept fp32, not int8-static" in skipped["int8-static"]

@@ -39,6 +39,9 @@ LARGE_MODEL_CALIBRATION_BATCH = 4
 #: 0.855) and 0.5 did less (bench/data/tried.md, "int8 that keeps the bar: static levers")
 SMOOTH_QUANT_ALPHA = 0.75
 
+#: the graph label of ONNX Runtime's static int8 candidate (validation.json's ``graph``; the bench reads it)
+STATIC_INT8_GRAPH = f"plain+static-sq{SMOOTH_QUANT_ALPHA}+attn-ffn-out-fp32"
+
 
 def calibration_texts() -> list[str]:
     text = resources.files("nexus_sli.exporter.export").joinpath("data/calibration_texts.txt").read_text("utf-8")
@@ -91,6 +94,8 @@ def quantize_qdq(source: Path, target: Path, calibration: list[dict[str, np.ndar
     quantizing, in fp32, as it does for the dynamic int8."""
     import onnx
 
+    from . import onnx_files
+
     # NNCF's default overflow fix (7-bit weights in the first layer only) is kept: 7-bit weights everywhere,
     # meant for CPUs without VNNI, lost fidelity on the AVX2 EPYC (all-MiniLM-L6-v2: min cosine 0.98994
     # against 0.99461; all-mpnet-base-v2 fell under the bar, mean 0.99497 against 0.99861)
@@ -99,8 +104,7 @@ def quantize_qdq(source: Path, target: Path, calibration: list[dict[str, np.ndar
         # The embedding tables feed Gathers: quantized, ONNX Runtime would dequantize the whole table on
         # every run (4.8 of a single query's 9.6 ms on all-MiniLM-L6-v2), where OpenVINO folds it once.
         ignored_types=["Gather"])
-    onnx.save(unsigned_activations(quantized), str(target))
-    return target
+    return onnx_files.save(unsigned_activations(quantized), target)
 
 
 def unsigned_activations(model):
@@ -120,14 +124,21 @@ def unsigned_activations(model):
     changed: set[str] = set()
     outputs: set[str] = set()
     for quantize in graph.node:
-        if (quantize.op_type != "QuantizeLinear" or quantize.input[0] in initializers or len(quantize.input) < 3
-                or initializers[quantize.input[2]].data_type != onnx.TensorProto.INT8):
-            continue  # weights stay int8 (ONNX Runtime wants s8 weights); inputs without a zero point are uint8
+        if quantize.op_type != "QuantizeLinear" or quantize.input[0] in initializers:
+            continue  # weights stay int8: ONNX Runtime wants s8 weights
+        zero = quantize.input[2] if len(quantize.input) > 2 else ""
+        if zero not in initializers or initializers[zero].data_type != onnx.TensorProto.INT8:
+            continue  # no zero point (uint8 already) or not an int8 one
         dequantizers = readers.get(quantize.output[0], [])
         if not dequantizers or any(node.op_type != "DequantizeLinear" for node in dequantizers):
             raise ValueError(f"{quantize.name}: a QuantizeLinear read by anything but DequantizeLinear")
+        zeros = {zero, *(node.input[2] if len(node.input) > 2 else "" for node in dequantizers)}
+        pair = {quantize.name, *(node.name for node in dequantizers)}
+        if not zeros <= set(initializers) or any(node.name not in pair for z in zeros for node in readers[z]):
+            raise ValueError(f"{quantize.name}: a zero point missing from its DequantizeLinear or shared beyond "
+                             "the pair")
         outputs.add(quantize.output[0])
-        for name in {quantize.input[2], *(node.input[2] for node in dequantizers)} - changed:
+        for name in zeros - changed:
             shifted = numpy_helper.to_array(initializers[name]).astype(np.int16) + 128
             initializers[name].CopyFrom(numpy_helper.from_array(shifted.astype(np.uint8), name))
             changed.add(name)

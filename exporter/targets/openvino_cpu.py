@@ -7,10 +7,11 @@
   and says so.  ``auto`` picks bf16 only where the CPU has it.
 - int8 is NNCF post-training static quantization of the OpenVINO model
   (:mod:`export.static_int8`, which says what it is calibrated on), written
-  as an IR (``model.xml`` + ``model.bin``).  Quantizing every MatMul costs fidelity on real models (docs/export.md has the measurement), so
-  besides the all-MatMul graph three variants keep MatMuls of one role in
-  higher precision: the feed-forward output projections (the layers ONNX
-  Runtime's int8 keeps in fp32, :func:`quantize.ffn_output_matmuls`); and, with
+  as an IR (``model.xml`` + ``model.bin``).  Quantizing every MatMul costs
+  fidelity on real models (docs/export.md has the measurement), so besides
+  the all-MatMul graph three variants keep MatMuls of one role in higher
+  precision: the feed-forward output projections (the layers ONNX Runtime's
+  int8 keeps in fp32, :func:`quantize.ffn_output_matmuls`); and, with
   SmoothQuant's alpha at :data:`SMOOTH_QUANT_ALPHA` instead of NNCF's 0.95, the
   attention output projections (:func:`quantize.attention_output_matmuls`),
   alone or with the feed-forward outputs.  All are validated; the fastest that
@@ -111,7 +112,7 @@ class OpenVINOCPU(Target):
                  ", ".join(label for label, *_ in variants))
         pool = pooling_nodes(trimmed)  # an embedding graph's pooling stays in fp32 (:mod:`export.pooling`)
         return [Candidate(label, quantize_ir(trimmed, graph.work / f"plain.ov-int8{suffix}.xml", calibration,
-                                               keep + pool, alpha))
+                                             keep + pool, alpha))
                 for label, suffix, keep, alpha in variants]
 
     @staticmethod
