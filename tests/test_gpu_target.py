@@ -40,6 +40,8 @@ def test_the_packaged_model_exports_fp16_for_tensorrt_at_full_fidelity(minilm):
     assert "not fp16 arithmetic" in report["validated_on"]
     assert config.platform == "onnxruntime_onnx"
     assert config.instance_group[0].kind == tc.pb.ModelInstanceGroup.KIND_GPU
+    # a GPU encoder waits a little for concurrent requests to merge; a CPU one does not (test_serving)
+    assert config.dynamic_batching.max_queue_delay_microseconds == tc.GPU_QUEUE_DELAY_US > 0
 
 
 def test_the_tensorrt_accelerator_carries_fp16_and_profiles_from_the_model_limits(minilm):

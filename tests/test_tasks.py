@@ -244,9 +244,9 @@ def test_client_errors_are_clear(client, served):
 
 def test_unreachable_server_is_retryable_error():
     port = _free_ports(1)[0]
-    for protocol in ("grpc", "http"):
+    for protocol in ("grpc", "http"):  # a 1 s retry budget, not the default 15 s (test_failover checks it)
         with pytest.raises(ServerUnavailableError, match="unreachable"):
-            EncoderClient(f"127.0.0.1:{port}", protocol=protocol).embed("x", model="minilm")
+            EncoderClient(f"127.0.0.1:{port}", protocol=protocol, retry_s=1.0).embed("x", model="minilm")
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

@@ -18,10 +18,17 @@ from nexus_sli.tasks import get_task, spec
 
 #: Requests Triton may merge into one execution of each step.
 MAX_BATCH_SIZE = 64
-#: How long the encoder waits for more requests to merge (microseconds).  Short:
-#: a lone request pays it, and under load requests queue up while the step runs
-#: anyway (Triton then merges everything waiting).
-QUEUE_DELAY_US = 500
+#: How long a GPU encoder waits for more requests to merge (microseconds), so that
+#: concurrent single texts share one kernel launch.  Short: a lone request pays it,
+#: and under load requests queue up while the step runs anyway (Triton then merges
+#: everything waiting).  Not measured on a GPU (none on the project's machines).
+GPU_QUEUE_DELAY_US = 500
+#: A CPU encoder does not wait: its time grows with the rows it runs, so waiting
+#: only delays a lone query, and under load it merges what queued while it ran.
+#: Measured on the AVX2 machine with bench/experiments/encoder_delay.py (removed after
+#: its finding was recorded; bench/data/tried.md, "The CPU encoder's queue delay"):
+#: a single query's p50 0.46-0.64 ms shorter, 16 concurrent clients within noise.
+CPU_QUEUE_DELAY_US = 0
 #: The python steps do not wait: a lone query paid every step's delay (0.6 ms
 #: queued per step, from Triton's statistics), while the encoder merges what the
 #: tokenizer sends regardless.  Measured with bench/experiments/queue_delay.py
@@ -80,6 +87,11 @@ class EncoderServing:
     #: the widths the tokenizer pads a batch to (the smallest that fits); empty: one fixed
     #: width (:data:`PAD_WIDTH`) whose padding the graph cuts off itself
     pad_widths: tuple[int, ...] = ()
+
+    @property
+    def queue_delay_us(self) -> int:
+        """How long the encoder's batcher waits for requests to merge: the device decides."""
+        return GPU_QUEUE_DELAY_US if self.device == "KIND_GPU" else CPU_QUEUE_DELAY_US
 
     def widths(self, max_length: int) -> list[int]:
         """The tokenizer's pad widths for a model that takes ``max_length`` tokens."""
@@ -150,8 +162,7 @@ def _io(cls, tensor: Tensor):
     return cls(name=tensor.name, data_type=tensor.data_type, dims=list(tensor.dims))
 
 
-def _model(name: str, inputs, outputs, batched: bool, params: dict | None = None,
-           queue_delay_us: int = QUEUE_DELAY_US) -> pb.ModelConfig:
+def _model(name: str, inputs, outputs, batched: bool, params: dict | None, queue_delay_us: int) -> pb.ModelConfig:
     config = pb.ModelConfig(name=name, max_batch_size=MAX_BATCH_SIZE if batched else 0)
     config.input.extend(_io(pb.ModelInput, t) for t in inputs)
     config.output.extend(_io(pb.ModelOutput, t) for t in outputs)
@@ -183,7 +194,7 @@ def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, trunc
 def encoder_config(name: str, lay: Layout, input_names: list[str], serving: EncoderServing,
                    model_filename: str = "model.onnx", max_length: int = PAD_WIDTH) -> pb.ModelConfig:
     inputs = [t for t in lay.tokens if t.name in input_names]
-    config = _model(name, inputs, lay.encoder_outputs, batched=True, params=serving.parameters)
+    config = _model(name, inputs, lay.encoder_outputs, True, serving.parameters, serving.queue_delay_us)
     if serving.platform:
         config.platform = serving.platform
     else:
