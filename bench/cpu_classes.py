@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .targets import MET, NOT_MEASURED, judge, median_text
+
 #: (class, description), most capable first
 CLASSES = (
     ("amx", "Intel with AMX (AMX-INT8, AMX-BF16)"),
@@ -59,8 +61,6 @@ def keep(results: dict, results_dir: Path) -> Path:
 
 def _figure(target: dict | None) -> str:
     """A target's median as the targets table prints it, with its status unless it was met."""
-    from .report import median_text  # report renders this module's section: imported when called
-
     if target is None or target["median"] is None:
         return "not measured"
     value = median_text(target)
@@ -69,19 +69,15 @@ def _figure(target: dict | None) -> str:
 
 def _run_source(row: dict, note: dict) -> str:
     """Where a kept run came from: the notes' words where they say it (a run from before runs
-    recorded their checkout), else the commit it recorded."""
+    recorded their checkout), else whether its checkout was clean (its JSON keeps the commit)."""
     if note.get("run_source"):
         return note["run_source"]
-    if not row["commit"]:
-        return "`make bench`"
-    return f"`make bench` at {row['commit']}" + (" (clean checkout)" if row["clean"] else "")
+    return "`make bench`, clean checkout" if row["commit"] and row["clean"] else "`make bench`"
 
 
 def summary(results: dict) -> dict:
     """One class's row from a run's results, judged by the current targets."""
-    from .targets import MET, NOT_MEASURED, evaluate
-
-    targets = evaluate(results["rows"], results.get("default_configuration"), results.get("compute_limit"))
+    targets = judge(results)
     judged = [t for t in targets if t["status"] != NOT_MEASURED]
     default = results.get("default_configuration") or {}
     checkout = results.get("checkout") or {}
@@ -111,21 +107,29 @@ def rows(results_dir: Path, notes_file: Path = NOTES) -> list[dict]:
         else:
             row = {"class": name, "cpu": "-", "date": "-", "default": "-", "figures": ["not run"] * len(COLUMNS),
                    "met": "-", "source": "no run on this class yet"}
-        found.append({**row, "description": description, "stops": note.get("stops", "")})
+        found.append({**row, "description": description, "note": note.get("note", ""),
+                      "stops": note.get("stops", "")})
     return found
 
 
 def section(results_dir: Path, notes_file: Path = NOTES) -> list[str]:
-    """The page's table of CPU classes."""
+    """The page's table of CPU classes.  A cell holds a figure or a name; a row's reasons (where its
+    figures came from, what stops the default going higher) are numbered notes below the table."""
     lines = ["## CPU classes side by side", "",
              "The default configuration (what `auto` picks on that CPU) served, each class's latest full run "
              "of the packaged model; ratios to sentence-transformers in the same run, judged by the targets "
              "below (a figure without a status met its target). Each row says where and when its figures "
              "came from.", "",
-             "| CPU class | CPU | run | default | " + " | ".join(h for h, _, _ in COLUMNS)
-             + " | targets met | what stops the default going higher |",
+             "| CPU class | CPU | run | default | " + " | ".join(h for h, _, _ in COLUMNS) + " | targets met | note |",
              "|---|---|---|---|" + "---:|" * len(COLUMNS) + "---:|---|"]
+    notes = []
     for row in rows(results_dir, notes_file):
+        reasons = " ".join(text for text in (row["note"], row["stops"]) if text)
+        if reasons:
+            notes.append(f"{len(notes) + 1}. {row['description']}: {reasons}")
         lines.append(f"| {row['description']} | {row['cpu']} | {row['date']}, {row['source']} | {row['default']} | "
-                     + " | ".join(row["figures"]) + f" | {row['met']} | {row['stops'] or '-'} |")
-    return lines
+                     + " | ".join(row["figures"]) + f" | {row['met']} | {len(notes) if reasons else '-'} |")
+    if not notes:
+        return lines
+    return [*lines, "", "Notes: where a row's figures came from, and what stops the default going higher "
+            "on that class.", "", *notes]

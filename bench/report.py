@@ -8,6 +8,7 @@ from pathlib import Path
 
 from . import cpu_classes
 from .measure import BATCH32, CONCURRENT16, GATEWAY_PATH, GATEWAY_PROTOCOL, LATENCY1, SEQ_LEN, SHORT32
+from .targets import judge, median_text
 
 MODE_TEXT = {BATCH32: "batches of 32", CONCURRENT16: "16 concurrent clients, 1 text each",
              LATENCY1: "sequential single short queries",
@@ -67,18 +68,6 @@ def _status(target: dict) -> str:
     return status if status == "met" else f"**{status}**"
 
 
-def median_text(target: dict) -> str:
-    """A target's median in its bound's terms (x, %, ms, or a cosine)."""
-    median = target["median"]
-    if median is None:
-        return "-"
-    if "fidelity" in target["target"]:
-        return f"{median:.6f}"
-    if target["required"].endswith("%"):
-        return f"{median:.1%}"
-    return f"{median:.2f} ms" if target["required"].endswith("ms") else f"{median:.2f}x"
-
-
 def targets_table(targets: list[dict]) -> list[str]:
     lines = ["| target | comparison | bound | median | spread | reps | status | configuration | gap |",
              "|---|---|---|---:|---:|---:|---|---|---|"]
@@ -130,17 +119,17 @@ def limit_line(results: dict) -> str:
 
 
 def targets_section(results: dict) -> list[str]:
-    """The targets (issues 14 and 24): the CPU above the table, what a status means below it."""
+    """The targets: the CPU above the table, what a status means below it."""
     plan = results["settings"].get("repetition_plan") or {}
     stopped = (f" Repetitions: {plan['repetitions']} (at least {plan['minimum']}, at most {plan['maximum']} while "
                f"one more fits in {plan['budget_s']:.0f} s of repetitions; each took "
                f"{', '.join(f'{x:.0f}' for x in plan['repetition_s'])} s); stopped: {plan['stopped']}."
                if plan.get("stopped") else "")
     return [
-        "## Targets (issues 14 and 24)", "",
+        "## Targets", "",
         cpu_line(results["machine"]), "",
         default_line(results.get("default_configuration")), "",
-        *targets_table(results["targets"]), "",
+        *targets_table(judge(results)), "",
         "Each comparison is paired: repetition r's figure of the default configuration over the compared path's "
         "figure in the same repetition r (texts/s for (a) and (b), against the baseline's batches of 32 for both; "
         "p50 for (c); for the serving overhead the served p50 minus the in-process p50 of the same exported graph "

@@ -1,4 +1,4 @@
-"""The bench's targets (issues 14 and 24), judged on the default export with paired per-repetition ratios.
+"""The bench's targets, judged on the default export with paired per-repetition ratios.
 
 Every speed target compares the served default configuration (what ``auto``
 exports on this machine) with a reference measured in the same repetition:
@@ -323,8 +323,26 @@ def evaluate(rows: list[dict], default: dict | None, limit: dict | None = None) 
     ]
 
 
+def judge(results: dict) -> list[dict]:
+    """A run's comparisons judged by the current targets from its rows' per-repetition figures: a page
+    rendered again from a kept run states verdicts that follow the rules it states."""
+    return evaluate(results["rows"], results.get("default_configuration"), results.get("compute_limit"))
+
+
 def unsettled(results: list[dict]) -> list[dict]:
     """The comparisons more repetitions could settle: measured on a qualifying configuration, with a
     spread at or over the limit (an unqualified configuration's speed never counts, however settled)."""
     return [t for t in results if t["qualifies"] and t["status"] != MET and t["spread"] is not None
             and t["spread"] >= SPREAD_LIMIT]
+
+
+def median_text(target: dict) -> str:
+    """A target's median in its bound's terms (x, %, ms, or a cosine)."""
+    median = target["median"]
+    if median is None:
+        return "-"
+    if "fidelity" in target["target"]:
+        return f"{median:.6f}"
+    if target["required"].endswith("%"):
+        return f"{median:.1%}"
+    return f"{median:.2f} ms" if target["required"].endswith("ms") else f"{median:.2f}x"

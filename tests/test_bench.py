@@ -3,7 +3,7 @@
 Not timed, and no figure is asserted: this only proves that the harness still
 exports, serves, measures every path and writes well-formed results, so it
 cannot rot silently.  (The tiny checkpoint has no sentence-transformers folder,
-so the baseline is the PyTorch fallback.)  Issue 14's targets and their paired
+so the baseline is the PyTorch fallback.)  The bench's targets and their paired
 per-repetition arithmetic are checked on synthetic rows, whose figures are known.
 """
 
@@ -188,17 +188,17 @@ def test_benchmarks_page_carries_the_latest_run_and_what_was_tried(quick):
     latest = (out / "latest.md").read_text()
     # the packaged model's page (BENCHMARKS.md) carries what was tried on it
     page = benchmarks_page({**results, "layout": layout(None).record()}, latest)
-    assert page.startswith("# Benchmarks\n") and "## Latest run" in page and "### Targets (issues 14 and 24)" in page
+    assert page.startswith("# Benchmarks\n") and "## Latest run" in page and "### Targets\n" in page
     # a results page: what was tried is linked (its short table and the full record), not carried
     assert page.rstrip().endswith(TRIED_LINK.rstrip()) and TRIED.read_text().strip() not in page
     assert "## What was tried" in TRIED.read_text() and f"(bench/data/{TRIED.name})" in page
     # this run's model is another (the tiny checkpoint): its own page links the default's instead
     own = benchmarks_page(results, latest)
-    assert own.startswith(f"# Benchmarks: {results['layout']['short_name']}\n") and "### Targets (issues 14 and 24)" in own
+    assert own.startswith(f"# Benchmarks: {results['layout']['short_name']}\n") and "### Targets\n" in own
     assert "[BENCHMARKS.md](BENCHMARKS.md)" in own and "## What was tried" not in own and TRIED_LINK in own
 
 
-# --- issue 14's targets on synthetic rows: paired per-repetition ratios ----------------------------
+# --- the targets on synthetic rows: paired per-repetition ratios ---------------------------------
 
 DEFAULT = {"label": "fp32", "backend": "onnxruntime", "precision": "fp32"}
 #: a compute-limit estimate under which the served default's batches (300-330 texts/s) reach 50-55% of the peak

@@ -40,7 +40,7 @@ def test_a_kept_run_is_its_class_row_judged_by_the_current_targets(tmp_path):
     assert kept == tmp_path / "classes" / "avx2.json"
     (row,) = [r for r in cpu_classes.rows(tmp_path, tmp_path / "none.json") if r["class"] == "avx2"]
     assert (row["cpu"], row["date"], row["default"]) == ("Test CPU", "2026-11-26", "onnxruntime fp32")
-    assert row["source"] == "`make bench` at abc123def456 (clean checkout)"
+    assert row["source"] == "`make bench`, clean checkout"
     # batches of 32: paired ratios 3.0, 3.0, 3.02 -> median 3.00x, met, so no status beside it
     assert row["figures"][0] == "3.00x" and row["figures"][4] == "50.8%"
     judged = [t for t in bench_targets.evaluate(_run_rows(), DEFAULT, LIMIT) if t["status"] != "not measured"]
@@ -62,7 +62,11 @@ def test_a_missed_target_shows_its_status_and_classes_without_runs_say_so(tmp_pa
     table = cpu_classes.section(tmp_path, notes)
     assert table[0] == "## CPU classes side by side"
     assert sum(line.startswith("| ") for line in table) == 1 + len(cpu_classes.CLASSES)  # heading + one per class
-    assert all(line.count("|") == table[4].count("|") for line in table[4:])
+    rows_end = 6 + len(cpu_classes.CLASSES)  # the heading, its rule and one line per class, from table[4]
+    assert all(line.count("|") == table[4].count("|") for line in table[4:rows_end])
+    # the reasons are numbered notes below the table, each row's cell naming its note
+    assert table[rows_end:][-1] == "1. AVX-512 with VNNI, no bf16 (Intel Ice Lake seen): int8 at 15-20% of its peak"
+    assert table[4 + 2 + 2].endswith(" | 1 |") and table[4 + 2].endswith(" | - |")
 
 
 def test_the_kept_zen5_run_is_rejudged_by_the_current_rules():
@@ -98,5 +102,8 @@ def test_the_committed_page_is_what_its_run_renders():
     results = json.loads(Path("bench/results/latest.json").read_text())
     page = benchmarks_page(results, Path("bench/results/latest.md").read_text())
     assert Path("BENCHMARKS.md").read_text() == page
+    # a cell holds one sentence at most: the reasons are notes below the table
+    cells = [cell for line in page.splitlines() if line.startswith("| ") for cell in line.strip("| ").split(" | ")]
+    assert not [cell for cell in cells if ". " in cell]
     kept = cpu_classes.classes_dir(Path("bench/results")) / f"{cpu_classes.cpu_class(results['machine']['flags'])}.json"
     assert json.loads(kept.read_text()) == results
