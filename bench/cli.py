@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="",
                         help="hub id, local directory, or a model packaged on PyPI such as all-mpnet-base-v2 "
                              "(default: packaged all-MiniLM-L6-v2); a model of base size or larger gets a "
-                             "smaller plan, stated on its page (bench/harness.py, choose_plan)")
+                             "smaller plan, stated on its page (bench/run_size.py, choose_run_size)")
     parser.add_argument("--repo", default="",
                         help="model repository the bench exports into and serves (default: bench/.repo for the "
                              "packaged model, bench/.repo-<model> for another: bench/layout.py)")
@@ -50,8 +50,8 @@ def _command(args: argparse.Namespace) -> str:
 def bench_options(args: argparse.Namespace):
     """The run's options: the repository, results folder and page not given derived from ``--model``
     (bench/layout.py), so that a model other than the packaged one never touches its artefacts."""
-    from .harness import BenchOptions
     from .layout import layout
+    from .options import BenchOptions
 
     where = layout(args.model)
     page = where.page if args.benchmarks_md == MODEL_PAGE else Path(args.benchmarks_md) if args.benchmarks_md else None
@@ -66,7 +66,8 @@ def bench_options(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from .harness import ensure_exported, run_bench
+    from .exports import ensure_exported
+    from .harness import run_bench
 
     options = bench_options(args)
     if args.export_only:

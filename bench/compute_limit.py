@@ -17,17 +17,18 @@ from dataclasses import dataclass
 
 #: FLOPs per cycle per core (one multiply-add counts two), by format and instruction set.
 #: fp32: ``avx512-full`` is two 512-bit FMA ports (16 lanes x 2 ports x 2: Intel's AVX-512
-#: server cores, AMD Zen 5); ``avx512-half`` runs AVX-512 on 256-bit units (AMD Zen 4), as
-#: ``avx2`` cores with two FMA ports do (8 lanes x 2 x 2).
+#: server cores, and AMD's from :data:`AMD_FULL_WIDTH_FAMILY` on); ``avx512-half`` runs AVX-512
+#: on 256-bit units (AMD's family before it), as ``avx2`` cores with two FMA ports do (8 lanes x 2 x 2).
 #: bf16: AVX512-BF16's dot product does twice fp32's work per instruction; AMX's tile
-#: multiply 1024 bf16 FLOPs per cycle (Intel's figure for Sapphire Rapids).
+#: multiply 1024 bf16 FLOPs per cycle (Intel's published figure).
 #: int8: VNNI dot products do four times fp32's work; AMX-INT8 2048 ops per cycle.
 FLOPS_PER_CYCLE = {
     "fp32": {"avx512-full": 64, "avx512-half": 32, "avx2": 32},
     "bf16": {"amx": 1024, "avx512-full": 128, "avx512-half": 64},
     "int8": {"amx": 2048, "avx512-full": 256, "avx512-half": 128, "avx2": 64},
 }
-#: AMD's first family with full-width (512-bit) AVX-512 units: Zen 5 (family 0x1A); Zen 4 is 0x19.
+#: The first AMD CPU family (/proc/cpuinfo's ``cpu family``) whose AVX-512 units are full-width
+#: (512-bit): 0x1A; family 0x19 runs AVX-512 on 256-bit units.
 AMD_FULL_WIDTH_FAMILY = 26
 
 

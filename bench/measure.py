@@ -16,7 +16,7 @@ SEQ_LEN = "seq_len"              # batches of 32 texts of one token length
 SHORT32 = "short32"              # client batches of 32 short texts (16 tokens or fewer), in the set's order
 
 def in_process_precision(label: str) -> str:
-    """The precision column of a served configuration's in-process rows: its label (:func:`harness.variant_label`)
+    """The precision column of a served configuration's in-process rows: its label (:func:`exports.variant_label`)
     less the backend, which the path column names (``openvino-int8``: ``int8``; ``int8-static`` stays)."""
     return label.removeprefix("openvino-")
 
@@ -130,7 +130,7 @@ def timed(function: Callable[[list[str]], np.ndarray]) -> Callable[[list[str]], 
 
 def one_at_a_time(embed_one: Callable[[str], np.ndarray], texts: list[str], budget_s: float | None) -> Sample:
     """Each text alone, after the previous one returned; stops early once ``budget_s`` is spent
-    (a path slowed down 50x by a loaded machine must not stall the whole bench)."""
+    (a path slowed down many times over by a loaded machine must not stall the whole bench)."""
     vectors, latencies = [], []
     start = time.perf_counter()
     for text in texts:

@@ -53,7 +53,7 @@ log = logging.getLogger("nexus_sli.bench.peers")
 #: where the venvs, the peers' model folder and their caches live (git-ignored)
 PEERS_DIR = Path(__file__).resolve().parent / ".peers"
 WORKER = Path(__file__).resolve().with_name("peer_worker.py")
-#: The CPU build this machine's pip finds on disk; left unpinned, pip takes a multi-GB CUDA build.
+#: The CPU build the Makefile installs for the product; left unpinned, pip takes a multi-GB CUDA build.
 TORCH = "torch==2.13.0"
 START_TIMEOUT_S = 300
 #: fastembed's ``embed()`` batch size in the batch rows: the bench's client batches of 32

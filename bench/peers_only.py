@@ -16,8 +16,12 @@ import dataclasses
 import json
 import logging
 
-from .harness import QUICK, BenchOptions, _baselines, _groups, _warm_up, in_process_measurements, prepare, rows
+from .options import BenchOptions
+from .paths import baselines, groups, in_process_measurements, warm_up
 from .peers import Peers
+from .prepare import prepare
+from .results import rows
+from .run_size import QUICK
 from .texts import repository_root
 
 COLUMNS = ("path", "protocol", "mode", "texts", "texts_per_s", "p50_ms", "p99_ms", "cosine_min", "cosine_mean",
@@ -33,13 +37,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     logging.getLogger("nexus_sli").setLevel(logging.INFO)
     repetitions = args.repetitions
-    plan = dataclasses.replace(QUICK, texts=args.texts or None, latency_queries=100, latency_budget_s=10.0, seq_lens=(),
-                               peers=True)
-    setup = prepare(BenchOptions(repository=repository_root() / "bench" / ".repo", quick=True), plan)
-    measurements = in_process_measurements(setup, plan, _baselines(setup))
+    run_size = dataclasses.replace(QUICK, texts=args.texts or None, latency_queries=100, latency_budget_s=10.0,
+                                   seq_lens=(), peers=True)
+    setup = prepare(BenchOptions(repository=repository_root() / "bench" / ".repo", quick=True), run_size)
+    measurements = in_process_measurements(setup, run_size, baselines(setup))
     with Peers(setup.model_id, setup.model_dir, setup.facts["fp32"], setup.skipped) as peers:
-        measurements += peers.measurements(_groups(setup), plan.latency_budget_s)
-        _warm_up(measurements, plan)
+        measurements += peers.measurements(groups(setup), run_size.latency_budget_s)
+        warm_up(measurements, run_size)
         for repetition in range(repetitions):
             for m in measurements:
                 m.time_once(repetition, repetitions)

@@ -79,10 +79,11 @@ def torch_thread_counts() -> list[int]:
     """torch's default intra-op thread count, and 1 where that differs.
 
     On a shared machine whose other processes keep the cores busy, torch's
-    OpenMP threads wait on each other at every parallel region: a batch-1 query
-    measured 75-130 ms with 2 threads against 10 ms with 1 on this 2-core machine
-    under load.  The baseline is timed both ways and the faster is the reference,
-    so a loaded machine never flatters the served path."""
+    OpenMP threads wait on each other at every parallel region, and a single
+    query can take several times longer with a thread per core than with one
+    (bench/data/tried.md, "torch's threads on a loaded machine").  The baseline
+    is timed both ways and the faster is the reference, so a loaded machine
+    never flatters the served path."""
     import torch
 
     default = torch.get_num_threads()

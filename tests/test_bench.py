@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from nexus_sli.bench import targets as bench_targets
-from nexus_sli.bench.harness import Repetitions, chosen_configuration, run_repetitions, variant_label, variants
+from nexus_sli.bench.exports import export_choice, variant_label, variants
 from nexus_sli.bench.measure import Measurement, Sample, in_process_precision
+from nexus_sli.bench.repetitions import Repetitions, run_repetitions
 from nexus_sli.bench.texts import bench_texts, generate_from_sources, length_stats
 from nexus_sli.cli.main import main
 from nexus_sli.exporter.targets.cpu import supports_bf16
@@ -150,9 +151,9 @@ def test_the_plan_and_the_folders_are_recorded(quick, tiny_checkpoint):
 def test_a_base_size_plan_serves_its_auto_export_beside_fp32(tiny_checkpoint, tmp_path, monkeypatch):
     """The base plan's path end to end on the tiny model, made to count as base-size: fp32 and the
     default only, the default being the auto export itself, in the served repository."""
-    from nexus_sli.bench import harness
+    from nexus_sli.bench import run_size
 
-    monkeypatch.setattr(harness, "FULL_PLAN_MAX_FLOPS_PER_TOKEN", 0.0)
+    monkeypatch.setattr(run_size, "FULL_MAX_FLOPS_PER_TOKEN", 0.0)
     repo, out = tmp_path / "repo", tmp_path / "out"
     assert main(["bench", "--quick", "--model", str(tiny_checkpoint("bert")), "--repo", str(repo),
                  "--out", str(out)]) == 0
@@ -207,7 +208,7 @@ LIMIT = {"flops_per_text": 1e9, "peaks": {"fp32": {"flops": 600e9, "instruction_
 
 def _synthetic(path, mode, *, rates=None, p50=None, p99=None, precision="fp32", protocol="in-process",
                baseline=False, peer=None, cosine=(1.0, 1.0)):
-    """One row as harness._row writes it, with only what the targets read."""
+    """One row as results._row writes it, with only what the targets read."""
     reps = rates or p50
     return {"path": path, "precision": precision, "protocol": protocol, "mode": mode, "baseline": baseline,
             "peer": peer, "repetitions": len(reps), "cosine_mean": cosine[0], "cosine_min": cosine[1],
@@ -344,14 +345,15 @@ def test_unknown_default_configuration_judges_nothing():
     assert speed and all(t["status"] == "not measured" and not t["met"] for t in speed)
 
 
-def test_auto_choice_maps_to_the_bench_label():
+def test_auto_choice_maps_to_the_bench_label(tmp_path):
     report = {"measured": [
         {"backend": "onnxruntime", "precision": "fp32", "graph": "plain", "passed": True, "score": 1.2,
          "chosen": False},
         {"backend": "openvino", "precision": "bf16", "graph": "plain", "passed": True, "score": 1.0, "chosen": True},
         {"backend": "openvino", "precision": "int8", "graph": "plain", "passed": False, "score": None,
          "chosen": False}]}
-    chosen = chosen_configuration(report)
+    (tmp_path / "validation.json").write_text(json.dumps(report))
+    chosen = export_choice(tmp_path / "validation.json").configuration
     assert (chosen["label"], chosen["backend"], chosen["precision"]) == ("openvino-bf16", "openvino", "bf16")
     assert len(chosen["measured"]) == 3
     assert variant_label("onnxruntime", "int8") == "int8"
@@ -424,7 +426,7 @@ def test_targets_table_names_the_cpu_status_spread_and_gap():
 
 
 def test_served_protocols_take_turns_going_first():
-    from nexus_sli.bench.harness import protocol_turns
+    from nexus_sli.bench.repetitions import protocol_turns
 
     texts = ["a"]
     rows = [_scripted("sentence-transformers", [], texts, baseline=True)]

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from nexus_sli.bench import harness
 from nexus_sli.bench.cli import bench_options
 from nexus_sli.bench.compute_limit import EncoderShape, encoder_shape
-from nexus_sli.bench.harness import (BASE, BASE_QUICK, FULL, QUICK, auto_folder, choose_plan, plan_record,
-                                     variants)
+from nexus_sli.bench.exports import auto_folder, variants
 from nexus_sli.bench.layout import layout, short_name
+from nexus_sli.bench.repetitions import Repetitions
 from nexus_sli.bench.report import TRIED, TRIED_LINK, benchmarks_page, markdown, plan_lines
+from nexus_sli.bench.run_size import BASE, BASE_QUICK, FULL, QUICK, choose_run_size, run_size_record
 from nexus_sli.cli.main import build_parser
 
 MINILM = EncoderShape(6, 384, 1536)         # all-MiniLM-L6-v2's config
@@ -98,16 +98,16 @@ def test_the_cli_derives_repository_results_and_page_from_the_model():
 def test_the_plan_is_chosen_from_the_size():
     assert MINILM.flops_per_token() == 6 * 2 * (4 * 384 * 384 + 2 * 384 * 1536)   # 21.2 M
     assert MPNET_BASE.flops_per_token() == pytest.approx(8 * MINILM.flops_per_token())
-    assert (choose_plan(MINILM, quick=False), choose_plan(MINILM, quick=True)) == (FULL, QUICK)
-    assert (choose_plan(MPNET_BASE, quick=False), choose_plan(MPNET_BASE, quick=True)) == (BASE, BASE_QUICK)
-    assert choose_plan(LARGE, quick=False) == BASE
+    assert (choose_run_size(MINILM, quick=False), choose_run_size(MINILM, quick=True)) == (FULL, QUICK)
+    assert (choose_run_size(MPNET_BASE, quick=False), choose_run_size(MPNET_BASE, quick=True)) == (BASE, BASE_QUICK)
+    assert choose_run_size(LARGE, quick=False) == BASE
     # 12 layers x 384 (all-MiniLM-L12-v2, bge-small) still fits the full plan
-    assert choose_plan(EncoderShape(12, 384, 1536), quick=False) == FULL
+    assert choose_run_size(EncoderShape(12, 384, 1536), quick=False) == FULL
 
 
 def test_a_tiny_mpnet_gets_the_full_plan_its_size_not_its_family(tiny_checkpoint):
     shape = encoder_shape(tiny_checkpoint("mpnet"))
-    assert choose_plan(shape, quick=False) is FULL
+    assert choose_run_size(shape, quick=False) is FULL
 
 
 def test_the_base_plan_keeps_what_the_targets_read():
@@ -134,19 +134,19 @@ def test_the_base_plan_serves_fp32_and_the_default_only():
 
 
 def test_repetitions_follow_the_plan():
-    full = harness.Repetitions.for_plan(FULL, None, None)
+    full = Repetitions.for_run_size(FULL, None, None)
     assert (full.minimum, full.maximum, full.slices, full.budget_s) == (3, 8, 3, 330.0)
-    base = harness.Repetitions.for_plan(BASE, None, None)
+    base = Repetitions.for_run_size(BASE, None, None)
     assert (base.minimum, base.maximum, base.slices, base.budget_s) == (3, BASE.max_repetitions, 3,
                                                                         BASE.repetition_budget_s)
-    quick = harness.Repetitions.for_plan(BASE_QUICK, 2, None)
+    quick = Repetitions.for_run_size(BASE_QUICK, 2, None)
     assert (quick.minimum, quick.maximum, quick.slices) == (2, 2, 1)
 
 
 def test_the_plan_record_says_what_was_reduced_and_why():
-    full = plan_record(FULL, MINILM, False, TEXTS_IN_SET)
+    full = run_size_record(FULL, MINILM, False, TEXTS_IN_SET)
     assert full["name"] == "full" and full["reduced"] == [] and plan_lines(full) == []
-    base = plan_record(BASE, MPNET_BASE, False, TEXTS_IN_SET)
+    base = run_size_record(BASE, MPNET_BASE, False, TEXTS_IN_SET)
     assert base["name"] == "base" and base["flops_per_token"] == 169_869_312 and not base["warning"]
     assert "170 M matmul FLOPs per token (12 layers x 768 hidden)" in base["why"]
     reduced = " | ".join(base["reduced"])
@@ -157,10 +157,10 @@ def test_the_plan_record_says_what_was_reduced_and_why():
     line = plan_lines(base)[0]
     assert line.startswith("Plan: base, chosen from the model's size") and all(r in line for r in base["reduced"])
     assert "the targets table and the peers are the same" in line
-    quick = plan_record(BASE_QUICK, MPNET_BASE, True, TEXTS_IN_SET)
+    quick = run_size_record(BASE_QUICK, MPNET_BASE, True, TEXTS_IN_SET)
     assert len(quick["reduced"]) == 1 and "fp32 and the default" in quick["reduced"][0]
     assert "well past an hour" not in quick["why"]
-    assert "may take longer than an hour" in plan_record(BASE, LARGE, False, TEXTS_IN_SET)["warning"]
+    assert "may take longer than an hour" in run_size_record(BASE, LARGE, False, TEXTS_IN_SET)["warning"]
 
 
 # --- the page --------------------------------------------------------------------------------------
@@ -179,7 +179,7 @@ LATEST = "# nexus-sli bench: x\n\nMachine: m.\n\nCommand: `c`\n\nPlan: base, cho
 
 
 def test_another_models_page_names_its_own_folders_and_links_the_default():
-    results = _results("all-mpnet-base-v2", plan_record(BASE, MPNET_BASE, False, TEXTS_IN_SET))
+    results = _results("all-mpnet-base-v2", run_size_record(BASE, MPNET_BASE, False, TEXTS_IN_SET))
     page = benchmarks_page(results, LATEST)
     assert page.startswith("# Benchmarks: all-mpnet-base-v2\n")
     assert "`make bench MODEL=all-mpnet-base-v2`: sentence-transformers/all-mpnet-base-v2 served" in page
@@ -193,7 +193,7 @@ def test_another_models_page_names_its_own_folders_and_links_the_default():
 
 
 def test_the_default_page_is_unchanged_in_form():
-    page = benchmarks_page(_results(None, plan_record(FULL, MINILM, False, TEXTS_IN_SET)), LATEST)
+    page = benchmarks_page(_results(None, run_size_record(FULL, MINILM, False, TEXTS_IN_SET)), LATEST)
     assert page.startswith("# Benchmarks\n") and "The latest figures of `make bench`: the packaged all-MiniLM-L6-v2" in page
     assert "`bench/.repo`" in page and "`bench/results/latest.json`" in page and "`bench/results/quick/`" in page
     assert page.rstrip().endswith(TRIED_LINK.rstrip()) and TRIED.read_text().strip() not in page
@@ -206,7 +206,7 @@ def test_the_latest_page_states_the_plan(tmp_path):
     stored = Path(__file__).resolve().parent.parent / "bench" / "results" / "latest.json"
     results = json.loads(stored.read_text())    # a real full run of the default: its page has no plan line
     assert "Plan: " not in markdown(results)
-    results["settings"]["plan"] = plan_record(BASE, MPNET_BASE, False, TEXTS_IN_SET)
+    results["settings"]["plan"] = run_size_record(BASE, MPNET_BASE, False, TEXTS_IN_SET)
     page = markdown(results)
     assert page.count("Plan: base, chosen from the model's size") == 1
     assert page.index("Command: ") < page.index("Plan: ") < page.index("## Throughput")

@@ -143,11 +143,13 @@ def test_the_bench_exports_a_static_default_through_auto_and_checks_what_it_kept
     Runtime and precision auto, and leaves it out, saying why, when that export's timing kept another graph."""
     import json
 
-    from nexus_sli.bench import harness
+    from nexus_sli.bench import exports
+    from nexus_sli.bench.options import BenchOptions
+    from nexus_sli.bench.run_size import FULL
     from nexus_sli.exporter.export import pipeline
 
     default = {"label": "int8-static", "backend": "onnxruntime", "precision": "int8", "graph": STATIC}
-    monkeypatch.setattr(harness, "default_configuration", lambda options, plan=None, export=True: default)
+    monkeypatch.setattr(exports, "default_configuration", lambda options, run_size=None, export=True: default)
     exported = {}
 
     def fake_export(options):  # what the bench asks for, and a validation.json that says what was kept
@@ -159,15 +161,14 @@ def test_the_bench_exports_a_static_default_through_auto_and_checks_what_it_kept
         (folder / "validation.json").write_text(json.dumps({"model": "x", "measured": [row]}))
 
     monkeypatch.setattr(pipeline, "run_export", fake_export)
-    options = harness.BenchOptions(model=str(tiny_checkpoint("bert")), repository=tmp_path / "repo")
-    plan = harness.FULL
-    names = harness.ensure_exported(options, plan)
+    options = BenchOptions(model=str(tiny_checkpoint("bert")), repository=tmp_path / "repo")
+    names = exports.ensure_exported(options, FULL)
     static_name = next(name for name in exported if name.endswith("_int8_static"))
     assert exported[static_name] == ("onnxruntime", "auto")
     # every other configuration is exported by name, as before
     assert sorted(v for n, v in exported.items() if n != static_name) == sorted(
-        (backend, precision) for backend, precision, _ in harness.variants().values())
-    skipped = json.loads((tmp_path / "repo" / harness.SKIPPED_FILE).read_text())
+        (backend, precision) for backend, precision, _ in exports.variants().values())
+    skipped = json.loads((tmp_path / "repo" / exports.SKIPPED_FILE).read_text())
     if kept == STATIC:
         assert names["int8-static"] == static_name and not skipped
     else:
