@@ -17,6 +17,8 @@ outside it; modules inside import from the home module instead.
 
 Every import counts, including those inside functions, with relative imports
 resolved; a failure names the file, the line and the import that goes up.
+Inside a layer, no two modules import each other, directly or around a longer
+loop: an import inside a function is no way out of a cycle.
 """
 
 from __future__ import annotations
@@ -179,3 +181,44 @@ def test_the_checker_sees_upward_and_sideways_imports():
     assert problems("from nexus_sli.exporter.export.padding_trim import x", "nexus_sli.exporter.targets.base") == []
     assert problems("from nexus_sli.exporter.triton.python_models.encoding import encode",
                     "nexus_sli.exporter.export.validate") == []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the nexus_sli modules it imports (at any depth), packages' own ``__init__`` left out:
+    a package re-exporting its modules' names is no module leaning on another."""
+    graph = {}
+    for path in package_files():
+        module, is_package = module_name(path)
+        if not is_package:
+            graph[module] = {name for _, name in imports_in(path.read_text(), module, is_package)
+                             if module_path(name) and module_path(name).name != "__init__.py" and name != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import cycle once, as the modules along it (a depth-first search's back edges)."""
+    found, state = [], {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for other in sorted(graph.get(module, ())):
+            if state.get(other) == "open":
+                found.append(path[path.index(other):] + [other])
+            elif other not in state:
+                visit(other, path + [other])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    return found
+
+
+def test_no_two_modules_import_each_other():
+    found = cycles(import_graph())
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in found)
+
+
+def test_the_cycle_finder_reports_each_cycle_once_and_no_false_one():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
