@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from nexus_sli.exporter.export.layer_cache import CACHE_DIR_ENV
-from tiny_models import build_tiny
+from helpers.tiny_models import build_tiny
 
 
 @pytest.fixture(scope="session", autouse=True)

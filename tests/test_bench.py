@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 
+from helpers.bench_rows import DEFAULT, LIMIT, by_comparison, run_rows
 from nexus_sli.bench import targets as bench_targets
 from nexus_sli.bench.exports import export_choice, variant_label, variants
 from nexus_sli.bench.measure import Measurement, Sample, in_process_precision
@@ -201,54 +202,6 @@ def test_benchmarks_page_carries_the_latest_run_and_what_was_tried(quick):
 
 # --- the targets on synthetic rows: paired per-repetition ratios ---------------------------------
 
-DEFAULT = {"label": "fp32", "backend": "onnxruntime", "precision": "fp32"}
-#: a compute-limit estimate under which the served default's batches (300-330 texts/s) reach 50-55% of the peak
-LIMIT = {"flops_per_text": 1e9, "peaks": {"fp32": {"flops": 600e9, "instruction_set": "avx2-fma"}}}
-
-
-def _synthetic(path, mode, *, rates=None, p50=None, p99=None, precision="fp32", protocol="in-process",
-               baseline=False, peer=None, cosine=(1.0, 1.0)):
-    """One row as results._row writes it, with only what the targets read."""
-    reps = rates or p50
-    return {"path": path, "precision": precision, "protocol": protocol, "mode": mode, "baseline": baseline,
-            "peer": peer, "repetitions": len(reps), "cosine_mean": cosine[0], "cosine_min": cosine[1],
-            "texts_per_s": float(sorted(rates)[len(rates) // 2]) if rates else 1.0,
-            "p50_ms": float(sorted(p50)[len(p50) // 2]) if p50 else None,
-            "texts_per_s_reps": rates or [], "p50_ms_reps": p50 or [], "p99_ms_reps": p99 or []}
-
-
-def _run_rows(served_batch=(300, 330, 305), served_concurrent=(240, 250, 245), served_p50=(5.0, 5.2, 5.1),
-              served_p99=(6.0, 6.1, 6.0), graph_p50=(3.6, 3.7, 3.6), graph_p99=(), cosine=(0.9999, 0.999),
-              peers=True, served_short=(900, 990, 910)):
-    """A run on three repetitions: the baseline slows down in the second (a noisy neighbour), the
-    served default slows with it, so the paired ratios agree where medians of each alone would not."""
-    rows = [
-        _synthetic("sentence-transformers", "batch32", rates=[100, 110, 101], baseline=True),
-        _synthetic("sentence-transformers", "latency1", p50=[7.0, 7.4, 7.1], baseline=True),
-        _synthetic("sentence-transformers", "short32", rates=[300, 330, 303], baseline=True),
-        _synthetic("triton", "short32", rates=list(served_short), protocol="grpc", cosine=cosine),
-        _synthetic("onnxruntime", "latency1", p50=list(graph_p50), p99=list(graph_p99)),
-        _synthetic("triton", "batch32", rates=list(served_batch), protocol="grpc", cosine=cosine),
-        _synthetic("triton", "concurrent16", rates=list(served_concurrent), protocol="grpc", cosine=cosine),
-        _synthetic("triton", "latency1", p50=list(served_p50), p99=list(served_p99), protocol="grpc", cosine=cosine),
-        # another configuration, faster but not the default: never judged
-        _synthetic("triton", "batch32", rates=[900, 990, 910], precision="int8", protocol="grpc"),
-    ]
-    if peers:
-        rows += [
-            _synthetic("fastembed", "batch32", rates=[200, 220, 205], peer="in-process"),
-            _synthetic("infinity-emb torch", "batch32", rates=[150, 160, 150], protocol="http", peer="server"),
-            _synthetic("infinity-emb torch", "concurrent16", rates=[120, 125, 121], protocol="http", peer="server"),
-            _synthetic("infinity-emb torch", "latency1", p50=[9.0, 9.5, 9.1], protocol="http", peer="server"),
-            _synthetic("infinity-emb optimum", "latency1", p50=[6.0, 6.3, 6.1], protocol="http", peer="server"),
-        ]
-    return rows
-
-
-def _by_comparison(results: list[dict]) -> dict[tuple[str, str], dict]:
-    return {(t["target"][:3], t["comparison"].split(" (")[0].split(":")[0]): t for t in results}
-
-
 def test_paired_ratio_arithmetic():
     assert bench_targets.paired_ratios([300, 330, None, 50], [100, 110, 90, 0]) == [3.0, 3.0]
     assert bench_targets.paired_differences([5.0, 5.5], [3.5, 3.0, 1.0]) == [1.5, 2.5]
@@ -260,8 +213,8 @@ def test_paired_ratio_arithmetic():
 
 
 def test_targets_met_on_paired_ratios():
-    results = bench_targets.evaluate(_run_rows(), DEFAULT, LIMIT)
-    found = _by_comparison(results)
+    results = bench_targets.evaluate(run_rows(), DEFAULT, LIMIT)
+    found = by_comparison(results)
     batch = found[("(a)", "vs sentence-transformers encode(batch_size=32)")]
     assert batch["per_repetition"] == [3.0, 3.0, pytest.approx(305 / 101)] and batch["status"] == "met"
     assert batch["config"].startswith("served fp32 (onnxruntime fp32") and batch["config"].endswith("over grpc")
@@ -284,9 +237,9 @@ def test_targets_met_on_paired_ratios():
 
 
 def test_target_not_met_reports_the_gap():
-    results = bench_targets.evaluate(_run_rows(served_batch=(184, 202, 186), served_p50=(8.0, 8.5, 8.1),
+    results = bench_targets.evaluate(run_rows(served_batch=(184, 202, 186), served_p50=(8.0, 8.5, 8.1),
                                                served_p99=(15.0, 16.0, 15.5)), DEFAULT)
-    found = _by_comparison(results)
+    found = by_comparison(results)
     batch = found[("(a)", "vs sentence-transformers encode(batch_size=32)")]
     assert batch["status"] == "not met" and not batch["met"]
     assert batch["median"] == pytest.approx(1.84) and "1.36x short" in batch["gap"]
@@ -300,17 +253,17 @@ def test_target_not_met_reports_the_gap():
 
 def test_a_missed_tail_is_set_against_the_same_graphs_own_tail_in_process():
     # served p99 / p50: 1.875, 1.88, 1.91; the graph in process, same repetitions: 2.0, 2.2, 2.1
-    results = bench_targets.evaluate(_run_rows(served_p50=(8.0, 8.5, 8.1), served_p99=(15.0, 16.0, 15.5),
+    results = bench_targets.evaluate(run_rows(served_p50=(8.0, 8.5, 8.1), served_p99=(15.0, 16.0, 15.5),
                                                graph_p99=(7.2, 8.14, 7.56)), DEFAULT)
-    tail = _by_comparison(results)[("(c)", "p99 vs its own p50")]
+    tail = by_comparison(results)[("(c)", "p99 vs its own p50")]
     assert tail["status"] == "not met" and tail["median"] == pytest.approx(16.0 / 8.5)
     assert tail["gap"].endswith("the same graph in process: p99 2.10x its p50 in this run")
 
 
 def test_target_whose_repetitions_disagree_is_not_settled():
     # the baseline's repetitions are 100, 110, 101: these served figures give ratios 2.4, 3.6, 2.75
-    results = bench_targets.evaluate(_run_rows(served_batch=(240, 396, 277.75)), DEFAULT)
-    batch = _by_comparison(results)[("(a)", "vs sentence-transformers encode(batch_size=32)")]
+    results = bench_targets.evaluate(run_rows(served_batch=(240, 396, 277.75)), DEFAULT)
+    batch = by_comparison(results)[("(a)", "vs sentence-transformers encode(batch_size=32)")]
     assert batch["median"] == pytest.approx(2.75) and batch["spread"] >= 0.10
     assert batch["status"] == "not settled" and not batch["met"] and batch["gap"].startswith("spread ")
     assert batch in bench_targets.unsettled(results)
@@ -318,29 +271,29 @@ def test_target_whose_repetitions_disagree_is_not_settled():
 
 def test_target_every_repetition_clears_is_met_however_wide_the_spread():
     # ratios 2.6, 3.6, 2.75: noisy (spread >= 10%), but no repetition is under 2.5x
-    results = bench_targets.evaluate(_run_rows(served_batch=(260, 396, 277.75)), DEFAULT)
-    batch = _by_comparison(results)[("(a)", "vs sentence-transformers encode(batch_size=32)")]
+    results = bench_targets.evaluate(run_rows(served_batch=(260, 396, 277.75)), DEFAULT)
+    batch = by_comparison(results)[("(a)", "vs sentence-transformers encode(batch_size=32)")]
     assert batch["spread"] >= 0.10 and batch["status"] == "met" and batch["met"] and batch["gap"] == ""
     assert batch not in bench_targets.unsettled(results)  # nothing more repetitions could change
 
 
 def test_no_peer_measured_is_said_and_never_met():
-    results = bench_targets.evaluate(_run_rows(peers=False), DEFAULT)
+    results = bench_targets.evaluate(run_rows(peers=False), DEFAULT)
     peer_rows = [t for t in results if "peer" in t["comparison"]]
     assert len(peer_rows) == 3
     assert all(t["status"] == "not measured" and not t["met"] and "no peer" in t["gap"] for t in peer_rows)
-    assert _by_comparison(results)[("(a)", "vs sentence-transformers encode(batch_size=32)")]["met"]
+    assert by_comparison(results)[("(a)", "vs sentence-transformers encode(batch_size=32)")]["met"]
 
 
 def test_speed_of_a_configuration_that_does_not_qualify_never_counts():
-    results = bench_targets.evaluate(_run_rows(cosine=(0.996, 0.963)), DEFAULT, LIMIT)
+    results = bench_targets.evaluate(run_rows(cosine=(0.996, 0.963)), DEFAULT, LIMIT)
     speed = [t for t in results if "fidelity" not in t["target"]]
     assert all(t["status"] == "not met" and "does not qualify" in t["gap"] and "0.9630" in t["gap"] for t in speed)
     assert bench_targets.unsettled(results) == []  # more repetitions cannot change that
 
 
 def test_unknown_default_configuration_judges_nothing():
-    results = bench_targets.evaluate(_run_rows(), None)
+    results = bench_targets.evaluate(run_rows(), None)
     speed = [t for t in results if "fidelity" not in t["target"]]
     assert speed and all(t["status"] == "not measured" and not t["met"] for t in speed)
 
@@ -411,7 +364,7 @@ def test_repetitions_are_added_while_spread_then_capped():
 def test_targets_table_names_the_cpu_status_spread_and_gap():
     from nexus_sli.bench.report import cpu_line, targets_table
 
-    results = bench_targets.evaluate(_run_rows(served_batch=(240, 396, 277.75), peers=False), DEFAULT)
+    results = bench_targets.evaluate(run_rows(served_batch=(240, 396, 277.75), peers=False), DEFAULT)
     lines = targets_table(results)
     batch = next(line for line in lines if "(a)" in line and "sentence-transformers" in line)
     assert "| 2.75x |" in batch and "not settled: spread" in batch and "| 3 |" in batch
@@ -446,7 +399,7 @@ def test_served_protocols_take_turns_going_first():
 
 def test_short_texts_are_judged_against_the_baselines_own_short_batches():
     # the baseline's short batches: 300, 330, 303 texts/s; served 700, 800, 720: 2.33x, 2.42x, 2.38x
-    results = bench_targets.evaluate(_run_rows(served_short=(700, 800, 720)), DEFAULT)
+    results = bench_targets.evaluate(run_rows(served_short=(700, 800, 720)), DEFAULT)
     short = next(t for t in results if t["target"].startswith("(d) client batches of 32 short texts"))
     assert short["median"] == pytest.approx(720 / 303) and short["status"] == "not met"
     assert short["per_repetition"] == pytest.approx([700 / 300, 800 / 330, 720 / 303], abs=1e-5)

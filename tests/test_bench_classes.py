@@ -12,7 +12,7 @@ import pytest
 
 from nexus_sli.bench import cpu_classes
 from nexus_sli.bench import targets as bench_targets
-from tests.test_bench import DEFAULT, LIMIT, _by_comparison, _run_rows
+from helpers.bench_rows import DEFAULT, LIMIT, by_comparison, run_rows
 
 AVX2 = {"avx2": True, "avx512f": False, "avx512_vnni": False, "avx512_bf16": False,
         "amx_tile": False, "amx_int8": False, "amx_bf16": False}
@@ -32,7 +32,7 @@ def test_cpu_class_from_flags(flags, expected):
 def _results(flags=AVX2, rows=None, limit=LIMIT, quick=False):
     return {"machine": {"flags": flags, "cpu_model": "Test CPU"}, "created": "2026-11-26T05:00:00+00:00",
             "checkout": {"commit": "abc123def456", "clean": True}, "default_configuration": DEFAULT,
-            "rows": rows if rows is not None else _run_rows(), "compute_limit": limit, "quick": quick}
+            "rows": rows if rows is not None else run_rows(), "compute_limit": limit, "quick": quick}
 
 
 def test_a_kept_run_is_its_class_row_judged_by_the_current_targets(tmp_path):
@@ -43,12 +43,12 @@ def test_a_kept_run_is_its_class_row_judged_by_the_current_targets(tmp_path):
     assert row["source"] == "`make bench`, clean checkout"
     # batches of 32: paired ratios 3.0, 3.0, 3.02 -> median 3.00x, met, so no status beside it
     assert row["figures"][0] == "3.00x" and row["figures"][4] == "50.8%"
-    judged = [t for t in bench_targets.evaluate(_run_rows(), DEFAULT, LIMIT) if t["status"] != "not measured"]
+    judged = [t for t in bench_targets.evaluate(run_rows(), DEFAULT, LIMIT) if t["status"] != "not measured"]
     assert row["met"] == f"{sum(t['met'] for t in judged)}/{len(judged)}"
 
 
 def test_a_missed_target_shows_its_status_and_classes_without_runs_say_so(tmp_path):
-    cpu_classes.keep(_results(rows=_run_rows(served_batch=(184, 202, 186))), tmp_path)
+    cpu_classes.keep(_results(rows=run_rows(served_batch=(184, 202, 186))), tmp_path)
     notes = tmp_path / "notes.json"
     notes.write_text(json.dumps({"avx512-vnni": {"reported": {
         "cpu": "Reported CPU", "date": "2026-11-01", "source": "reported elsewhere", "default": "openvino int8",
@@ -76,16 +76,16 @@ def test_the_kept_zen5_run_is_rejudged_by_the_current_rules():
     assert row["class"] == "avx512-vnni-bf16" and row["default"] == "openvino int8"
     # that run had no short-text row: said, not guessed
     assert row["figures"][1] == "not measured"
-    found = _by_comparison(kept["targets"])
+    found = by_comparison(kept["targets"])
     assert row["figures"][0].startswith(f"{found[('(a)', 'vs sentence-transformers encode(batch_size=32)')]['median']:.2f}x")
 
 
 def test_share_of_peak_needs_the_estimate_and_reports_its_gap():
-    found = _by_comparison(bench_targets.evaluate(_run_rows(), DEFAULT))
+    found = by_comparison(bench_targets.evaluate(run_rows(), DEFAULT))
     share = found[("(e)", "served batches of 32 over the precision's estimated peak")]
     assert share["status"] == "not measured" and "no peak estimate" in share["gap"]
     low = {**LIMIT, "peaks": {"fp32": {"flops": 3000e9, "instruction_set": "avx512-full"}}}
-    share = _by_comparison(bench_targets.evaluate(_run_rows(), DEFAULT, low))[
+    share = by_comparison(bench_targets.evaluate(run_rows(), DEFAULT, low))[
         ("(e)", "served batches of 32 over the precision's estimated peak")]
     assert share["comparison"].endswith("(fp32, avx512-full)")
     assert share["status"] == "not met" and share["median"] == pytest.approx(305 / 3000, abs=1e-6)

@@ -132,7 +132,6 @@ def test_fastembed_in_its_venv_gives_sentence_transformers_vectors(fastembed_ven
 
 def test_a_peer_server_does_not_outlive_a_killed_bench(tmp_path):
     # a stand-in bench process starts a long-lived child the way InfinityServer does, then is SIGKILLed
-    import os
     import signal
     import subprocess
     import time

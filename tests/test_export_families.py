@@ -9,8 +9,8 @@ import pytest
 
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.families import FAMILIES, normalize_model_type
-from tiny_models import NO_TINY_MODEL, TINY_CONFIGS
-from tiny_remote_models import REMOTE_TINY
+from helpers.tiny_models import NO_TINY_MODEL, TINY_CONFIGS
+from helpers.tiny_remote_models import REMOTE_TINY
 
 NO_SEGMENT_INPUT = {"distilbert", "modernbert", "deberta", "deberta-v2", "mpnet"}
 

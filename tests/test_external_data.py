@@ -35,7 +35,7 @@ from nexus_sli.exporter.targets.openvino_cpu import LARGE_MODEL_VARIANT
 from nexus_sli.exporter.triton.publish import read_local
 from nexus_sli.exporter.triton.python_models.encoding import encode, load_tokenizer
 from nexus_sli.bench.served import free_ports
-from tiny_models import quiet_session
+from helpers.tiny_models import quiet_session
 
 #: Past this many bytes of weights a graph gets a data file in these tests: the tiny XLM-R has ~160 kB.
 LOW_THRESHOLD = 10_000

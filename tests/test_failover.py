@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import signal
 import threading
 import time
 import urllib.request
@@ -17,7 +15,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-import object_store
+from helpers import object_store
+from helpers.servers import kill_server
 from nexus_sli.client import AsyncEncoderClient, EncoderClient, ReplicasFailedError, ServerUnavailableError
 from nexus_sli.client.replicas import RETRY_S, Replicas, parse_urls
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
@@ -129,15 +128,6 @@ def replicas(request, store):
             server["log"].close()
 
 
-def _kill(server: dict) -> None:
-    """A crash: SIGKILL to the server alone (its python-backend processes are ended after it)."""
-    orphans = [p for ps in server["process"].supervisor.stub_processes().values() for p in ps]
-    os.kill(server["process"].pid, signal.SIGKILL)
-    server["process"].wait(30)
-    for orphan in orphans:
-        orphan.kill()
-
-
 def _successes(http: str) -> int:
     with urllib.request.urlopen(f"http://{http}/v2/models/embedder/stats", timeout=10) as response:
         stats = json.loads(response.read())["model_stats"]
@@ -179,7 +169,7 @@ def test_a_replica_killed_under_load_loses_no_request(replicas):
         while done["before"] < BEFORE and time.monotonic() < deadline and not failures:
             time.sleep(0.05)
         survivor_at_kill = _successes(survivor["http"])
-        _kill(victim)
+        kill_server(victim)
         killed.set()
         while done["after"] < AFTER and time.monotonic() < deadline and not failures:
             time.sleep(0.05)
@@ -200,7 +190,7 @@ def test_a_replica_killed_under_load_loses_no_request(replicas):
 def test_async_client_fails_over_to_the_live_replica(replicas):
     victim, survivor = replicas["servers"]
     if victim["process"].poll() is None:  # run alone, without the load test before it
-        _kill(victim)
+        kill_server(victim)
 
     async def run():
         async with AsyncEncoderClient([victim["url"], survivor["url"]], protocol=replicas["protocol"],

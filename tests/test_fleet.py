@@ -98,7 +98,7 @@ def _successes(address: str, http_port: int) -> int:
 
 def _kill(process) -> None:
     """A pod that dies: SIGKILL to the server, its python-backend processes ended after it."""
-    from test_failover import _kill as kill_replica
+    from helpers.servers import kill_server as kill_replica
 
     kill_replica({"process": process})
 
@@ -224,8 +224,8 @@ BUCKET = "models"
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, tiny_tokenizer):
     """SeaweedFS on loopback holding the embedder's first version; the AWS variables set for Triton."""
-    import object_store
-    from tiny_models import build_tiny
+    from helpers import object_store
+    from helpers.tiny_models import build_tiny
 
     root = tmp_path_factory.mktemp("rollout")
     old, new = (build_tiny("bert", root / f"checkpoint-{seed}", tiny_tokenizer, seed=seed) for seed in (0, 1))

@@ -33,8 +33,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 
-import task_models
-from nexus_sli.bench.served import Gateway
+from helpers import task_models
+from helpers.http_api import call, schema_problems, tei_schema
+from helpers.vectors import cosines
+from nexus_sli.bench.served import Gateway, free_ports
 from nexus_sli.cli.main import build_parser
 from nexus_sli.client import EncoderClient, ReplicasFailedError, ServerUnavailableError
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
@@ -44,58 +46,13 @@ from nexus_sli.exporter.serving import server as serve
 from nexus_sli.gateway import GatewayConfig, create_app
 from nexus_sli.gateway.errors import from_client
 from nexus_sli.gateway.server import exposure_warning
-from test_serving import _cosines, _free_ports
 
-TEI = json.loads((Path(__file__).parent / "data" / "tei" / "openapi.json").read_text())
 TEXTS = validation_texts()[:24]
 READY_LINE = "gateway is ready"
 MODELS = ["classifier", "minilm", "reranker", "tiny_embedder"]
 
 
 # --- TEI's OpenAPI description as the judge of shapes -------------------------------------------
-
-def _resolve(schema: dict) -> dict:
-    while "$ref" in schema:
-        schema = TEI["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
-    return schema
-
-
-def schema_problems(value, schema: dict, where: str = "$") -> list[str]:
-    """Where ``value`` breaks ``schema`` (the OpenAPI 3.0 subset TEI's description uses)."""
-    schema = _resolve(schema)
-    if value is None and schema.get("nullable"):
-        return []
-    if "oneOf" in schema:
-        fits = [option for option in schema["oneOf"] if not schema_problems(value, option, where)]
-        return [] if len(fits) >= 1 else [f"{where}: {value!r:.60} matches none of oneOf"]
-    if "allOf" in schema:
-        return [p for option in schema["allOf"] for p in schema_problems(value, option, where)]
-    kind = schema.get("type")
-    types = {"object": dict, "array": list, "string": str, "boolean": bool, "integer": int, "number": (int, float)}
-    if kind and (not isinstance(value, types[kind]) or (kind in ("integer", "number") and isinstance(value, bool))):
-        return [f"{where}: {type(value).__name__} is not {kind}"]
-    if "enum" in schema and value not in schema["enum"]:
-        return [f"{where}: {value!r} not in {schema['enum']}"]
-    problems = []
-    if kind == "array":
-        for bound, ok in (("minItems", len(value) >= schema.get("minItems", 0)),
-                          ("maxItems", len(value) <= schema.get("maxItems", len(value)))):
-            problems += [] if ok else [f"{where}: {bound}"]
-        for i, item in enumerate(value):
-            problems += schema_problems(item, schema.get("items", {}), f"{where}[{i}]")
-    if kind == "object":
-        properties = schema.get("properties", {})
-        problems += [f"{where}: missing {k}" for k in schema.get("required", []) if k not in value]
-        problems += [f"{where}: {k} is no field of TEI's schema" for k in value if k not in properties]
-        for k, v in value.items():
-            if k in properties:
-                problems += schema_problems(v, properties[k], f"{where}.{k}")
-    return problems
-
-
-def tei_schema(name: str) -> dict:
-    return TEI["components"]["schemas"][name]
-
 
 def test_the_schema_checker_catches_wrong_shapes():
     assert schema_problems([[0.5, 1.0]], tei_schema("EmbedResponse")) == []
@@ -118,7 +75,7 @@ def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint):
                              name="classifier", out=repo))
     run_export(ExportOptions(model=str(task_models.reranker(tiny_tokenizer, root / "reranker")),
                              name="reranker", out=repo))
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     process = serve.start(repo, http, grpc, metrics)
     yield {"repo": repo, "http": f"127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}"}
     serve.stop(process)
@@ -173,7 +130,7 @@ def keyed(served, tmp_path_factory):
 @pytest.fixture(scope="module")
 def orphan(tmp_path_factory):
     """A gateway whose Triton is not running."""
-    started = start_gateway(f"127.0.0.1:{_free_ports(1)[0]}", log=tmp_path_factory.mktemp("gw") / "orphan.log")
+    started = start_gateway(f"127.0.0.1:{free_ports(1)[0]}", log=tmp_path_factory.mktemp("gw") / "orphan.log")
     yield started
     started.stop()
 
@@ -207,21 +164,6 @@ def sdk(gateway: Gateway, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0)
 
 
-def call(url: str, body=None, headers: dict | None = None, raw: bytes | None = None):
-    """(status, headers, parsed JSON or text) of one plain HTTP request."""
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            status, head, payload = response.status, response.headers, response.read()
-    except urllib.error.HTTPError as exc:
-        status, head, payload = exc.code, exc.headers, exc.read()
-    try:
-        return status, head, json.loads(payload)
-    except ValueError:
-        return status, head, payload.decode()
-
-
 # --- OpenAI's API, through the official SDK -----------------------------------------------------
 
 def _vector(embedding) -> np.ndarray:
@@ -240,8 +182,8 @@ def test_openai_sdk_embeds_like_the_client_and_sentence_transformers(gateway, di
     got = np.stack([_vector(item.embedding) for item in response.data])
     assert [item.index for item in response.data] == list(range(len(TEXTS))) and response.model == "minilm"
     assert got.shape == (len(TEXTS), 384)
-    assert _cosines(got, direct.embed(TEXTS, model="minilm")).min() >= 0.9999
-    assert _cosines(got, reference.encode(TEXTS, normalize_embeddings=True)).min() >= 0.9999
+    assert cosines(got, direct.embed(TEXTS, model="minilm")).min() >= 0.9999
+    assert cosines(got, reference.encode(TEXTS, normalize_embeddings=True)).min() >= 0.9999
     # usage counts the served tokenizer's tokens, special tokens included, after truncation
     # to the model's length (sentence-transformers' max_seq_length; tokenizer.json says 128)
     tokenizer = Tokenizer.from_file(str(resolve_model(None).path / "tokenizer.json"))
@@ -327,7 +269,7 @@ def test_behind_nexus_sli_serve_the_names_come_from_the_statistics_api(served):
 
 def test_discovery_reads_the_repository_index_where_triton_allows_it(served, tmp_path):
     """A plain tritonserver (an NGC container, say) leaves the repository API open: the names come from it."""
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     triton = serve.TritonServer(serve.server_command(served["repo"], http, grpc, metrics), None,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
@@ -361,7 +303,7 @@ def test_tei_embed(gateway, direct):
     status, _, body = tei(gateway, "/embed", {"inputs": TEXTS[:4], "normalize": True, "truncate": True,
                                               "model": "minilm"}, "EmbedRequest")
     assert status == 200 and schema_problems(body, tei_schema("EmbedResponse")) == []
-    assert _cosines(np.array(body), direct.embed(TEXTS[:4], model="minilm")).min() >= 0.9999
+    assert cosines(np.array(body), direct.embed(TEXTS[:4], model="minilm")).min() >= 0.9999
     status, _, single = tei(gateway, "/embed", {"inputs": TEXTS[0], "model": "minilm"}, "EmbedRequest")
     assert status == 200 and np.array(single).shape == (1, 384)
     assert np.allclose(single[0], body[0], atol=1e-6)
@@ -393,7 +335,7 @@ def test_tei_routes_need_a_model_only_where_several_serve_the_task(gateway, stri
 def test_huggingface_hub_inference_client(gateway, direct):
     """huggingface_hub's client for TEI endpoints posts to the root URL, as TEI answers it."""
     got = InferenceClient(model=gateway.url).feature_extraction(TEXTS[:3])
-    assert _cosines(np.asarray(got), direct.embed(TEXTS[:3], model="minilm")).min() >= 0.9999
+    assert cosines(np.asarray(got), direct.embed(TEXTS[:3], model="minilm")).min() >= 0.9999
 
 
 def test_normalize_is_honoured_where_the_model_does_not_normalise(gateway, direct):
@@ -631,7 +573,7 @@ def test_32_concurrent_requests_are_merged_by_triton_and_answered_each(gateway, 
     after = counts()
     inferences, executions = after[0] - before[0], after[1] - before[1]
     assert inferences == 32 and executions < inferences, f"{executions} encoder executions for {inferences} requests"
-    assert _cosines(got, direct.embed(texts, model="minilm")).min() >= 0.9999  # each got its own text's
+    assert cosines(got, direct.embed(texts, model="minilm")).min() >= 0.9999  # each got its own text's
 
 
 def test_metrics_are_prometheus_text(gateway):
@@ -650,7 +592,7 @@ def test_metrics_are_prometheus_text(gateway):
 
 @pytest.mark.parametrize("stopped", ["serve", "gateway"])
 def test_serve_starts_the_gateway_beside_triton_and_stopping_one_stops_both(served, tmp_path, stopped):
-    http, grpc, metrics, port = _free_ports(4)
+    http, grpc, metrics, port = free_ports(4)
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         process = subprocess.Popen([sys.executable, "-m", "nexus_sli.cli.main", "serve", "--model-repository",

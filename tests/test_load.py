@@ -30,7 +30,7 @@ from nexus_sli.exporter.serving import server as serve
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.export.validate import validation_texts
-from test_serving import _free_ports
+from nexus_sli.bench.served import free_ports
 
 pytestmark = pytest.mark.load
 
@@ -45,7 +45,7 @@ MIN_COSINE = 0.9999  # as the serving tests: served fp32 against sentence-transf
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("load-repo")
     run_export(ExportOptions(out=repo))
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     with open(repo.parent / "server.log", "w") as log:  # the server's own output, kept out of the report
         process = serve.start(repo, http, grpc, metrics, stdout=log, stderr=subprocess.STDOUT)
     yield {"process": process, "grpc": f"127.0.0.1:{grpc}"}

@@ -25,7 +25,7 @@ from nexus_sli.bench.served import Gateway, free_ports
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.serving import server as serve
 from nexus_sli.gateway.config import API_KEY_ENV
-from test_k8s import adapter_rules, by_name, dashboard, render
+from helpers.k8s import adapter_rules, by_name, dashboard, render
 
 #: Labels the Prometheus operator puts on every series it scrapes for a PodMonitor (from the target,
 #: not the scrape); ``instance`` and ``job`` are Prometheus' own.

@@ -25,7 +25,7 @@ from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.source import load_config
 from nexus_sli.exporter.export.walk import walk
 from nexus_sli.tasks import get_task
-from tiny_models import COMMON, VOCAB, TINY_CONFIGS, padded_feeds
+from helpers.tiny_models import COMMON, VOCAB, TINY_CONFIGS, padded_feeds
 
 #: one row per kind of bucket: exact (<= 8), log-spaced (<= 128) and clamped (> 128)
 LENGTHS = [1, 5, 9, 40, 128, 200, 256]

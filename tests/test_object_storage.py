@@ -14,7 +14,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
-import object_store
+from helpers import object_store
 from nexus_sli.cli.main import main
 from nexus_sli.client import EncoderClient
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
@@ -38,7 +38,7 @@ def s3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, tiny_tokenizer):
     """Two exports of one model name: version "a" and a retrained "b" (other weights)."""
-    from tiny_models import build_tiny
+    from helpers.tiny_models import build_tiny
 
     root = tmp_path_factory.mktemp("publish")
     made = {}
@@ -327,7 +327,7 @@ def test_the_kubernetes_command_line_serves_from_object_storage(s3, exports, tmp
     import urllib.error
     import urllib.request
 
-    from test_k8s import render
+    from helpers.k8s import render
 
     pub.publish(exports["a"]["repo"], _destination(s3, "k8s"))
     (deployment,) = [d for d in render("cpu") if d["kind"] == "Deployment" and d["metadata"]["name"] == "nexus-sli-triton"]

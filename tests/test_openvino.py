@@ -20,7 +20,7 @@ from nexus_sli.exporter.serving.backends.batching import plan, real_lengths
 from nexus_sli.exporter.serving.backends.openvino_properties import compile_properties
 from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.triton.python_models.encoding import pool
-from tiny_models import padded_feeds
+from helpers.tiny_models import padded_feeds
 
 
 def _feeds(lengths, width):
@@ -117,7 +117,7 @@ def test_attention_output_projections_are_found_by_shape_and_wiring(family, tiny
     from nexus_sli.exporter.export.onnx_export import export_onnx, model_input_names
     from nexus_sli.exporter.export.quantize import attention_output_matmuls
     from nexus_sli.tasks import get_task
-    from tiny_models import VOCAB
+    from helpers.tiny_models import VOCAB
 
     model = AutoModel.from_pretrained(str(tiny_checkpoint(family)), attn_implementation="eager").eval()
     path = tmp_path / "plain.onnx"

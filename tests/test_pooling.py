@@ -30,7 +30,7 @@ from nexus_sli.exporter.targets.tensorrt_plan import wants_fp32
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton.python_models.encoding import POOLING_MODES, l2_normalize, pool
 from nexus_sli.tasks import get_task
-from tiny_models import COMMON, VOCAB, plain_graph, quiet_session
+from helpers.tiny_models import COMMON, VOCAB, plain_graph, quiet_session
 
 HIDDEN = COMMON["hidden_size"]
 TASK = get_task("embedding")

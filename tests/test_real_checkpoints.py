@@ -26,6 +26,7 @@ from nexus_sli.exporter.export import packaged
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.validate import AUTO_BAR, validation_texts
 from nexus_sli.exporter.serving import server as serve
+from helpers.vectors import cosines
 
 pytestmark = pytest.mark.real_checkpoint
 
@@ -56,12 +57,6 @@ def reference(checkpoint):
 
 def _report(served, name: str) -> dict:
     return json.loads((served["repo"] / f"{name}_encoder" / "validation.json").read_text())
-
-
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a = a / np.linalg.norm(a, axis=1, keepdims=True)
-    b = b / np.linalg.norm(b, axis=1, keepdims=True)
-    return np.sum(a * b, axis=1)
 
 
 def test_the_packaged_checkpoint_is_the_real_model(checkpoint):
@@ -99,7 +94,7 @@ def test_served_fp32_matches_sentence_transformers(served, reference, protocol):
         got = client.embed(texts, model=FP32)
     expected = reference.encode(texts, batch_size=32)
     assert got.shape == (len(texts), 768)
-    assert _cosines(got, expected).min() >= 0.9999
+    assert cosines(got, expected).min() >= 0.9999
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-4)
 
 
@@ -107,14 +102,14 @@ def test_served_default_keeps_the_auto_bar_against_sentence_transformers(served,
     texts = validation_texts()
     with EncoderClient(served["grpc"]) as client:
         got = client.embed(texts, model=AUTO)
-    cosines = _cosines(got, reference.encode(texts, batch_size=32))
-    assert cosines.mean() >= AUTO_BAR["cosine_mean"] and cosines.min() >= AUTO_BAR["cosine_min"]
+    cos = cosines(got, reference.encode(texts, batch_size=32))
+    assert cos.mean() >= AUTO_BAR["cosine_mean"] and cos.min() >= AUTO_BAR["cosine_min"]
     # what the export measured against its own PyTorch reference is what the server gives
-    assert cosines.min() == pytest.approx(_report(served, AUTO)["cosine_min"], abs=2e-3)
+    assert cos.min() == pytest.approx(_report(served, AUTO)["cosine_min"], abs=2e-3)
 
 
 def test_texts_past_the_trained_length_are_truncated_as_sentence_transformers_does(served, reference):
     long_text = " ".join(validation_texts()[:40])  # well past 384 tokens
     with EncoderClient(served["grpc"]) as client:
         got = client.embed([long_text, "a short one"], model=FP32)
-    assert _cosines(got, reference.encode([long_text, "a short one"])).min() >= 0.9999
+    assert cosines(got, reference.encode([long_text, "a short one"])).min() >= 0.9999

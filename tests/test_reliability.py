@@ -34,7 +34,8 @@ import tritonclient.http as httpclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import task_models
+from helpers import task_models
+from helpers.checkpoints import copy_checkpoint, edit_weights
 from nexus_sli.client import (
     EncoderClient,
     InvalidInputError,
@@ -49,8 +50,7 @@ from nexus_sli.exporter.errors import CheckpointError, NexusError
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.source import check_name
 from nexus_sli.exporter.triton.config import MAX_BATCH_SIZE
-from test_serving import _free_ports
-from test_walk import _copy, _edit
+from nexus_sli.bench.served import free_ports
 
 TEXTS = ["the cat sat on the mat", "a storm is coming", "water boils at 100 degrees", "hello world",
          "they found water in the cellar", "short", "numbers 1 2 3", "the end"]
@@ -76,7 +76,7 @@ def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint):
         # "legacy": the earlier embedding ensemble (tokenizer -> encoder -> python pooling), as a repository
         # exported before pooling moved into the graph; "embedder" pools in its encoder graph
         run_export(ExportOptions(model=str(path), name=name, out=repo, pool_in_graph=name != "legacy"))
-    ports = dict(zip(("http", "grpc", "metrics"), _free_ports(3)))
+    ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
     state = {"repo": repo, "checkpoints": checkpoints, "ports": ports, "log": root / "server.log",
              "http": f"127.0.0.1:{ports['http']}", "grpc": f"127.0.0.1:{ports['grpc']}"}
     state["start"] = lambda: _start(state)
@@ -711,9 +711,9 @@ def _truncate(directory):
 
 
 BAD_CHECKPOINTS = {
-    "missing": (lambda d: _edit(d, lambda t: t.pop("encoder.layer.1.output.dense.bias")),
+    "missing": (lambda d: edit_weights(d, lambda t: t.pop("encoder.layer.1.output.dense.bias")),
                 r"missing encoder\.layer\.1\.output\.dense\.bias"),
-    "mismatched": (lambda d: _edit(d, lambda t: t.update({"encoder.layer.0.intermediate.dense.bias": torch.zeros(7)})),
+    "mismatched": (lambda d: edit_weights(d, lambda t: t.update({"encoder.layer.0.intermediate.dense.bias": torch.zeros(7)})),
                    r"encoder\.layer\.0\.intermediate\.dense\.bias: checkpoint \(7,\)"),
     "truncated": (_truncate, r"model\.safetensors is not a readable safetensors file"),
 }
@@ -726,7 +726,7 @@ def test_bad_checkpoint_fails_the_export_and_changes_nothing_in_out(served, kind
     repo = served["repo"]
     before = _snapshot(repo)
     damage, named = BAD_CHECKPOINTS[kind]
-    directory = _copy(served["checkpoints"]["embedder"], tmp_path)
+    directory = copy_checkpoint(served["checkpoints"]["embedder"], tmp_path)
     damage(directory)
     with pytest.raises(CheckpointError, match=named):
         run_export(ExportOptions(model=str(directory), name="embedder", task="embedding", out=repo))
@@ -737,7 +737,7 @@ def test_bad_checkpoint_fails_the_export_and_changes_nothing_in_out(served, kind
 
 
 def test_truncated_checkpoint_error_names_the_tensors_cut_off(served, tmp_path):
-    directory = _copy(served["checkpoints"]["embedder"], tmp_path)
+    directory = copy_checkpoint(served["checkpoints"]["embedder"], tmp_path)
     cut_off = _truncate(directory)
     with pytest.raises(CheckpointError) as caught:
         run_export(ExportOptions(model=str(directory), name="truncated", task="embedding", out=tmp_path / "out"))
@@ -799,7 +799,7 @@ def test_server_binds_loopback_and_model_control_is_off_for_users(served):
 
 
 def test_remote_code_in_a_checkpoint_is_never_run(served, tmp_path):
-    directory = _copy(served["checkpoints"]["embedder"], tmp_path)
+    directory = copy_checkpoint(served["checkpoints"]["embedder"], tmp_path)
     marker = tmp_path / "remote-code-ran"
     (directory / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
     config = json.loads((directory / "config.json").read_text())

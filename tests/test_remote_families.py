@@ -30,7 +30,7 @@ from nexus_sli.exporter.export.families.jinabert_model import JinaBertLayer, ali
 from nexus_sli.exporter.export.source import load_config
 from nexus_sli.tasks import get_task
 from nexus_sli.exporter.export.walk import walk
-from tiny_remote_models import MAX_LENGTH, NUM_LABELS, REMOTE_TINY, TASKS, build_tiny_remote, neobert_ffn_size
+from helpers.tiny_remote_models import MAX_LENGTH, NUM_LABELS, REMOTE_TINY, TASKS, build_tiny_remote, neobert_ffn_size
 
 EXPORTS = [(family, "embedding", "fp32") for family in REMOTE_TINY] + \
           [(family, "embedding", "int8") for family in REMOTE_TINY] + \

@@ -27,7 +27,9 @@ from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.source import matryoshka_dims, prompts
 from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.serving import server as serve
-from test_gateway import call
+from helpers import task_models
+from helpers.http_api import call, schema_problems, tei_schema
+from helpers.vectors import cosines
 
 NAME = "retriever"
 SPLADE = "splade"
@@ -55,12 +57,6 @@ CARD = """
 """
 
 
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a = a / np.linalg.norm(a, axis=-1, keepdims=True)
-    b = b / np.linalg.norm(b, axis=-1, keepdims=True)
-    return np.sum(a * b, axis=-1)
-
-
 @pytest.fixture(scope="module")
 def retriever(tmp_path_factory, tiny_checkpoint):
     """A sentence-transformers folder: tiny BERT, mean pooling, normalisation, prompts and a Matryoshka card."""
@@ -81,10 +77,8 @@ def splade(tmp_path_factory, tiny_tokenizer):
     from sentence_transformers.base.modules import Transformer
     from sentence_transformers.sparse_encoder.modules import SpladePooling
 
-    from test_sparse import _mlm, _save
-
     root = tmp_path_factory.mktemp("splade")
-    mlm = _save(_mlm("bert", 21), tiny_tokenizer, root / "mlm")
+    mlm = task_models.save(task_models.masked_lm("bert", 21), tiny_tokenizer, root / "mlm")
     SparseEncoder(modules=[Transformer(str(mlm), transformer_task="fill-mask"), SpladePooling("max")],
                   prompts={"query": "query: "}, device="cpu").save(str(root / "model"))
     return root / "model"
@@ -179,9 +173,9 @@ def test_prompt_configs_that_cannot_be_served_are_refused(tmp_path, retriever):
 def test_client_applies_the_models_prompts(client, reference, prompt_name):
     got = client.embed(TEXTS, prompt_name=prompt_name)
     expected = reference.encode(TEXTS, prompt_name=prompt_name)  # None: the default prompt, as served
-    assert _cosines(got, expected).min() >= COSINE
+    assert cosines(got, expected).min() >= COSINE
     # the prompt changes the vectors: a test that could not tell them apart would prove nothing
-    assert _cosines(got, reference.encode(TEXTS, prompt="")).min() < 0.99
+    assert cosines(got, reference.encode(TEXTS, prompt="")).min() < 0.99
 
 
 def test_an_unknown_prompt_is_refused_with_the_known_ones(client, served):
@@ -204,7 +198,7 @@ def test_client_matryoshka_sizes_match_sentence_transformers(client, retriever, 
     expected = shortened.encode(TEXTS, prompt_name="passage", normalize_embeddings=True)
     assert got.shape == (len(TEXTS), dimensions)
     assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
-    assert _cosines(got, expected).min() >= COSINE
+    assert cosines(got, expected).min() >= COSINE
     assert np.abs(got - expected).max() < 1e-3 or dimensions == 1  # unit vectors: close element by element
     assert client.embed("one text", dimensions=dimensions).shape == (dimensions,)
 
@@ -225,7 +219,7 @@ def test_async_client_takes_prompts_and_sizes(served, reference, retriever):
     got = asyncio.run(run())
     expected = SentenceTransformer(str(retriever), device="cpu", truncate_dim=16).encode(
         TEXTS, prompt_name="passage", normalize_embeddings=True)
-    assert _cosines(got, expected).min() >= COSINE
+    assert cosines(got, expected).min() >= COSINE
 
 
 # --- the gateway: OpenAI's route through the official SDK, and TEI's ------------------------------
@@ -252,7 +246,7 @@ def test_openai_sdk_prompts_and_dimensions(gateway, reference, retriever, prompt
     expected = st.encode(TEXTS, prompt_name=prompt_name, normalize_embeddings=True)
     assert got.shape == (len(TEXTS), dimensions or 32)
     assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)  # unit vectors, as OpenAI's are
-    assert _cosines(got, expected).min() >= COSINE
+    assert cosines(got, expected).min() >= COSINE
     # usage counts the prompt's tokens too, as OpenAI's counts everything the model read
     prompt = PROMPTS[prompt_name or "query"]
     assert response.usage.prompt_tokens == _tokens(retriever, TEXTS, prompt)
@@ -283,14 +277,14 @@ def test_tei_embed_prompt_name_and_dimensions(gateway, reference, retriever, pro
     body = {"inputs": TEXTS, **({"prompt_name": prompt_name} if prompt_name else {})}
     status, _, got = call(f"{gateway.url}/embed", body)
     assert status == 200, got
-    assert _cosines(np.array(got), reference.encode(TEXTS, prompt_name=prompt_name)).min() >= COSINE
+    assert cosines(np.array(got), reference.encode(TEXTS, prompt_name=prompt_name)).min() >= COSINE
     status, _, short = call(f"{gateway.url}/embed", {**body, "dimensions": 16})
     assert status == 200, short
     expected = SentenceTransformer(str(retriever), device="cpu", truncate_dim=16).encode(
         TEXTS, prompt_name=prompt_name, normalize_embeddings=True)
     assert np.array(short).shape == (len(TEXTS), 16)
     assert np.allclose(np.linalg.norm(short, axis=1), 1.0, atol=1e-5)
-    assert _cosines(np.array(short), expected).min() >= COSINE
+    assert cosines(np.array(short), expected).min() >= COSINE
 
 
 def test_tei_refuses_an_unknown_prompt(gateway):
@@ -307,7 +301,7 @@ def test_cli_embed_takes_a_prompt_and_a_size(served, retriever, capsys):
     got = np.array(json.loads(capsys.readouterr().out))
     expected = SentenceTransformer(str(retriever), device="cpu", truncate_dim=8).encode(
         ["first text", "second"], prompt_name="passage", normalize_embeddings=True)
-    assert got.shape == (2, 8) and _cosines(got, expected).min() >= COSINE
+    assert got.shape == (2, 8) and cosines(got, expected).min() >= COSINE
     assert main([*args[:-4], "--prompt-name", "instruction", "a text"]) == 3
     assert "unknown prompt_name 'instruction'" in capsys.readouterr().err
 
@@ -331,11 +325,11 @@ def test_a_layer_norm_before_the_normalisation_is_kept_and_sizes_are_cut_after_i
     got = client.embed(TEXTS, model=LAYER_NORMED, dimensions=dimensions)
     shortened = SentenceTransformer(str(layer_normed), device="cpu", truncate_dim=dimensions)
     expected = shortened.encode(TEXTS, normalize_embeddings=True)
-    assert _cosines(got, expected).min() >= COSINE
+    assert cosines(got, expected).min() >= COSINE
     # without the layer norm the vectors differ: the test could tell a dropped module
     plain = SentenceTransformer(modules=[shortened[0], shortened[1], shortened[3]], device="cpu",
                                 truncate_dim=dimensions).encode(TEXTS, normalize_embeddings=True)
-    assert _cosines(got, plain).min() < 0.99
+    assert cosines(got, plain).min() < 0.99
 
 
 
@@ -358,7 +352,7 @@ def test_client_sparse_embeddings_match_sparse_encoder(client, sparse_reference,
     size = client.info(SPLADE).params["vocab_size"]
     expected = sparse_reference.encode(TEXTS, prompt_name=prompt_name).to_dense().numpy()
     got = _dense(found, int(size))
-    assert _cosines(got, expected).min() >= COSINE
+    assert cosines(got, expected).min() >= COSINE
     for e, row in zip(found, expected):  # the same active terms, ids ascending, weights > 0
         assert np.array_equal(e.indices, np.flatnonzero(row)) and (np.diff(e.indices) > 0).all()
         assert (e.values > 0).all()
@@ -372,8 +366,6 @@ def test_client_sparse_embeddings_match_sparse_encoder(client, sparse_reference,
 
 
 def test_tei_embed_sparse(gateway, client, sparse_reference):
-    from test_gateway import schema_problems, tei_schema
-
     status, _, got = call(f"{gateway.url}/embed_sparse", {"inputs": TEXTS, "prompt_name": "query"})
     assert status == 200, got
     assert schema_problems(got, tei_schema("EmbedSparseResponse")) == []
@@ -382,7 +374,7 @@ def test_tei_embed_sparse(gateway, client, sparse_reference):
     for row, terms in zip(dense, got):
         row[[t["index"] for t in terms]] = [t["value"] for t in terms]
     expected = sparse_reference.encode(TEXTS, prompt_name="query").to_dense().numpy()
-    assert _cosines(dense, expected).min() >= COSINE
+    assert cosines(dense, expected).min() >= COSINE
     status, _, body = call(f"{gateway.url}/embed_sparse", {"inputs": "a", "prompt_name": "passage"})
     assert status == 400 and "unknown prompt_name 'passage'" in body["error"]
 
@@ -396,7 +388,7 @@ def _token_reference(reference, texts, prompt_name=None) -> list[np.ndarray]:
 def _same_tokens(got: list[np.ndarray], expected: list[np.ndarray]) -> None:
     assert [len(g) for g in got] == [len(e) for e in expected]
     for g, e in zip(got, expected):
-        assert _cosines(np.asarray(g), e).min() >= COSINE
+        assert cosines(np.asarray(g), e).min() >= COSINE
 
 
 @pytest.mark.parametrize("prompt_name", [None, "passage"])
@@ -423,12 +415,10 @@ def test_async_client_sparse_and_token_embeddings(served, reference, sparse_refe
     tokens, sparse = asyncio.run(run())
     _same_tokens(tokens, _token_reference(reference, TEXTS))
     expected = sparse_reference.encode(TEXTS).to_dense().numpy()
-    assert _cosines(_dense(sparse, expected.shape[1]), expected).min() >= COSINE
+    assert cosines(_dense(sparse, expected.shape[1]), expected).min() >= COSINE
 
 
 def test_tei_embed_all(gateway, reference):
-    from test_gateway import schema_problems, tei_schema
-
     status, _, got = call(f"{gateway.url}/embed_all", {"inputs": TEXTS, "prompt_name": "passage"})
     assert status == 200, got
     assert schema_problems(got, tei_schema("EmbedAllResponse")) == []

@@ -20,7 +20,8 @@ from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.targets.cpu import supports_bf16
 from nexus_sli.exporter.export.validate import validation_texts
 
-from nexus_sli.bench.served import free_ports as _free_ports
+from nexus_sli.bench.served import free_ports
+from helpers.vectors import cosines
 
 NAME = "all_minilm_l6_v2"
 
@@ -39,7 +40,7 @@ def server(tmp_path_factory):
     # on this CPU (allow_degraded): the test below checks serving, the exporter's validation the bar
     run_export(ExportOptions(out=repo, name="minilm_openvino_int8", backend="openvino", precision="int8",
                              allow_degraded=True))
-    http_port, grpc_port, metrics_port = _free_ports(3)
+    http_port, grpc_port, metrics_port = free_ports(3)
     process = serve.start(repo, http_port, grpc_port, metrics_port)
     yield {"repo": repo, "http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
     serve.stop(process)
@@ -61,12 +62,6 @@ def _embed(url, texts, model=NAME, protocol="http"):
     client = module.InferenceServerClient(url)
     result = client.infer(model, [_text_input(module, texts)])
     return result.as_numpy("EMBEDDING")
-
-
-def _cosines(a, b):
-    a = a / np.linalg.norm(a, axis=1, keepdims=True)
-    b = b / np.linalg.norm(b, axis=1, keepdims=True)
-    return np.sum(a * b, axis=1)
 
 
 def test_configs_parse_back_through_the_schema(server):
@@ -101,7 +96,7 @@ def test_served_embeddings_match_sentence_transformers(server, reference, protoc
     served = _embed(server[protocol], texts, protocol=protocol)
     expected = reference.encode(texts, normalize_embeddings=True)
     assert served.shape == (64, 384)
-    assert _cosines(served, expected).min() >= 0.9999
+    assert cosines(served, expected).min() >= 0.9999
 
 
 def test_a_repository_with_the_python_post_processing_step_still_serves_the_same(server, reference):
@@ -114,14 +109,14 @@ def test_a_repository_with_the_python_post_processing_step_still_serves_the_same
     with EncoderClient(server["grpc"]) as client:
         older, pooled = client.embed(texts, model="minilm_strict"), client.embed(texts, model=NAME)
     assert older.shape == pooled.shape == (40, 384)
-    assert _cosines(older, reference.encode(texts, normalize_embeddings=True)).min() >= 0.9999
+    assert cosines(older, reference.encode(texts, normalize_embeddings=True)).min() >= 0.9999
     assert np.abs(older - pooled).max() < 1e-5
 
 
 def test_served_int8_meets_its_thresholds(server, reference):
     texts = validation_texts()
     served = np.concatenate([_embed(server["http"], texts[i:i + 64], "minilm_int8") for i in range(0, len(texts), 64)])
-    cos = _cosines(served, reference.encode(texts, normalize_embeddings=True))
+    cos = cosines(served, reference.encode(texts, normalize_embeddings=True))
     assert cos.mean() >= 0.99 and cos.min() >= 0.95
 
 
@@ -130,7 +125,7 @@ def test_edge_inputs_then_server_keeps_serving(server, reference):
     served = _embed(server["http"], ["", long_text])
     assert np.isfinite(served).all() and np.allclose(np.linalg.norm(served, axis=1), 1.0, atol=1e-5)
     expected = reference.encode(["", long_text], normalize_embeddings=True)
-    assert _cosines(served, expected).min() >= 0.9999
+    assert cosines(served, expected).min() >= 0.9999
     with pytest.raises(Exception, match="at most 256"):
         _embed(server["http"], ["short", long_text], "minilm_strict")
     assert _embed(server["grpc"], ["still alive"], protocol="grpc").shape == (1, 384)
@@ -207,7 +202,7 @@ def test_openvino_int8_ir_serves_what_its_validation_measured(server, reference)
     texts = validation_texts()  # the 240 texts validation measured
     got = np.concatenate([_embed(server["grpc"], texts[i:i + 60], model="minilm_openvino_int8", protocol="grpc")
                           for i in range(0, len(texts), 60)])
-    cos = _cosines(got, reference.encode(texts, batch_size=32))
+    cos = cosines(got, reference.encode(texts, batch_size=32))
     assert report["precision"] == "int8" and got.shape == (240, 384)
     assert abs(cos.mean() - report["cosine_mean"]) < 1e-4 and abs(cos.min() - report["cosine_min"]) < 1e-4, (
         cos.mean(), cos.min(), report["cosine_mean"], report["cosine_min"])
@@ -219,5 +214,5 @@ def test_openvino_backend_serves_the_same_embeddings(server, reference):
     assert config.backend == "openvino"
     texts = validation_texts()[:48]
     got = _embed(server["grpc"], texts, model="minilm_openvino", protocol="grpc")
-    cos = _cosines(got, reference.encode(texts, batch_size=16))
+    cos = cosines(got, reference.encode(texts, batch_size=16))
     assert got.shape == (48, 384) and cos.min() >= 0.999, cos.min()

@@ -25,7 +25,7 @@ import tritonclient.http as httpclient
 from sentence_transformers import SparseEncoder
 from sentence_transformers.base.modules import Transformer
 from sentence_transformers.sparse_encoder.modules import SpladePooling as STSpladePooling
-from transformers import BertConfig, DistilBertConfig
+from transformers import BertConfig
 
 from nexus_sli.bench.served import free_ports
 from nexus_sli.exporter.errors import CheckpointError, NexusError, UnsupportedModelError
@@ -39,7 +39,8 @@ from nexus_sli.exporter.serving import server as serve
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton.python_models.encoding import SPLADE_ACTIVATIONS, SPLADE_STRATEGIES, splade
 from nexus_sli.tasks import get_task
-from tiny_models import COMMON, VOCAB, padded_feeds, plain_graph, quiet_session
+from helpers.task_models import masked_lm, save
+from helpers.tiny_models import COMMON, VOCAB, padded_feeds, plain_graph, quiet_session
 
 TASK = get_task("sparse-embedding")
 #: short, long, empty, one character, and past the models' 128 positions (truncated)
@@ -50,32 +51,15 @@ LENGTHS, WIDTH = (7, 3, 12, 1, 12), 20
 MODELS = ("bert_splade", "distilbert_splade")
 
 
-def _mlm(kind: str, seed: int):
-    torch.manual_seed(seed)
-    if kind == "bert":
-        config = BertConfig(**COMMON, architectures=["BertForMaskedLM"])
-        return transformers.BertForMaskedLM(config).eval()
-    config = DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
-                              max_position_embeddings=128, pad_token_id=0, architectures=["DistilBertForMaskedLM"])
-    return transformers.DistilBertForMaskedLM(config).eval()
-
-
-def _save(model, tokenizer, folder):
-    folder.mkdir(parents=True)
-    model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    return folder
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tiny_tokenizer):
     """The BERT masked-LM as a SparseEncoder folder (transformer + SpladePooling), the DistilBERT one bare."""
     root = tmp_path_factory.mktemp("sparse")
-    bert = _save(_mlm("bert", 11), tiny_tokenizer, root / "bert_mlm")
+    bert = save(masked_lm("bert", 11), tiny_tokenizer, root / "bert_mlm")
     folder = root / "bert_splade"
     SparseEncoder(modules=[Transformer(str(bert), transformer_task="fill-mask"), STSpladePooling("max")],
                   device="cpu").save(str(folder))
-    distilbert = _save(_mlm("distilbert", 12), tiny_tokenizer, root / "distilbert_mlm")
+    distilbert = save(masked_lm("distilbert", 12), tiny_tokenizer, root / "distilbert_mlm")
     return {"bert_splade": folder, "distilbert_splade": distilbert, "root": root}
 
 
@@ -255,7 +239,7 @@ def test_a_pretraining_checkpoint_walks_into_the_masked_lm_model(tiny_tokenizer,
 
     torch.manual_seed(13)
     pretraining = transformers.BertForPreTraining(BertConfig(**COMMON, architectures=["BertForPreTraining"])).eval()
-    folder = _save(pretraining, tiny_tokenizer, tmp_path / "pretraining")
+    folder = save(pretraining, tiny_tokenizer, tmp_path / "pretraining")
     with Checkpoint(folder) as checkpoint:
         model, _, report = walk(load_config(folder), checkpoint, TASK)
     skipped = {key for keys in report.skipped.values() for key in keys}

@@ -99,7 +99,7 @@ def test_the_static_graph_runs_integer_matmuls_on_u8_activations(tiny_checkpoint
     from nexus_sli.exporter.export.quantize import attention_output_matmuls, ffn_output_matmuls
     from nexus_sli.exporter.export.static_int8 import quantize_qdq
     from nexus_sli.tasks import get_task
-    from tiny_models import padded_feeds, plain_graph
+    from helpers.tiny_models import padded_feeds, plain_graph
 
     model = AutoModel.from_pretrained(str(tiny_checkpoint("bert"))).eval()
     plain = plain_graph(model, get_task("embedding"), tmp_path, (5, 9), 9, seed=0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-import task_models
+from helpers import task_models
 from nexus_sli.client import (
     AsyncEncoderClient,
     EncoderClient,
@@ -25,7 +25,7 @@ from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer, to_arrays, windows
 from nexus_sli.exporter.triton.python_models.heads import answer_spans, class_scores, entities, sigmoid
 from nexus_sli.exporter.export.validate import validation_texts
-from test_serving import _free_ports
+from nexus_sli.bench.served import free_ports
 
 TOPICS = Path(__file__).parent / "data" / "topics.tsv"
 TEXTS = validation_texts()[:12]
@@ -55,7 +55,7 @@ def served(tmp_path_factory, tiny_tokenizer, topics):
     reports["classifier_int8"] = run_export(ExportOptions(model=str(checkpoints["classifier"]), name="classifier_int8",
                                                           precision="int8", out=repo)).report
     run_export(ExportOptions(out=repo, name="minilm"))
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     process = serve.start(repo, http, grpc, metrics)
     yield {"http": f"127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}", "checkpoints": checkpoints, "reports": reports}
     serve.stop(process)
@@ -243,7 +243,7 @@ def test_client_errors_are_clear(client, served):
 
 
 def test_unreachable_server_is_retryable_error():
-    port = _free_ports(1)[0]
+    port = free_ports(1)[0]
     for protocol in ("grpc", "http"):  # a 1 s retry budget, not the default 15 s (test_failover checks it)
         with pytest.raises(ServerUnavailableError, match="unreachable"):
             EncoderClient(f"127.0.0.1:{port}", protocol=protocol, retry_s=1.0).embed("x", model="minilm")

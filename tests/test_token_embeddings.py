@@ -31,7 +31,8 @@ from nexus_sli.exporter.serving import server as serve
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton import publish
 from nexus_sli.tasks import get_task
-from tiny_models import COMMON, VOCAB, plain_graph, quiet_session
+from helpers.tiny_models import COMMON, VOCAB, plain_graph, quiet_session
+from helpers.vectors import cosines
 
 NAME = "tokens_st"
 HIDDEN = COMMON["hidden_size"]
@@ -76,10 +77,6 @@ def _infer(url: str, protocol: str, model: str, texts: list[str], outputs: list[
         client.close()
 
 
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.sum(a * b, axis=-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
-
-
 def _check_tokens(got: dict[str, np.ndarray], expected: list) -> None:
     """Each text's real tokens (cut by its mask) against sentence-transformers' token embeddings."""
     states, mask = got["TOKEN_EMBEDDINGS"], got["ATTENTION_MASK"]
@@ -88,8 +85,8 @@ def _check_tokens(got: dict[str, np.ndarray], expected: list) -> None:
     for row, want in enumerate(expected):
         count = int(mask[row].sum())
         assert count == len(want), (row, count, len(want))
-        cosines = _cosines(states[row, :count], want.numpy())
-        assert cosines.min() >= COSINE, (row, cosines.min())
+        cos = cosines(states[row, :count], want.numpy())
+        assert cos.min() >= COSINE, (row, cos.min())
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -108,7 +105,7 @@ def test_served_token_embeddings_match_sentence_transformers(served, reference, 
 def test_the_embedding_ensemble_still_answers_its_embedding(served, reference, protocol):
     got = _infer(served[protocol], protocol, NAME, TEXTS, ["EMBEDDING"])["EMBEDDING"]
     assert got.shape == (len(TEXTS), HIDDEN)
-    assert _cosines(got, reference.encode(TEXTS, normalize_embeddings=True)).min() >= COSINE
+    assert cosines(got, reference.encode(TEXTS, normalize_embeddings=True)).min() >= COSINE
 
 
 def test_embedding_and_token_requests_sharing_executions_each_get_their_own(served, reference):
@@ -130,7 +127,7 @@ def test_embedding_and_token_requests_sharing_executions_each_get_their_own(serv
         if kind == "tokens":
             _check_tokens(got, tokens[row:row + 1])
         else:
-            assert _cosines(got["EMBEDDING"], embeddings[row:row + 1]).min() >= COSINE
+            assert cosines(got["EMBEDDING"], embeddings[row:row + 1]).min() >= COSINE
 
 
 def test_the_repository_describes_the_token_ensemble(served):

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModel
 
 from nexus_sli.exporter.export.checkpoint import Checkpoint
@@ -14,25 +13,13 @@ from nexus_sli.exporter.errors import CheckpointError, UnsafeCheckpointError
 from nexus_sli.exporter.export.source import load_config
 from nexus_sli.tasks import get_task
 from nexus_sli.exporter.export.walk import walk
-from tiny_models import build_tiny
+from helpers.checkpoints import copy_checkpoint, edit_weights
+from helpers.tiny_models import build_tiny
 
 
 def _walk(directory, allow_pickle=False):
     with Checkpoint(directory, allow_pickle=allow_pickle) as checkpoint:
         return walk(load_config(directory), checkpoint, get_task("embedding"))
-
-
-def _copy(src, tmp_path):
-    dst = tmp_path / "ckpt"
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _edit(directory, change):
-    path = directory / "model.safetensors"
-    tensors = load_file(path)
-    change(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _same_outputs(model, directory):
@@ -59,7 +46,7 @@ def test_task_checkpoint_head_is_not_silently_dropped(tiny_checkpoint, tmp_path,
     directory = build_tiny("bert", tmp_path / "cls", tiny_tokenizer)
     config = (directory / "config.json").read_text().replace('"BertModel"', '"BertForSequenceClassification"')
     (directory / "config.json").write_text(config)
-    _edit(directory, lambda t: t.update({"classifier.weight": torch.zeros(2, 32), "classifier.bias": torch.zeros(2)}))
+    edit_weights(directory, lambda t: t.update({"classifier.weight": torch.zeros(2, 32), "classifier.bias": torch.zeros(2)}))
     with pytest.raises(CheckpointError, match="classifier.bias, classifier.weight"):
         _walk(directory)
 
@@ -71,35 +58,35 @@ def test_pretraining_head_is_accounted_for(tiny_checkpoint):
 
 
 def test_unknown_tensor_is_named(tiny_checkpoint, tmp_path):
-    directory = _copy(tiny_checkpoint("bert"), tmp_path)
-    _edit(directory, lambda t: t.update({"encoder.mystery.weight": torch.zeros(3)}))
+    directory = copy_checkpoint(tiny_checkpoint("bert"), tmp_path)
+    edit_weights(directory, lambda t: t.update({"encoder.mystery.weight": torch.zeros(3)}))
     with pytest.raises(CheckpointError, match="encoder.mystery.weight"):
         _walk(directory)
 
 
 def test_tensor_inside_a_layer_that_the_layer_lacks_is_named(tiny_checkpoint, tmp_path):
-    directory = _copy(tiny_checkpoint("bert"), tmp_path)
-    _edit(directory, lambda t: t.update({"encoder.layer.1.extra.weight": torch.zeros(3)}))
+    directory = copy_checkpoint(tiny_checkpoint("bert"), tmp_path)
+    edit_weights(directory, lambda t: t.update({"encoder.layer.1.extra.weight": torch.zeros(3)}))
     with pytest.raises(CheckpointError, match=r"unexpected encoder\.layer\.1\.extra\.weight"):
         _walk(directory)
 
 
 def test_missing_tensor_is_named(tiny_checkpoint, tmp_path):
-    directory = _copy(tiny_checkpoint("bert"), tmp_path)
-    _edit(directory, lambda t: t.pop("encoder.layer.1.output.dense.bias"))
+    directory = copy_checkpoint(tiny_checkpoint("bert"), tmp_path)
+    edit_weights(directory, lambda t: t.pop("encoder.layer.1.output.dense.bias"))
     with pytest.raises(CheckpointError, match=r"missing encoder\.layer\.1\.output\.dense\.bias"):
         _walk(directory)
 
 
 def test_misshapen_tensor_is_named(tiny_checkpoint, tmp_path):
-    directory = _copy(tiny_checkpoint("bert"), tmp_path)
-    _edit(directory, lambda t: t.update({"encoder.layer.0.intermediate.dense.bias": torch.zeros(7)}))
+    directory = copy_checkpoint(tiny_checkpoint("bert"), tmp_path)
+    edit_weights(directory, lambda t: t.update({"encoder.layer.0.intermediate.dense.bias": torch.zeros(7)}))
     with pytest.raises(CheckpointError, match=r"encoder\.layer\.0\.intermediate\.dense\.bias: checkpoint \(7,\)"):
         _walk(directory)
 
 
 def test_truncated_file_is_a_checkpoint_error(tiny_checkpoint, tmp_path):
-    directory = _copy(tiny_checkpoint("bert"), tmp_path)
+    directory = copy_checkpoint(tiny_checkpoint("bert"), tmp_path)
     path = directory / "model.safetensors"
     path.write_bytes(path.read_bytes()[:1000])
     with pytest.raises(CheckpointError):
@@ -107,13 +94,13 @@ def test_truncated_file_is_a_checkpoint_error(tiny_checkpoint, tmp_path):
 
 
 def test_legacy_gamma_beta_names_load(tiny_checkpoint, tmp_path):
-    directory = _copy(tiny_checkpoint("bert"), tmp_path)
+    directory = copy_checkpoint(tiny_checkpoint("bert"), tmp_path)
 
     def rename(tensors):
         for key in [k for k in tensors if k.endswith("LayerNorm.weight")]:
             tensors[key.replace(".weight", ".gamma")] = tensors.pop(key)
 
-    _edit(directory, rename)
+    edit_weights(directory, rename)
     model, _, _ = _walk(directory)
     assert _same_outputs(model, tiny_checkpoint("bert"))
 
@@ -128,7 +115,7 @@ def test_sharded_checkpoint(tiny_checkpoint, tmp_path):
 
 
 def test_pickle_needs_explicit_permission(tiny_checkpoint, tmp_path):
-    directory = _copy(tiny_checkpoint("bert"), tmp_path)
+    directory = copy_checkpoint(tiny_checkpoint("bert"), tmp_path)
     torch.save(load_file(directory / "model.safetensors"), directory / "pytorch_model.bin")
     (directory / "model.safetensors").unlink()
     with pytest.raises(UnsafeCheckpointError, match="--allow-pickle"):

@@ -9,14 +9,14 @@ import torch
 import transformers
 from transformers import BertConfig, DistilBertConfig
 
-from tiny_models import COMMON
+from .tiny_models import COMMON, VOCAB
 
 NER_LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
 #: The QA model is built to answer with this word wherever it occurs.
 QA_MARKER = "water"
 
 
-def _save(model, tokenizer, directory: Path) -> Path:
+def save(model, tokenizer, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -27,7 +27,7 @@ def classifier(tokenizer, directory: Path) -> Path:
     torch.manual_seed(1)
     config = BertConfig(**COMMON, num_labels=3, id2label={0: "negative", 1: "neutral", 2: "positive"},
                         label2id={"negative": 0, "neutral": 1, "positive": 2})
-    return _save(transformers.BertForSequenceClassification(config).eval(), tokenizer, directory)
+    return save(transformers.BertForSequenceClassification(config).eval(), tokenizer, directory)
 
 
 def tagger(tokenizer, directory: Path) -> Path:
@@ -37,7 +37,7 @@ def tagger(tokenizer, directory: Path) -> Path:
     model = transformers.BertForTokenClassification(config).eval()
     with torch.no_grad():  # random logits are flat: sharpen them so entities form
         model.classifier.weight.mul_(40)
-    return _save(model, tokenizer, directory)
+    return save(model, tokenizer, directory)
 
 
 def reranker(tokenizer, directory: Path) -> Path:
@@ -47,7 +47,7 @@ def reranker(tokenizer, directory: Path) -> Path:
     model = transformers.DistilBertForSequenceClassification(config).eval()
     with torch.no_grad():  # random scores sit within 1e-9 of each other: spread them so rankings are decisions
         model.classifier.weight.mul_(1000)
-    return _save(model, tokenizer, directory)
+    return save(model, tokenizer, directory)
 
 
 def reader(tokenizer, directory: Path) -> Path:
@@ -75,7 +75,18 @@ def reader(tokenizer, directory: Path) -> Path:
         embeddings.word_embeddings.weight[marker] = direction
         model.qa_outputs.weight.copy_(torch.stack([direction, direction]) * 5)
         model.qa_outputs.bias.zero_()
-    return _save(model, tokenizer, directory)
+    return save(model, tokenizer, directory)
+
+
+def masked_lm(kind: str, seed: int):
+    """A seeded tiny masked-LM (``bert`` or ``distilbert``): what SPLADE models are made of."""
+    torch.manual_seed(seed)
+    if kind == "bert":
+        config = BertConfig(**COMMON, architectures=["BertForMaskedLM"])
+        return transformers.BertForMaskedLM(config).eval()
+    config = DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                              max_position_embeddings=128, pad_token_id=0, architectures=["DistilBertForMaskedLM"])
+    return transformers.DistilBertForMaskedLM(config).eval()
 
 
 def read_topics(path: Path) -> list[tuple[str, str]]:

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from tiny_models import VOCAB
+from .tiny_models import VOCAB
 
 #: Families covered here (the coverage test counts them).
 REMOTE_TINY = ("jinabert", "neobert")

@@ -1,0 +1,3 @@
+"""What several test modules share: seeded models, servers, checkers and waits.
+
+Test modules import from here, never from each other."""
