@@ -6,6 +6,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from nexus_sli.exporter.export.layer_cache import CACHE_DIR_ENV
+from helpers.exports import ExportStore
 from helpers.tiny_models import build_tiny
 
 
@@ -45,3 +46,9 @@ def tiny_checkpoint(tmp_path_factory, tiny_tokenizer):
         return built[model_type]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def exports(tmp_path_factory):
+    """Exports made once per session (:mod:`helpers.exports`): ``exports.copy(name, repository, as_name)``."""
+    return ExportStore(tmp_path_factory.mktemp("exports"))

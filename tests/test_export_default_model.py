@@ -10,6 +10,7 @@ import time
 import onnx
 import pytest
 
+from helpers.exports import MINILM
 from nexus_sli.exporter.export import validate
 from nexus_sli.cli.main import main
 from nexus_sli.exporter.errors import ValidationError
@@ -17,10 +18,11 @@ from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory):
+def repo(tmp_path_factory, exports):
+    """The default export and int8, in a repository of the module's own (the tests below export into it)."""
     out = tmp_path_factory.mktemp("repo")
-    run_export(ExportOptions(out=out))
-    run_export(ExportOptions(out=out, precision="int8", name="minilm_int8"))
+    for name in (MINILM, "minilm_int8"):
+        exports.copy(name, out)
     return out
 
 

@@ -34,6 +34,7 @@ from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 
 from helpers import task_models
+from helpers.exports import MINILM
 from helpers.http_api import call, schema_problems, tei_schema
 from helpers.vectors import cosines
 from nexus_sli.bench.served import Gateway, free_ports
@@ -65,10 +66,10 @@ def test_the_schema_checker_catches_wrong_shapes():
 # --- servers ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint):
+def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint, exports):
     root = tmp_path_factory.mktemp("gateway")
     repo = root / "repo"
-    run_export(ExportOptions(out=repo, name="minilm"))
+    exports.copy(MINILM, repo, as_name="minilm")
     # a second embedding model, one that does not normalise (no sentence-transformers Normalize module)
     run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name="tiny_embedder", out=repo))
     run_export(ExportOptions(model=str(task_models.classifier(tiny_tokenizer, root / "classifier")),

@@ -21,7 +21,6 @@ from sentence_transformers import SentenceTransformer
 
 from nexus_sli.client import EncoderClient
 from nexus_sli.exporter.errors import NexusError
-from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.serving import gpu_on_cpu, server as serve
@@ -34,10 +33,8 @@ pytestmark = pytest.mark.skipif(gpu_on_cpu.gpu_visible(), reason="a GPU is visib
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu-repo")
-    run_export(ExportOptions(out=out, name=NAME, device="gpu", backend="auto", precision="auto"))
-    return out
+def repo(tmp_path_factory, exports):
+    return exports.copy(NAME, tmp_path_factory.mktemp("gpu-repo"))  # device gpu, backend and precision auto
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from nexus_sli.bench.served import Gateway, free_ports
-from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.serving import server as serve
 from nexus_sli.gateway.config import API_KEY_ENV
+from helpers.exports import MINILM
 from helpers.k8s import adapter_rules, by_name, dashboard, render
 
 #: Labels the Prometheus operator puts on every series it scrapes for a PodMonitor (from the target,
@@ -210,11 +210,11 @@ def _samples(text: str) -> list[Sample]:
 
 
 @pytest.fixture(scope="module")
-def scraped(tmp_path_factory):
+def scraped(tmp_path_factory, exports):
     """Triton and the gateway after some traffic: {"triton": text, "gateway": text, "unauthorised": status}."""
     root = tmp_path_factory.mktemp("monitoring")
     # the packaged MiniLM, fp32 on ONNX Runtime (the API's defaults: no `auto` search), one model is enough
-    run_export(ExportOptions(out=root / "repo", name="minilm"))
+    exports.copy(MINILM, root / "repo", as_name="minilm")
     http, grpc, metrics = free_ports(3)
     process = serve.start(root / "repo", http, grpc, metrics)
     key = secrets.token_urlsafe(16)

@@ -15,31 +15,27 @@ from sentence_transformers import SentenceTransformer
 
 from nexus_sli.exporter.serving import server as serve
 from nexus_sli.exporter.triton import config as triton_config
-from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.targets.cpu import supports_bf16
 from nexus_sli.exporter.export.validate import validation_texts
 
 from nexus_sli.bench.served import free_ports
+from helpers.exports import MINILM
 from helpers.vectors import cosines
 
-NAME = "all_minilm_l6_v2"
+NAME = MINILM
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, exports):
     repo = tmp_path_factory.mktemp("served")
-    run_export(ExportOptions(out=repo))
-    run_export(ExportOptions(out=repo, precision="int8", name="minilm_int8"))
-    # also the earlier layout, tokenizer -> encoder -> python post-processing (as repositories exported
-    # before pooling moved into the graph): it must keep serving, and the client reads it the same
-    run_export(ExportOptions(out=repo, name="minilm_strict", truncate=False, pool_in_graph=False))
-    # bf16 where this CPU has it, else fp32 (the exporter falls back and says so)
-    run_export(ExportOptions(out=repo, name="minilm_openvino", backend="openvino", precision="bf16"))
-    # NNCF's int8 IR, what auto keeps where it is fastest; written even where no variant keeps the bar
-    # on this CPU (allow_degraded): the test below checks serving, the exporter's validation the bar
-    run_export(ExportOptions(out=repo, name="minilm_openvino_int8", backend="openvino", precision="int8",
-                             allow_degraded=True))
+    # the default export, int8, the earlier layout (tokenizer -> encoder -> python post-processing, as
+    # repositories exported before pooling moved into the graph: it must keep serving, and the client reads
+    # it the same), OpenVINO bf16 (or its fp32 fallback) and NNCF's int8 IR, what auto keeps where it is
+    # fastest (written even where no variant keeps the bar on this CPU: the test below checks serving, the
+    # exporter's validation the bar); helpers.exports.PACKAGED has their options
+    for name in (NAME, "minilm_int8", "minilm_strict", "minilm_openvino", "minilm_openvino_int8"):
+        exports.copy(name, repo)
     http_port, grpc_port, metrics_port = free_ports(3)
     process = serve.start(repo, http_port, grpc_port, metrics_port)
     yield {"repo": repo, "http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}

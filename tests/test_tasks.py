@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from helpers import task_models
+from helpers.exports import MINILM
 from nexus_sli.client import (
     AsyncEncoderClient,
     EncoderClient,
@@ -40,7 +41,7 @@ def topics():
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_tokenizer, topics):
+def served(tmp_path_factory, tiny_tokenizer, topics, exports):
     root = tmp_path_factory.mktemp("tasks")
     repo = root / "repo"
     checkpoints = {
@@ -54,7 +55,7 @@ def served(tmp_path_factory, tiny_tokenizer, topics):
                for name, path in checkpoints.items()}
     reports["classifier_int8"] = run_export(ExportOptions(model=str(checkpoints["classifier"]), name="classifier_int8",
                                                           precision="int8", out=repo)).report
-    run_export(ExportOptions(out=repo, name="minilm"))
+    exports.copy(MINILM, repo, as_name="minilm")
     http, grpc, metrics = free_ports(3)
     process = serve.start(repo, http, grpc, metrics)
     yield {"http": f"127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}", "checkpoints": checkpoints, "reports": reports}

@@ -1,0 +1,81 @@
+"""Exports made once per test session and copied into the repositories tests serve.
+
+An export of the packaged MiniLM takes tens of seconds; a dozen modules serve one.
+Each export is made the first time a test asks for it, into a repository of its
+own (so a copy takes exactly that model's folders), and copied from there under
+the name the test serves it by: the copy renames the folders and the names in
+their ``config.pbtxt`` (the model's own, its ensembles' steps, and the parameters
+that link an ensemble to its token ensemble), which is all that carries the name.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from nexus_sli.exporter.export.pipeline import ExportOptions, ExportResult, run_export
+from nexus_sli.exporter.triton import config as triton_config
+
+#: The packaged all-MiniLM-L6-v2's default export name (what ``make export`` writes).
+MINILM = "all_minilm_l6_v2"
+
+#: name -> the options of each shared export of the packaged model, as the modules that serve it ask
+PACKAGED: dict[str, dict] = {
+    MINILM: {},
+    "minilm_int8": {"precision": "int8"},
+    # the earlier layout, tokenizer -> encoder -> python post-processing, refusing texts past the limit
+    "minilm_strict": {"truncate": False, "pool_in_graph": False},
+    # bf16 where the CPU has it, else fp32 (the exporter falls back and says so)
+    "minilm_openvino": {"backend": "openvino", "precision": "bf16"},
+    # NNCF's int8 IR, written even where no variant keeps the bar on this CPU
+    "minilm_openvino_int8": {"backend": "openvino", "precision": "int8", "allow_degraded": True},
+    # the GPU target (fp16 for TensorRT), validated here on ONNX Runtime's CPU provider
+    "minilm_gpu": {"device": "gpu", "backend": "auto", "precision": "auto"},
+}
+
+
+class ExportStore:
+    """Shared exports by name: :meth:`copy` exports on first use, then copies."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.results: dict[str, ExportResult] = {}
+
+    def export(self, name: str, model: str | None = None, **options) -> ExportResult:
+        """The export ``name`` (of ``model``, else of the packaged model with :data:`PACKAGED`'s options)."""
+        if name not in self.results:
+            options = options if model is not None else {**PACKAGED[name], **options}
+            self.results[name] = run_export(ExportOptions(model=model, name=name, out=self.root / name, **options))
+        return self.results[name]
+
+    def copy(self, name: str, repository: Path, as_name: str | None = None, **export) -> Path:
+        """Export ``name`` if not yet done, and copy its models into ``repository`` as ``as_name``."""
+        self.export(name, **export)
+        copy_models(self.root / name, name, repository, as_name or name)
+        return repository
+
+
+def copy_models(source: Path, name: str, repository: Path, as_name: str) -> None:
+    """Every model folder of ``source`` (one export's repository) into ``repository``, ``name`` renamed."""
+    repository.mkdir(parents=True, exist_ok=True)
+    for folder in sorted(p for p in source.iterdir() if p.is_dir()):
+        target = repository / (as_name + folder.name[len(name):])
+        shutil.copytree(folder, target)
+        if as_name != name:
+            _rename(target / "config.pbtxt", name, as_name)
+    readme = source / "README.md"
+    if readme.is_file() and not (repository / "README.md").exists():
+        shutil.copyfile(readme, repository / "README.md")
+
+
+def _rename(path: Path, name: str, as_name: str) -> None:
+    def renamed(text: str) -> str:
+        return as_name + text[len(name):] if text == name or text.startswith(name + "_") else text
+
+    config = triton_config.read(path)
+    config.name = renamed(config.name)
+    for step in config.ensemble_scheduling.step:
+        step.model_name = renamed(step.model_name)
+    for parameter in config.parameters.values():
+        parameter.string_value = renamed(parameter.string_value)
+    triton_config.write(config, path.parent)

@@ -1,0 +1,42 @@
+"""The session's shared exports (helpers.exports) stand in for exports of the tests' own.
+
+A copy under another name must be what an export under that name writes: the same
+files, byte for byte, but for the names in the configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from helpers.exports import ExportStore
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+
+
+def _files(repository: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(repository)): p.read_bytes() for p in sorted(repository.rglob("*")) if p.is_file()}
+
+
+def test_a_renamed_copy_is_what_an_export_under_that_name_writes(tiny_checkpoint, tmp_path, monkeypatch):
+    from nexus_sli.exporter.export import timing
+
+    monkeypatch.setattr(timing, "run_ms", lambda runner, feeds: 1.0)  # both keep the same graph
+    model = str(tiny_checkpoint("bert"))
+    store = ExportStore(tmp_path / "store")
+    copied = store.copy("shared", tmp_path / "copied", as_name="mine", model=model)
+    run_export(ExportOptions(model=model, name="mine", out=tmp_path / "direct"))
+    got, want = _files(copied), _files(tmp_path / "direct")
+    assert sorted(got) == sorted(want) and any(name.startswith("mine_tokens/") for name in got)
+    assert [name for name in want if got[name] != want[name]] == ["mine_encoder/validation.json"]
+    # ... whose only differences are what each run found: the memory free to time in, the layer cache's hits
+    reports = [json.loads(files["mine_encoder/validation.json"]) for files in (got, want)]
+    for report in reports:
+        del report["timing"]["memory_budget_bytes"], report["walk"]["from_cache"]
+    assert reports[0] == reports[1]
+
+
+def test_a_second_copy_exports_nothing_again(tiny_checkpoint, tmp_path):
+    store = ExportStore(tmp_path / "store")
+    store.copy("shared", tmp_path / "a", model=str(tiny_checkpoint("bert")))
+    first = store.results["shared"]
+    store.copy("shared", tmp_path / "b", as_name="other", model=str(tiny_checkpoint("bert")))
+    assert store.results["shared"] is first and (tmp_path / "b" / "other_encoder" / "config.pbtxt").is_file()
