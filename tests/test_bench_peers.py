@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+from helpers.waiting import wait_until
 from nexus_sli.bench.peer_worker import read_message, write_message
 from nexus_sli.bench.peers import FASTEMBED, FastembedWorker, PeerError, Peers, PeerSpec, PeerVenv, onnx_model_dir
 
@@ -134,7 +135,6 @@ def test_a_peer_server_does_not_outlive_a_killed_bench(tmp_path):
     # a stand-in bench process starts a long-lived child the way InfinityServer does, then is SIGKILLed
     import signal
     import subprocess
-    import time
 
     pid_file = tmp_path / "child.pid"
     bench = subprocess.Popen([sys.executable, "-c", (
@@ -143,16 +143,11 @@ def test_a_peer_server_does_not_outlive_a_killed_bench(tmp_path):
         f"child = subprocess.Popen(['sleep', '120'], start_new_session=True, preexec_fn=_die_with_parent)\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         "time.sleep(120)\n")])
-    deadline = time.monotonic() + 60
-    while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: pid_file.is_file() and pid_file.read_text(), "the stand-in to start its child")
     child = int(pid_file.read_text())
     bench.send_signal(signal.SIGKILL)
     bench.wait()
-    deadline = time.monotonic() + 10
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(child)
+    wait_until(lambda: not _alive(child), "the child to die with the killed bench", timeout=10)
 
 
 def _alive(pid: int) -> bool:

@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -33,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 
+from helpers.waiting import wait_until
 from helpers import task_models
 from helpers.exports import MINILM
 from helpers.http_api import call, schema_problems, tei_schema
@@ -88,15 +88,13 @@ def start_gateway(triton: str, *args: str, log: Path) -> Gateway:
 
 
 def wait_for_line(process: subprocess.Popen, log: Path, line: str, timeout: float = 120.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def said() -> str | None:
         text = log.read_text()
-        if line in text:
-            return text
-        if process.poll() is not None:
+        if line not in text and process.poll() is not None:
             raise AssertionError(f"exited with {process.returncode} before saying {line!r}:\n{text}")
-        time.sleep(0.1)
-    raise AssertionError(f"no {line!r} within {timeout:.0f} s:\n{log.read_text()}")
+        return text if line in text else None
+
+    return wait_until(said, f"{line!r} in {log}", timeout)
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.bench.served import free_ports
 
-pytestmark = pytest.mark.load
+pytestmark = [pytest.mark.load, pytest.mark.timeout(1200)]
 
 NAME = "all_minilm_l6_v2"
 CLIENTS = 64

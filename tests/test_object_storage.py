@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import shutil
 import signal
-import time
 
 import numpy as np
 import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
+from helpers.waiting import wait_until
 from helpers import object_store
 from nexus_sli.cli.main import main
 from nexus_sli.client import EncoderClient
@@ -178,9 +178,7 @@ def test_a_failed_publish_leaves_the_published_version_serving(s3, exports, tmp_
         # from the store, the ensemble last, so the replica serves the new set whole, never a mix
         stub = process.supervisor.stub_processes()["embedder_tokenizer"][0]
         stub.send_signal(signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        while not process.supervisor.restarts and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: process.supervisor.restarts, "the supervisor to reload the models", timeout=120)
         assert [model for _, model in process.supervisor.restarts] == ["embedder_tokenizer"]
         served = _embed(grpc)
         assert np.allclose(served, exports["b"]["reference"], atol=1e-4)

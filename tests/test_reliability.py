@@ -34,6 +34,7 @@ import tritonclient.http as httpclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers.waiting import wait_until
 from helpers import task_models
 from helpers.checkpoints import copy_checkpoint, edit_weights
 from nexus_sli.client import (
@@ -503,14 +504,6 @@ class _Prober(threading.Thread):
         return self.results
 
 
-def _wait_until(condition, what: str, timeout: float = TIMEOUT_S) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def _snapshot(repo):
     return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in repo.rglob("*")}
 
@@ -554,17 +547,19 @@ def test_killed_exports_while_serving_then_restart_on_the_same_ports(served):
             client.embed(TEXTS, model="embedder")
         assert isinstance(caught.value, RetryableError) and time.monotonic() - started >= 1.0
     served["process"] = served["start"]()  # same repository, same ports
-    for client in (grpc_client, http_client):
-        deadline = time.monotonic() + 30
-        while True:  # gRPC reconnects on its own within about a second
-            try:
-                vectors = client.embed(TEXTS, model="embedder")
-                break
-            except RetryableError:
-                assert time.monotonic() < deadline, "the client did not recover after the server came back"
-                time.sleep(0.2)
+    for client in (grpc_client, http_client):  # gRPC reconnects on its own within about a second
+        vectors = wait_until(lambda: _embedded_or_none(client), "the client to recover after the server came back",
+                             timeout=30)
         assert np.allclose(vectors, reference, atol=1e-5)
         client.close()
+
+
+def _embedded_or_none(client):
+    """The client's answer, or None while the server it reconnects to is not back yet."""
+    try:
+        return client.embed(TEXTS, model="embedder")
+    except RetryableError:
+        return None
 
 
 #: Every python-backend step of an ensemble (the legacy export has the post-processing step)
@@ -579,18 +574,15 @@ def _kill_under_load(served, ensemble: str, step: str, probers: list) -> tuple[l
     supervisor, model = served["process"].supervisor, f"{ensemble}_{step}"
     for prober in probers:
         prober.start()
-    _wait_until(lambda: all(prober.results for prober in probers), "every prober to get an answer")
+    wait_until(lambda: all(prober.results for prober in probers), "every prober to get an answer", TIMEOUT_S)
     restarts = len(supervisor.restarts)
     victim = supervisor.stub_processes()[model][0]
     killed_at = time.monotonic()
     victim.kill()
-    deadline = time.monotonic() + TIMEOUT_S
-    while len(supervisor.restarts) == restarts:
-        assert time.monotonic() < deadline, f"{model} was not restarted"
-        time.sleep(0.1)
+    wait_until(lambda: len(supervisor.restarts) > restarts, f"{model} to be restarted", TIMEOUT_S)
     recovered_at = time.monotonic()
-    _wait_until(lambda: all(any(t > recovered_at + 1.0 and not isinstance(r, Exception) for t, r in prober.results)
-                            for prober in probers), "every prober to be answered again after the reload")
+    wait_until(lambda: all(any(t > recovered_at + 1.0 and not isinstance(r, Exception) for t, r in prober.results)
+                           for prober in probers), "every prober to be answered again after the reload", TIMEOUT_S)
     results = [r for prober in probers for r in prober.finish()]
     assert supervisor.restarts[-1][1] == model
     assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE

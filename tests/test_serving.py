@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -13,6 +12,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from sentence_transformers import SentenceTransformer
 
+from helpers.waiting import wait_until
 from nexus_sli.exporter.serving import server as serve
 from nexus_sli.exporter.triton import config as triton_config
 from nexus_sli.exporter.export.source import resolve_model
@@ -159,11 +159,11 @@ def test_concurrent_single_texts_share_encoder_executions(server):
     with ThreadPoolExecutor(len(texts)) as pool:
         results = list(pool.map(send, range(len(texts))))
     # the encoder is the ensemble's last step: Triton may answer before it has counted the execution
-    for _ in range(100):
-        after = counts()
-        if after[0] - before[0] >= 32:
-            break
-        time.sleep(0.05)
+    def all_counted():
+        now = counts()
+        return now if now[0] - before[0] >= 32 else None
+
+    after = wait_until(all_counted, "the encoder to count every request", timeout=5)
     inferences, executions = after[0] - before[0], after[1] - before[1]
     assert inferences == 32 and all(r.shape == (1, 384) for r in results)
     assert executions <= inferences / 4, f"{executions} encoder executions for {inferences} requests"

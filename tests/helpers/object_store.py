@@ -13,12 +13,12 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from .waiting import wait_until
 from nexus_sli.bench.served import free_ports  # noqa: F401 - the tests take it from here
 
 ACCESS_KEY = "nexus-sli-test"
@@ -92,22 +92,26 @@ def start(folder: Path, timeout: float = 60.0) -> S3Server:
     with open(log, "wb") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=folder)
     server = S3Server(process, ports["s3.port"], log)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"SeaweedFS exited with {process.returncode}; see {log}:\n{log.read_text()[-2000:]}")
-        try:
-            # an unsigned request: the gateway answers 403 once it is up
-            urllib.request.urlopen(server.endpoint, timeout=1).close()
-            return server
-        except urllib.error.HTTPError:
-            if _bucket_api_ready(server):
-                return server
-        except OSError:
-            pass
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError(f"SeaweedFS S3 gateway was not up within {timeout:.0f} s; see {log}")
+    try:
+        wait_until(lambda: _answers(server), "SeaweedFS's S3 gateway", timeout, poll_s=0.2)
+    except AssertionError:
+        server.stop()
+        raise RuntimeError(f"SeaweedFS S3 gateway was not up within {timeout:.0f} s; see {log}") from None
+    return server
+
+
+def _answers(server: "S3Server") -> bool:
+    """Whether the S3 gateway is up: an unsigned request is answered (403) and the bucket API works."""
+    if server.process.poll() is not None:
+        raise RuntimeError(f"SeaweedFS exited with {server.process.returncode}; see {server.log}:\n"
+                           f"{server.log.read_text()[-2000:]}")
+    try:
+        urllib.request.urlopen(server.endpoint, timeout=1).close()
+        return True
+    except urllib.error.HTTPError:
+        return _bucket_api_ready(server)
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
