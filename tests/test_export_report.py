@@ -62,7 +62,8 @@ def _version_1() -> dict:
 
 def _plan(capability: str = "8.6") -> dict:
     """What build-plan records of a plan (its validation beside the plan's facts)."""
-    return {**FP32, "precision": "fp16", "backend": "tensorrt-plan", "file": f"model.sm{capability.replace('.', '')}.plan",
+    return {**FP32, "precision": "fp16", "backend": "tensorrt-plan",
+            "file": f"model.sm{capability.replace('.', '')}.plan",
             "tensorrt": "10.5.0", "gpu": "NVIDIA test GPU", "compute_capability": capability, "host": "gpu-host",
             "profile": {"min": [1, 1], "opt": [16, 128], "max": [64, 256]}, "fp32_layers": 14,
             "workspace_bytes": 1 << 30, "validated_on": "TensorRT on the GPU named in the record"}

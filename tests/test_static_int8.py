@@ -75,18 +75,18 @@ def auto_int8(tiny_checkpoint, tmp_path_factory):
 
 def test_auto_offers_onnx_runtime_a_static_int8_that_keeps_its_bar(auto_int8):
     report, _ = auto_int8
-    candidates = {c["graph"]: c for c in report["measured"]}
+    candidates = {c.graph: c for c in report.measured}
     assert list(candidates) == ["plain", "plain+ffn-out-fp32", "fused", "fused+ffn-out-fp32", STATIC]
     static = candidates[STATIC]
-    assert static["passed"] and static["cosine_min"] >= 0.98 and static["cosine_mean"] >= 0.995
-    assert report["thresholds"] == {"cosine_mean": 0.995, "cosine_min": 0.98}
+    assert static.passed and static.cosine_min >= 0.98 and static.cosine_mean >= 0.995
+    assert report.validation.thresholds == {"cosine_mean": 0.995, "cosine_min": 0.98}
 
 
 def test_explicit_int8_keeps_to_the_dynamic_variants(tiny_checkpoint, tmp_path):
     """Held to int8's own bar, the dynamic variants (faster, and they keep it) are all an int8 export makes."""
     report = _int8_export(tiny_checkpoint, tmp_path / "repo", "int8")
-    assert STATIC not in [c["graph"] for c in report["candidates"]]
-    assert report["thresholds"] == {"cosine_mean": 0.99, "cosine_min": 0.95}
+    assert STATIC not in [c.graph for c in report.candidates]
+    assert report.validation.thresholds == {"cosine_mean": 0.99, "cosine_min": 0.95}
 
 
 def test_the_static_graph_runs_integer_matmuls_on_u8_activations(tiny_checkpoint, tmp_path):

@@ -67,7 +67,7 @@ class ExportOptions:
     #: embeddings (dense and sparse): pooling (and normalisation) at the end of the encoder graph, the
     #: ensemble tokenizer -> encoder (:mod:`pooling`); False writes the earlier tokenizer -> encoder ->
     #: python post-processing ensemble.  Internal: kept to measure both layouts (bench/data/tried.md,
-    #: "Pooling in the graph").
+    #: "Pooling inside the encoder graph").
     pool_in_graph: bool = True
     #: what ``auto`` keeps the fastest graph for (:data:`timing.OBJECTIVES`): balanced, throughput or latency
     optimize: str = DEFAULT_OBJECTIVE
