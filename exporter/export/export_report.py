@@ -97,14 +97,14 @@ def _flat(kind, data: dict, where: str):
 
 
 def _load(hint, value: Any, where: str, spec=None) -> Any:
-    """``value`` as ``hint`` says: a record, a list or map of records, or a plain JSON value."""
+    """``value`` as ``hint`` says: a record, a list or map of records, or a plain JSON value (taken as it is)."""
     if spec is not None and spec.metadata.get("none_as_empty") and value == {}:
         return None
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         inner = [arg for arg in args if arg is not type(None)]
         return None if value is None else _load(inner[0], value, where)
-    if isinstance(hint, type) and issubclass(hint, Record):
+    if _holds_records(hint):
         return hint.from_dict(value, where)
     if origin is list and _holds_records(args[-1]):
         _expect(value, list, where)
