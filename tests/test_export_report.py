@@ -194,3 +194,29 @@ def test_a_crash_in_build_plans_update_leaves_the_report_as_it_was(tmp_path, mon
     with pytest.raises(OSError):
         bp.install(folder, config, b"engine", PlanRecord.from_dict(_plan()))
     assert (folder / "validation.json").read_bytes() == before
+
+
+def test_the_record_build_plan_makes_on_the_gpu_host_is_the_one_it_installs(tmp_path, monkeypatch, capsys):
+    """TensorRT and the GPU stand in for themselves here (neither can run on these machines): what is checked
+    is the record build_plan makes of them, typed, and written into the report by install."""
+    from types import SimpleNamespace
+
+    from nexus_sli.cli.main import main
+    from nexus_sli.exporter.targets.tensorrt_plan import GPU
+
+    config = _gpu_encoder(tmp_path / "gpu_encoder", {**_version_1(), "device": "gpu"})
+    passed = ValidationReport.from_dict({**FP32, "precision": "fp16", "backend": "tensorrt-plan"})
+    monkeypatch.setattr(bp, "import_tensorrt", lambda: SimpleNamespace(__version__="10.5.0"))
+    monkeypatch.setattr(bp, "CudaRuntime", lambda: SimpleNamespace(device=lambda: GPU("NVIDIA test GPU", 8, 6)))
+    monkeypatch.setattr(bp, "build_engine", lambda trt, onnx, inputs, dims, workspace: (b"engine", 14))
+    monkeypatch.setattr(bp, "EngineRunner", lambda trt, plan: SimpleNamespace(io_types=lambda: bp.io_types(config)))
+    monkeypatch.setattr(bp, "against_reference", lambda folder, runner, backend, trims: passed)
+    record = bp.build_plan(tmp_path, "gpu", workspace=1 << 30)
+    assert isinstance(record, PlanRecord) and record.validation == passed and record.fp32_layers == 14
+    assert record.profile == {"min": [1, 1], "opt": [16, 128], "max": [64, 256]}
+    assert export_report.read(tmp_path / "gpu_encoder").tensorrt_plans == {"8.6": record}
+    assert (tmp_path / "gpu_encoder" / "1" / record.file).read_bytes() == b"engine"
+    assert main(["build-plan", "--repository", str(tmp_path), "--model", "gpu"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "model": "gpu", "file": "model.sm86.plan", "gpu": "NVIDIA test GPU", "compute_capability": "8.6",
+        "tensorrt": "10.5.0", "cosine_min": FP32["cosine_min"], "agreement": None, "passed": True}

@@ -292,7 +292,7 @@ def test_graphs_that_fit_are_timed_in_one_heat_and_validation_holds_one_open_at_
                                       task="embedding", backend="auto", precision="fp32"))
     passed = [r for r in result.report.measured if r.passed]
     heats = result.report.timing.heats
-    assert len(heats) == 1 and len(heats[0]["score"]) == len(passed)
+    assert len(heats) == 1 and len(heats[0].score) == len(passed)
     assert open_runners[0] == len(passed)  # validation opened one at a time; timing all passing ones together
     assert export_report.read(tmp_path / "one_encoder").timing == result.report.timing
 

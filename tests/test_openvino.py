@@ -259,7 +259,7 @@ def test_cli_export_defaults_to_auto_and_records_what_it_measured(monkeypatch, t
     chosen = [r for r in rows if r.chosen]
     assert len(chosen) == 1 and chosen[0].score == min(r.score for r in rows if r.score is not None)
     assert (report.validation.backend, report.validation.precision, report.graph) == (
-        chosen[0]["backend"], chosen[0]["precision"], chosen[0]["graph"])
+        chosen[0].backend, chosen[0].precision, chosen[0].graph)
     assert report.validation.passed and len(report.workloads) == 2 and report.timing.optimize == "balanced"
 
 
