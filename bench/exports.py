@@ -4,8 +4,9 @@ The bench serves the model in several configurations (:func:`variants`), each ex
 into the bench repository and reused while it holds that model (:func:`ensure_exported`).
 The configuration the targets judge is the one ``auto`` exports on this machine: the bench
 makes an auto export and reads what it kept (:func:`default_configuration`); it never infers
-the choice from CPU flags.  An export's validation.json is read in one place only,
-:func:`export_choice`.
+the choice from CPU flags.  What an export kept comes from the exporter's typed record
+(:class:`ExportReport`): the result of an export the bench just made, or, for one it
+reuses, the record in its folder (read in one place, :func:`export_choice`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from nexus_sli.exporter.export import export_report
+from nexus_sli.exporter.export.export_report import ExportReport
 from nexus_sli.exporter.export.source import ModelSource, check_name, resolve_model
 from nexus_sli.exporter.export.static_int8 import STATIC_INT8_GRAPH
+from nexus_sli.exporter.export.timing import DEFAULT_OBJECTIVE
 
 from . import machine
 from .options import BenchOptions
@@ -104,14 +108,14 @@ def auto_export(options: BenchOptions, run_size: RunSize) -> tuple[Path, str]:
     return Path(options.repository), f"{name}{AUTO_SUFFIX}"
 
 
-def report_path(folder: Path, name: str) -> Path:
-    """The validation.json of the export ``name`` in ``folder``."""
-    return Path(folder) / f"{name}_encoder" / "validation.json"
+def encoder_folder(folder: Path, name: str) -> Path:
+    """The encoder model folder of the export ``name`` in ``folder`` (where its record lies)."""
+    return Path(folder) / f"{name}_encoder"
 
 
 @dataclass(frozen=True)
 class ExportChoice:
-    """What the bench reads from one export's validation.json."""
+    """What the bench takes from one export's record."""
 
     #: the model it exported (an export of another model is made again)
     model: str | None
@@ -122,66 +126,70 @@ class ExportChoice:
     configuration: dict | None
 
 
-def export_choice(report: Path) -> ExportChoice | None:
-    """What the export whose validation.json is ``report`` exported and kept (None: no report there).
-    The one place the bench reads an export's report."""
-    if not report.is_file():
+def export_choice(encoder: Path) -> ExportChoice | None:
+    """What the export whose encoder folder is ``encoder`` exported and kept (None: no record there).
+    The one place the bench reads an export it did not just make."""
+    if not export_report.path(encoder).is_file():
         return None
-    data = json.loads(report.read_text())
-    measured = data.get("measured") or []
-    chosen = next((row for row in measured if row.get("chosen")), None)
+    return choice_of(export_report.read(encoder), export_report.path(encoder))
+
+
+def choice_of(report: ExportReport, source: Path) -> ExportChoice:
+    """The bench's view of an export's record (``source``: where the record is kept)."""
+    chosen = report.chosen
     configuration = None if chosen is None else {
-        "label": variant_label(chosen["backend"], chosen["precision"], chosen.get("graph")),
-        "backend": chosen["backend"], "precision": chosen["precision"], "graph": chosen.get("graph"),
-        "source": str(report), "optimize": data.get("timing", {}).get("optimize", "balanced"),
-        "measured": [{k: row.get(k) for k in ("backend", "precision", "graph", "passed", "cosine_min",
-                                              "cosine_mean", "timings_ms", "score", "chosen")}
-                     for row in measured]}
-    return ExportChoice(data.get("model"), data.get("graph"), configuration)
+        "label": variant_label(chosen.backend, chosen.precision, chosen.graph),
+        "backend": chosen.backend, "precision": chosen.precision, "graph": chosen.graph,
+        "source": str(source), "optimize": report.optimize or DEFAULT_OBJECTIVE,
+        "measured": [{k: row.to_dict().get(k) for k in ("backend", "precision", "graph", "passed", "cosine_min",
+                                                        "cosine_mean", "timings_ms", "score", "chosen")}
+                     for row in report.measured]}
+    return ExportChoice(report.model, report.graph, configuration)
 
 
-def _holds(report: Path, model_id: str) -> bool:
-    """Whether ``report`` is an export of ``model_id`` (one to reuse unless ``reexport`` asks)."""
-    choice = export_choice(report)
+def _holds(encoder: Path, model_id: str) -> bool:
+    """Whether the export in ``encoder`` is one of ``model_id`` (one to reuse unless ``reexport`` asks)."""
+    choice = export_choice(encoder)
     return choice is not None and choice.model == model_id
 
 
 def served_graph(repository: Path, name: str) -> str | None:
     """The graph the export ``name`` in ``repository`` serves (its timing picked it among candidates)."""
-    choice = export_choice(report_path(repository, name))
+    choice = export_choice(encoder_folder(repository, name))
     return None if choice is None else choice.graph
 
 
 def default_configuration(options: BenchOptions, run_size: RunSize | None = None, export: bool = True) -> dict | None:
     """The configuration ``auto`` (what ``make export`` runs) exports on this machine, read from
-    an auto export's validation.json: its ``measured`` table and the row it kept.  The export is
+    an auto export's record: its ``measured`` table and the row it kept.  The export is
     made where :func:`auto_export` says unless one of this model is there (``reexport``: always);
     the choice is measured by the exporter, never inferred from CPU flags here.  None when the
     auto export fails (the targets then say the default is unknown).  ``run_size``: None, the run
     size of the model's size."""
     source = resolve_model(options.model)
     folder, name = auto_export(options, run_size or run_size_for(options)[0])
-    report = report_path(folder, name)
-    if export and (options.reexport or not _holds(report, source.model_id)):
-        if not _export_auto(options, source.model_id, folder, name):
-            return None
-    choice = export_choice(report)
+    encoder = encoder_folder(folder, name)
+    if export and (options.reexport or not _holds(encoder, source.model_id)):
+        choice = _export_auto(options, source.model_id, folder, name)
+    else:
+        choice = export_choice(encoder)
     return None if choice is None else choice.configuration
 
 
-def _export_auto(options: BenchOptions, model_id: str, folder: Path, name: str) -> bool:
-    """The auto export, made as ``name`` into ``folder``; False when it failed."""
+def _export_auto(options: BenchOptions, model_id: str, folder: Path, name: str) -> ExportChoice | None:
+    """The auto export, made as ``name`` into ``folder``, and what it kept; None when it failed."""
     from nexus_sli.exporter.errors import NexusError
     from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 
     log.info("exporting %s with backend and precision auto into %s: the configuration the targets judge",
              model_id, folder)
     try:
-        run_export(ExportOptions(model=options.model, precision="auto", backend="auto", name=name, out=folder))
+        result = run_export(ExportOptions(model=options.model, precision="auto", backend="auto", name=name,
+                                          out=folder))
     except NexusError as exc:
         log.warning("the auto export failed, so the default configuration is unknown: %s", exc)
-        return False
-    return True
+        return None
+    return choice_of(result.report, export_report.path(encoder_folder(folder, name)))
 
 
 def ensure_exported(options: BenchOptions, run_size: RunSize | None = None) -> dict[str, str]:
@@ -196,7 +204,7 @@ def ensure_exported(options: BenchOptions, run_size: RunSize | None = None) -> d
     for label, name in names.items():
         if not run_size.every_variant and default is not None and label == default["label"]:
             continue  # the auto export, made above into the repository (auto_export)
-        if label in skipped or (not options.reexport and _holds(report_path(repository, name), source.model_id)):
+        if label in skipped or (not options.reexport and _holds(encoder_folder(repository, name), source.model_id)):
             continue
         backend, precision, _ = variants(default)[label]
         reason = _exported(options, source.model_id, label, name, backend, precision)
@@ -216,15 +224,16 @@ def _exported(options: BenchOptions, model_id: str, label: str, name: str, backe
     precision = requested_precision(label, precision)
     log.info("exporting %s (%s) into %s as %s", model_id, label, options.repository, name)
     try:
-        run_export(ExportOptions(model=options.model, precision=precision, backend=backend, name=name,
-                                 out=Path(options.repository)))
+        result = run_export(ExportOptions(model=options.model, precision=precision, backend=backend, name=name,
+                                          out=Path(options.repository)))
     except ValidationError as exc:
         log.warning("%s is left out of the bench: %s", label, exc)
         return str(exc)
     if precision != "auto":
         return None
     # auto's choice is a timing: this export of it may have kept another graph
-    kept = export_choice(report_path(options.repository, name)).configuration["label"]
+    chosen = result.report.chosen
+    kept = variant_label(chosen.backend, chosen.precision, chosen.graph)
     if kept == label:
         return None
     log.warning("%s is left out of the bench: its export kept %s instead", label, kept)

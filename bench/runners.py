@@ -10,13 +10,13 @@ rows differ only in the engine.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.triton import config as triton_config
 from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer, to_arrays
 from nexus_sli.exporter.export.validate import Embedder
@@ -41,11 +41,11 @@ class ServedFacts:
 
     @classmethod
     def read(cls, repository: Path, name: str) -> "ServedFacts":
-        report = json.loads((repository / f"{name}_encoder" / "validation.json").read_text())
+        report = export_report.read(repository / f"{name}_encoder")
         params = triton_config.read(repository / f"{name}_tokenizer" / "config.pbtxt").parameters
-        return cls(name, repository / f"{name}_tokenizer" / "1" / "tokenizer.json", list(report["inputs"]),
+        return cls(name, repository / f"{name}_tokenizer" / "1" / "tokenizer.json", list(report.inputs),
                    int(params["max_length"].string_value), int(params["pad_id"].string_value),
-                   report["pooling"], bool(report["normalize"]))
+                   report.pooling, bool(report.normalize))
 
     def tokenizer(self):
         return load_tokenizer(str(self.tokenizer_json), self.max_length)

@@ -22,5 +22,6 @@ def run(args: argparse.Namespace) -> int:
 
     record = build_plan(Path(args.repository), args.model, int(args.workspace_gib * (1 << 30)))
     shown = ("file", "gpu", "compute_capability", "tensorrt", "cosine_min", "agreement", "passed")
-    print(json.dumps({"model": args.model, **{k: record.get(k) for k in shown}}))
+    values = record.to_dict()
+    print(json.dumps({"model": args.model, **{k: values.get(k) for k in shown}}))
     return 0

@@ -59,5 +59,6 @@ def run(args: argparse.Namespace) -> int:
         cache=not args.no_cache, cache_dir=Path(args.cache_dir) if args.cache_dir else None, optimize=args.optimize,
     ))
     shown = ("precision", "backend", "graph", "max_abs_diff", "cosine_min", "cosine_mean", "passed")
-    print(json.dumps({"name": result.name, **{k: result.report[k] for k in shown}}))
+    report = result.report.to_dict()
+    print(json.dumps({"name": result.name, **{k: report[k] for k in shown}}))
     return 0

@@ -59,6 +59,11 @@ class ValidationError(NexusError):
         self.failures = list(failures or [])
 
 
+class ExportReportError(NexusError, ValueError):
+    """An encoder's ``validation.json`` is missing, not JSON, or lacks what an export report holds
+    (:mod:`nexus_sli.exporter.export.export_report`)."""
+
+
 class RepositoryError(NexusError):
     """The Triton model repository could not be written."""
 

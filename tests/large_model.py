@@ -244,24 +244,24 @@ def check_served(repository: Path, url: str, name: str = NAME, pad_id: int = CON
     """One embedding request to the served model, compared with the export's stored PyTorch reference:
     the first batch of validation texts, as the export tokenized them, pooled as the model pools."""
     from nexus_sli.client import EncoderClient
-    from nexus_sli.exporter.export import stored_reference
+    from nexus_sli.exporter.export import export_report, stored_reference
     from nexus_sli.exporter.export.validate import Embedder, validation_texts
     from nexus_sli.exporter.triton.python_models.encoding import encode, l2_normalize, load_tokenizer
 
     folder = repository / f"{name}_encoder"
-    exported = json.loads((folder / "validation.json").read_text())
-    reference = stored_reference.load(folder, list(exported["inputs"]), ["last_hidden_state"])
-    tokenizer = load_tokenizer(repository / f"{name}_tokenizer" / "1" / "tokenizer.json", exported["max_length"])
+    exported = export_report.read(folder)
+    reference = stored_reference.load(folder, list(exported.inputs), ["last_hidden_state"])
+    tokenizer = load_tokenizer(repository / f"{name}_tokenizer" / "1" / "tokenizer.json", exported.max_length)
     every = validation_texts()
     lengths = [len(e.ids) for e in tokenizer.encode_batch(every)]
     ordered = [text for _, text in sorted(zip(lengths, every), key=lambda pair: pair[0])]  # as validate.text_batches
     batch = ordered[:texts]
     first = reference.first_text
     feeds, outputs = reference.batches[first], reference.outputs[first]
-    ids = encode(tokenizer, batch, list(exported["inputs"]), pad_id, exported["max_length"])
+    ids = encode(tokenizer, batch, list(exported.inputs), pad_id, exported.max_length)
     if not np.array_equal(ids["input_ids"], feeds["input_ids"]):
         raise SystemExit("the texts do not tokenize to the stored reference's first batch: cannot compare")
-    expected = Embedder(exported["pooling"], exported["normalize"])(outputs[0], feeds["attention_mask"])
+    expected = Embedder(exported.pooling, exported.normalize)(outputs[0], feeds["attention_mask"])
     start = time.perf_counter()
     with EncoderClient(url) as client:
         served = np.asarray(client.embed(batch, model=name))
@@ -269,14 +269,15 @@ def check_served(repository: Path, url: str, name: str = NAME, pad_id: int = CON
     cosines = np.sum(l2_normalize(served.astype(np.float64)) * l2_normalize(expected.astype(np.float64)), axis=1)
     return {"url": url, "texts": len(batch), "request_s": round(seconds, 2), "shape": list(served.shape),
             "cosine_min": float(cosines.min()), "cosine_mean": float(cosines.mean()),
-            "max_abs_diff": float(np.abs(served - expected).max()), "graph": exported["graph"],
-            "backend": exported["backend"], "precision": exported["precision"]}
+            "max_abs_diff": float(np.abs(served - expected).max()), "graph": exported.graph,
+            "backend": exported.validation.backend, "precision": exported.validation.precision}
 
 
 def serve_and_check(repository: Path, name: str = NAME, pad_id: int = CONFIG["pad_token_id"]) -> dict:
     """The export served by the real Triton server on free loopback ports, one request checked
     (:func:`check_served`) against what validation recorded for the same graph; stopped after."""
     from nexus_sli.bench.served import free_ports
+    from nexus_sli.exporter.export import export_report
     from nexus_sli.exporter.serving import server as serve
 
     http_port, grpc_port, metrics_port = free_ports(3)
@@ -288,10 +289,10 @@ def serve_and_check(repository: Path, name: str = NAME, pad_id: int = CONFIG["pa
     finally:
         serve.stop(process)
     served["server_ready_s"] = round(ready_s, 1)
-    validated = json.loads((repository / f"{name}_encoder" / "validation.json").read_text())
-    if served["cosine_min"] < validated["cosine_min"] - 1e-3:  # the same graph: the server must give what validation saw
+    validated = export_report.read(repository / f"{name}_encoder").validation
+    if served["cosine_min"] < validated.cosine_min - 1e-3:  # the same graph: the server must give what validation saw
         raise SystemExit(f"served embeddings are further from the reference (min cosine {served['cosine_min']:.5f}) "
-                         f"than validation measured ({validated['cosine_min']:.5f})")
+                         f"than validation measured ({validated.cosine_min:.5f})")
     return served
 
 
@@ -342,12 +343,15 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out / "repository", ignore_errors=True)
         results["export"] = export(checkpoint, name, out / "repository", cache_dir, out / "export.log")
         results["export"]["encoder_files"] = _encoder_files(out / "repository", name)
-        validation = json.loads((out / "repository" / f"{name}_encoder" / "validation.json").read_text())
+        from nexus_sli.exporter.export import export_report
+
+        exported = export_report.read(out / "repository" / f"{name}_encoder")
+        validation = exported.to_dict()
         results["export"]["chosen"] = {k: validation.get(k) for k in ("backend", "precision", "graph", "cosine_min",
                                                                       "cosine_mean", "max_abs_diff", "large_model",
                                                                       "timing")}
-        results["export"]["left_out"] = [a["left_out"] for a in validation["attempts"] if a.get("left_out")]
-        results["export"]["measured"] = validation["measured"]
+        results["export"]["left_out"] = [a.left_out for a in exported.attempts if a.left_out]
+        results["export"]["measured"] = [row.to_dict() for row in exported.measured]
         log.info("export: %s", results["export"])
         results["walk"] = walk_gain(checkpoint, cache_dir, args.walk_repeats)
         results["served"] = serve_and_check(out / "repository", name, pad_id)

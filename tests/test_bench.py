@@ -14,8 +14,11 @@ import json
 import numpy as np
 import pytest
 
+from helpers.reports import measured_row, version_1
 from helpers.bench_rows import DEFAULT, LIMIT, by_comparison, run_rows
 from nexus_sli.bench import targets as bench_targets
+from nexus_sli.exporter.export import export_report
+from nexus_sli.exporter.export.export_report import ExportReport
 from nexus_sli.bench.exports import export_choice, variant_label, variants
 from nexus_sli.bench.measure import Measurement, Sample, in_process_precision
 from nexus_sli.bench.repetitions import Repetitions, run_repetitions
@@ -299,14 +302,13 @@ def test_unknown_default_configuration_judges_nothing():
 
 
 def test_auto_choice_maps_to_the_bench_label(tmp_path):
-    report = {"measured": [
-        {"backend": "onnxruntime", "precision": "fp32", "graph": "plain", "passed": True, "score": 1.2,
-         "chosen": False},
-        {"backend": "openvino", "precision": "bf16", "graph": "plain", "passed": True, "score": 1.0, "chosen": True},
-        {"backend": "openvino", "precision": "int8", "graph": "plain", "passed": False, "score": None,
-         "chosen": False}]}
-    (tmp_path / "validation.json").write_text(json.dumps(report))
-    chosen = export_choice(tmp_path / "validation.json").configuration
+    report = {**version_1(), "measured": [
+        {**measured_row("fp32", "plain", True), "score": 1.2},
+        {**measured_row("bf16", "plain", True, chosen=True), "backend": "openvino"},
+        {**measured_row("int8", "plain", False), "backend": "openvino"}]}
+    (tmp_path / "x_encoder").mkdir()
+    export_report.write(ExportReport.from_dict(report), tmp_path / "x_encoder")
+    chosen = export_choice(tmp_path / "x_encoder").configuration
     assert (chosen["label"], chosen["backend"], chosen["precision"]) == ("openvino-bf16", "openvino", "bf16")
     assert len(chosen["measured"]) == 3
     assert variant_label("onnxruntime", "int8") == "int8"

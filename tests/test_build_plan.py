@@ -12,7 +12,6 @@ the middle of it leaves behind.
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from google.protobuf import text_format
 from nexus_sli.cli.main import main
 from nexus_sli.exporter.errors import GPURuntimeUnavailableError, NexusError, PlanBuildError
 from nexus_sli.exporter.export import build_plan as bp
-from nexus_sli.exporter.export import fp16
+from nexus_sli.exporter.export import export_report, fp16
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.pooling import PREFIX as POOLING_PREFIX
 from nexus_sli.exporter.serving import gpu_on_cpu
@@ -54,11 +53,15 @@ def copy(repo, tmp_path):
     return tmp_path / "repo"
 
 
-def _record(capability: str, folder) -> dict:
+def _record(capability: str, folder) -> export_report.PlanRecord:
     """What build_plan records for a plan that passed, for the switch tests (no engine is built here)."""
-    exported = json.loads((folder / "validation.json").read_text())
-    return {"passed": True, "precision": exported["precision"], "file": trt_plan.plan_filename(capability),
-            "tensorrt": "10.5.0", "gpu": "NVIDIA test GPU", "compute_capability": capability}
+    exported = export_report.read(folder)
+    assert exported.validation.passed
+    return export_report.PlanRecord(
+        validation=exported.validation, file=trt_plan.plan_filename(capability), tensorrt="10.5.0",
+        gpu="NVIDIA test GPU", compute_capability=capability, host="gpu-host",
+        profile={"min": [1, 1], "opt": [16, 128], "max": [64, 128]}, fp32_layers=0,
+        workspace_bytes=trt_plan.WORKSPACE_BYTES, validated_on=trt_plan.TensorRTPlan.validated_on)
 
 
 @no_tensorrt
@@ -81,14 +84,14 @@ def test_a_model_that_is_not_a_gpu_export_is_refused(repo, name, reason, capsys)
 def test_the_plan_profile_is_the_one_the_tensorrt_accelerator_got(repo):
     # one home: build-plan's (batch, sequence) profile and the ONNX Runtime accelerator's strings
     config = tc.read(repo / "gpu_encoder" / "config.pbtxt")
-    exported = json.loads((repo / "gpu_encoder" / "validation.json").read_text())
-    dims = tc.profile_dims(exported["max_length"], config.max_batch_size)
-    assert dims == {"min": (1, 1), "opt": (16, min(128, exported["max_length"])),
-                    "max": (config.max_batch_size, exported["max_length"])}
+    exported = export_report.read(repo / "gpu_encoder")
+    dims = tc.profile_dims(exported.max_length, config.max_batch_size)
+    assert dims == {"min": (1, 1), "opt": (16, min(128, exported.max_length)),
+                    "max": (config.max_batch_size, exported.max_length)}
     (accelerator,) = config.optimization.execution_accelerators.gpu_execution_accelerator
     for kind, (batch, length) in dims.items():
         assert accelerator.parameters[f"trt_profile_{kind}_shapes"] == ",".join(
-            f"{name}:{batch}x{length}" for name in exported["inputs"])
+            f"{name}:{batch}x{length}" for name in exported.inputs)
     assert tc.profile_dims(512, 8) == {"min": (1, 1), "opt": (2, 128), "max": (8, 512)}
 
 
@@ -143,9 +146,8 @@ def test_install_switches_by_renames_and_records_each_gpu(copy):
     assert (folder / "1" / "model.sm86.plan").read_bytes() == b"engine for 8.6"
     assert (folder / "1" / "model.onnx").is_file()  # kept: the source of the next GPU's plan
     assert not list(folder.rglob("*.partial"))
-    recorded = json.loads((folder / "validation.json").read_text())[bp.PLANS]["8.6"]
-    assert (recorded["tensorrt"], recorded["gpu"], recorded["compute_capability"]) == ("10.5.0", "NVIDIA test GPU",
-                                                                                       "8.6")
+    recorded = export_report.read(folder).tensorrt_plans["8.6"]
+    assert (recorded.tensorrt, recorded.gpu, recorded.compute_capability) == ("10.5.0", "NVIDIA test GPU", "8.6")
     bp.gpu_export(folder)  # a switched encoder is still a GPU export: plans for more GPUs can follow
     bp.install(folder, on_disk, b"engine for 9.0", _record("9.0", folder))
     both = tc.read(folder / "config.pbtxt")
@@ -169,24 +171,24 @@ def test_a_crash_before_the_config_is_renamed_leaves_the_onnx_model_whole(copy, 
     folder = copy / "gpu_encoder"
     config = tc.read(folder / "config.pbtxt")
     _crash_when_replacing(monkeypatch, "config.pbtxt")
-    before = (folder / "validation.json").read_text()
+    before = export_report.path(folder).read_bytes()
     with pytest.raises(OSError):
         bp.install(folder, config, b"engine", _record("8.6", folder))
     on_disk = tc.read(folder / "config.pbtxt")
     assert on_disk == config and (folder / "1" / on_disk.default_model_filename).is_file()
     # no record of a plan the config does not serve
-    assert (folder / "validation.json").read_text() == before
+    assert export_report.path(folder).read_bytes() == before
 
 
 def test_a_crash_after_the_config_leaves_the_plan_served_and_no_record_of_another(copy, monkeypatch):
     folder = copy / "gpu_encoder"
     config = tc.read(folder / "config.pbtxt")
-    _crash_when_replacing(monkeypatch, "validation.json")
+    _crash_when_replacing(monkeypatch, export_report.FILE)
     with pytest.raises(OSError):
         bp.install(folder, config, b"engine", _record("8.6", folder))
     on_disk = tc.read(folder / "config.pbtxt")
     assert on_disk.platform == "tensorrt_plan" and (folder / "1" / on_disk.default_model_filename).is_file()
-    assert bp.PLANS not in json.loads((folder / "validation.json").read_text())
+    assert bp.PLANS not in export_report.read(folder).to_dict()
 
 
 class _Refusing:

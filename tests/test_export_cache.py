@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
-from nexus_sli.exporter.export import timing
+from nexus_sli.exporter.export import export_report, timing
 from nexus_sli.exporter.export.checkpoint import Checkpoint
 from nexus_sli.cli.main import main
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
@@ -77,18 +77,18 @@ def _walk(directory, cache):
 def test_second_export_reuses_every_layer(model_type, layers, tiny_checkpoint, tmp_path, reads, caplog):
     directory = tiny_checkpoint(model_type)
     cold = _export(directory, tmp_path / "cold", cache_dir=tmp_path / "cache")
-    assert (cold.report["walk"]["layers"], cold.report["walk"]["from_cache"]) == (layers, 0)
+    assert (cold.report.walk.layers, cold.report.walk.from_cache) == (layers, 0)
     reads.clear()
     caplog.set_level(logging.INFO, logger="nexus_sli.export")
     warm = _export(directory, tmp_path / "warm", precision="int8", cache_dir=tmp_path / "cache")
-    assert warm.report["walk"]["from_cache"] == layers
+    assert warm.report.walk.from_cache == layers
     assert f"reused {layers} of {layers} layers from the layer cache at {tmp_path / 'cache'}" in caplog.text
     assert _layer_reads(reads) == []  # cached layers' tensors are not read
-    assert warm.report["walk"]["tensors"] == cold.report["walk"]["tensors"]
-    assert warm.report["passed"] is True
+    assert warm.report.walk.tensors == cold.report.walk.tensors
+    assert warm.report.validation.passed is True
 
     again = _export(directory, tmp_path / "again", cache_dir=tmp_path / "cache")  # fp32, warm
-    assert again.report["passed"] is True and again.report["walk"]["from_cache"] == layers
+    assert again.report.validation.passed is True and again.report.walk.from_cache == layers
     assert np.array_equal(_onnx_output(tmp_path / "again"), _onnx_output(tmp_path / "cold"))
 
 
@@ -99,8 +99,8 @@ def test_no_cache_reads_the_checkpoint(tiny_checkpoint, tmp_path, reads):
     out = tmp_path / "repo"
     assert main(["export", "--model", str(directory), "--name", "tiny", "--out", str(out),
                  "--no-cache", "--cache-dir", str(tmp_path / "unused")]) == 0
-    report = json.loads((out / "tiny_encoder" / "validation.json").read_text())
-    assert report["walk"]["from_cache"] == 0 and report["passed"] is True
+    report = export_report.read(out / "tiny_encoder")
+    assert report.walk.from_cache == 0 and report.validation.passed is True
     assert {k for k in _layer_reads(reads)} >= {CHANGED, "encoder.layer.0.attention.self.query.weight"}
     assert not (tmp_path / "unused").exists()
 
@@ -113,8 +113,8 @@ def test_cache_dir_flag_is_used(tiny_checkpoint, tmp_path):
     assert main([*args, "--out", str(tmp_path / "a")]) == 0
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 2
     assert main([*args, "--out", str(tmp_path / "b")]) == 0
-    report = json.loads((tmp_path / "b" / "tiny_encoder" / "validation.json").read_text())
-    assert report["walk"]["from_cache"] == 2
+    report = export_report.read(tmp_path / "b" / "tiny_encoder")
+    assert report.walk.from_cache == 2
 
 
 def _hidden_states(directory) -> np.ndarray:
@@ -137,12 +137,12 @@ def test_changed_checkpoint_is_not_served_stale(tiny_checkpoint, tmp_path):
     # Nothing tells which layer of a rewritten file changed without reading its
     # bytes, so every layer stored in that file misses (see the sharded test).
     second = _export(directory, tmp_path / "second", cache_dir=tmp_path / "cache")
-    assert (first.report["walk"]["from_cache"], second.report["walk"]["from_cache"]) == (0, 0)
+    assert (first.report.walk.from_cache, second.report.walk.from_cache) == (0, 0)
     output = _onnx_output(tmp_path / "second")
     assert not np.allclose(output, _onnx_output(tmp_path / "first"), atol=1e-3)
     np.testing.assert_allclose(output, _hidden_states(directory), atol=1e-4)
     third = _export(directory, tmp_path / "third", cache_dir=tmp_path / "cache")
-    assert third.report["walk"]["from_cache"] == 2  # the new weights were cached
+    assert third.report.walk.from_cache == 2  # the new weights were cached
     assert np.array_equal(_onnx_output(tmp_path / "third"), output)
 
 
@@ -199,8 +199,8 @@ def test_default_model_warm_reexport_reuses_all_six_layers(tmp_path, reads):
     _walk(source.path, LayerCache(tmp_path / "cache"))  # what a first export leaves behind
     reads.clear()
     result = run_export(ExportOptions(model=None, out=tmp_path / "repo", cache_dir=tmp_path / "cache"))
-    assert (result.report["walk"]["layers"], result.report["walk"]["from_cache"]) == (6, 6)
-    assert result.report["passed"] is True and result.report["max_abs_diff"] <= 1e-4
+    assert (result.report.walk.layers, result.report.walk.from_cache) == (6, 6)
+    assert result.report.validation.passed is True and result.report.validation.max_abs_diff <= 1e-4
     assert _layer_reads(reads) == []
 
 
@@ -209,8 +209,8 @@ def test_the_fastest_passing_candidate_is_kept(tiny_checkpoint, tmp_path):
     """Timed for real: int8 offers several graphs (plain, fused, each with and without
     fp32 feed-forward outputs); the export keeps the best of those that pass by the objective's score."""
     report = _export(tiny_checkpoint("bert"), tmp_path / "repo", precision="int8", cache=False).report
-    candidates = report["candidates"]
-    assert len(candidates) >= 2 and len({c["latency_ms"] for c in candidates}) > 1
-    passing = [c for c in candidates if c["passed"]]
-    assert passing and report["graph"] == min(passing, key=lambda c: c["score"])["graph"]
-    assert min(c["score"] for c in passing) >= 1.0 and report["timing"]["optimize"] == "balanced"
+    candidates = report.candidates
+    assert len(candidates) >= 2 and len({c.latency_ms for c in candidates}) > 1
+    passing = [c for c in candidates if c.passed]
+    assert passing and report.graph == min(passing, key=lambda c: c.score).graph
+    assert min(c.score for c in passing) >= 1.0 and report.timing.optimize == "balanced"

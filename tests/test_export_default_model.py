@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ import onnx
 import pytest
 
 from helpers.exports import MINILM
-from nexus_sli.exporter.export import validate
+from nexus_sli.exporter.export import export_report, validate
 from nexus_sli.cli.main import main
 from nexus_sli.exporter.errors import ValidationError
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
@@ -27,20 +26,21 @@ def repo(tmp_path_factory, exports):
 
 
 def _report(repo, name):
-    return json.loads((repo / f"{name}_encoder" / "validation.json").read_text())
+    return export_report.read(repo / f"{name}_encoder")
 
 
 def test_default_name_and_fp32_parity(repo):
     report = _report(repo, "all_minilm_l6_v2")
     assert (repo / "all_minilm_l6_v2_encoder" / "1" / "model.onnx").is_file()
     assert {"precision", "reference", "max_abs_diff", "cosine_min", "cosine_mean", "agreement", "thresholds",
-            "passed"} <= set(report)
-    assert report["passed"] is True and report["precision"] == "fp32" and report["agreement"] is None
-    assert report["max_abs_diff"] <= 1e-4 and report["thresholds"] == {"max_abs_diff": 1e-4}
-    assert report["texts"] >= 200
-    assert (report["pooling"], report["normalize"], report["max_length"]) == ("mean", True, 256)
+            "passed"} <= set(report.to_dict())
+    assert report.validation.passed is True and report.validation.precision == "fp32"
+    assert report.validation.agreement is None
+    assert report.validation.max_abs_diff <= 1e-4 and report.validation.thresholds == {"max_abs_diff": 1e-4}
+    assert report.validation.texts >= 200
+    assert (report.pooling, report.normalize, report.max_length) == ("mean", True, 256)
     # the graph ends in the pooling: validation compared its [batch, 384] embeddings as they come
-    assert report["pooled_in_graph"] is True and report["cosine_min"] > 0.99999
+    assert report.pooled_in_graph is True and report.validation.cosine_min > 0.99999
     graph = onnx.load(str(repo / "all_minilm_l6_v2_encoder" / "1" / "model.onnx")).graph
     # ... with the token states beside it, for the NAME_tokens ensemble (TEI's /embed_all)
     assert [o.name for o in graph.output] == ["EMBEDDING", "TOKEN_EMBEDDINGS"]
@@ -48,9 +48,9 @@ def test_default_name_and_fp32_parity(repo):
 
 def test_int8_fidelity(repo):
     report = _report(repo, "minilm_int8")
-    assert report["passed"] is True and report["precision"] == "int8"
-    assert report["cosine_mean"] >= 0.99 and report["cosine_min"] >= 0.95
-    assert report["thresholds"] == {"cosine_mean": 0.99, "cosine_min": 0.95}
+    assert report.validation.passed is True and report.validation.precision == "int8"
+    assert report.validation.cosine_mean >= 0.99 and report.validation.cosine_min >= 0.95
+    assert report.validation.thresholds == {"cosine_mean": 0.99, "cosine_min": 0.95}
     ops = {node.op_type for node in onnx.load(str(repo / "minilm_int8_encoder" / "1" / "model.onnx")).graph.node}
     assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops
 
@@ -69,7 +69,7 @@ def test_allow_degraded_is_recorded(tmp_path, monkeypatch):
     monkeypatch.setitem(validate.THRESHOLDS, "fp32", {"max_abs_diff": 0.0})
     run_export(ExportOptions(out=tmp_path, allow_degraded=True, name="degraded"))
     report = _report(tmp_path, "degraded")
-    assert report["passed"] is False and report["allow_degraded"] is True and report["failures"]
+    assert report.validation.passed is False and report.allow_degraded is True and report.validation.failures
 
 
 def test_cli_reports_bad_input_clearly(tmp_path, capsys):

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import onnx
 import pytest
 
+from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.families import FAMILIES, normalize_model_type
 from helpers.tiny_models import NO_TINY_MODEL, TINY_CONFIGS
@@ -28,10 +27,10 @@ def test_every_registered_family_has_a_tiny_model_or_a_named_reason():
 def test_family_exports_and_matches_pytorch(model_type, tiny_checkpoint, tmp_path):
     result = run_export(ExportOptions(model=str(tiny_checkpoint(model_type)), name="tiny", out=tmp_path / "repo"))
     encoder = tmp_path / "repo" / "tiny_encoder"
-    report = json.loads((encoder / "validation.json").read_text())
-    assert report["passed"] is True and result.report == report
-    assert report["max_abs_diff"] <= 1e-4
-    assert report["cosine_min"] > 0.9999
+    report = export_report.read(encoder)
+    assert report.validation.passed is True and result.report == report
+    assert report.validation.max_abs_diff <= 1e-4
+    assert report.validation.cosine_min > 0.9999
     graph = onnx.load(str(encoder / "1" / "model.onnx")).graph
     inputs = [i.name for i in graph.input]
     assert inputs[:2] == ["input_ids", "attention_mask"]

@@ -14,7 +14,6 @@ candidates from all being open at once.
 
 from __future__ import annotations
 
-import json
 import shutil
 import weakref
 
@@ -25,7 +24,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from nexus_sli.client import EncoderClient
-from nexus_sli.exporter.export import onnx_files, pipeline, timing
+from nexus_sli.exporter.export import export_report, onnx_files, pipeline, timing
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.revalidate import revalidate
 from nexus_sli.exporter.export.validate import validation_texts
@@ -200,16 +199,16 @@ def test_each_validates_again_from_the_repository(large_path, name):
 
 
 def test_a_large_model_gets_one_nncf_variant_and_the_report_says_why(large_path):
-    exported = json.loads((large_path["gpu"] / "ov_int8_encoder" / "validation.json").read_text())
-    assert exported["large_model"] is True
-    assert [c["graph"] for c in exported["candidates"]] == [LARGE_MODEL_VARIANT]
-    assert "one NNCF variant" in exported["attempts"][0]["left_out"]
+    exported = export_report.read(large_path["gpu"] / "ov_int8_encoder")
+    assert exported.large_model is True
+    assert [c.graph for c in exported.candidates] == [LARGE_MODEL_VARIANT]
+    assert "one NNCF variant" in exported.attempts[0].left_out
     assert sorted(p.name for p in (large_path["gpu"] / "ov_int8_encoder" / "1").iterdir()) == ["model.bin", "model.xml"]
     # held to the auto bar, ONNX Runtime's int8 keeps its dynamic variants and leaves NNCF's static one out
-    auto = json.loads((large_path["gpu"] / "auto_encoder" / "validation.json").read_text())
-    (ort_int8,) = [a for a in auto["attempts"] if (a["backend"], a["precision"]) == ("onnxruntime", "int8")]
-    assert "no NNCF static one" in ort_int8["left_out"]
-    assert not [r for r in auto["measured"] if "static" in r["graph"]]
+    auto = export_report.read(large_path["gpu"] / "auto_encoder")
+    (ort_int8,) = [a for a in auto.attempts if (a.backend, a.precision) == ("onnxruntime", "int8")]
+    assert "no NNCF static one" in ort_int8.left_out
+    assert not [r for r in auto.measured if "static" in r.graph]
 
 
 def test_publishing_uploads_the_data_file(large_path):
@@ -222,10 +221,10 @@ def _pytorch_embeddings(checkpoint: str, texts: list[str], repo, name: str) -> n
     tokenizer does, mean-pooled and normalised."""
     from transformers import AutoModel
 
-    exported = json.loads((repo / f"{name}_encoder" / "validation.json").read_text())
-    tokenizer = load_tokenizer(repo / f"{name}_tokenizer" / "1" / "tokenizer.json", exported["max_length"])
-    feeds = {k: torch.from_numpy(v) for k, v in encode(tokenizer, texts, exported["inputs"], 1,
-                                                       exported["max_length"]).items()}
+    exported = export_report.read(repo / f"{name}_encoder")
+    tokenizer = load_tokenizer(repo / f"{name}_tokenizer" / "1" / "tokenizer.json", exported.max_length)
+    feeds = {k: torch.from_numpy(v) for k, v in encode(tokenizer, texts, exported.inputs, 1,
+                                                       exported.max_length).items()}
     with torch.no_grad():
         states = AutoModel.from_pretrained(checkpoint).eval()(**feeds).last_hidden_state
     mask = feeds["attention_mask"][..., None]
@@ -274,28 +273,28 @@ def test_graphs_that_do_not_fit_in_memory_together_are_timed_in_heats(tiny_check
     monkeypatch.setattr(pipeline, "memory_budget", lambda: 1)  # nothing fits: heats of two
     result = run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name="heats", out=tmp_path,
                                       task="embedding", backend="auto", precision="fp32"))
-    timing, rows = result.report["timing"], result.report["measured"]
-    passed = [f"{r['backend']} {r['precision']} {r['graph']}" for r in rows if r["passed"]]
-    assert len(passed) >= 3 and open_runners[0] == 2 and result.report["large_model"] is False
-    heats = [heat["score"] for heat in timing["heats"]]
+    timing, rows = result.report.timing, result.report.measured
+    passed = [f"{r.backend} {r.precision} {r.graph}" for r in rows if r.passed]
+    assert len(passed) >= 3 and open_runners[0] == 2 and result.report.large_model is False
+    heats = [heat.score for heat in timing.heats]
     assert [len(heat) for heat in heats] == [2] * (len(passed) - 1)
     assert {label for heat in heats for label in heat} == set(passed)
-    for heat, following in zip(timing["heats"], timing["heats"][1:]):
-        assert heat["fastest"] == min(heat["score"], key=heat["score"].get)
-        assert heat["fastest"] in following["score"]  # the fastest of each heat runs in the next
-    chosen = next(f"{r['backend']} {r['precision']} {r['graph']}" for r in rows if r["chosen"])
-    assert chosen == timing["heats"][-1]["fastest"] == min(heats[-1], key=heats[-1].get)
+    for heat, following in zip(timing.heats, timing.heats[1:]):
+        assert heat.fastest == min(heat.score, key=heat.score.get)
+        assert heat.fastest in following.score  # the fastest of each heat runs in the next
+    chosen = next(f"{r.backend} {r.precision} {r.graph}" for r in rows if r.chosen)
+    assert chosen == timing.heats[-1].fastest == min(heats[-1], key=heats[-1].get)
 
 
 def test_graphs_that_fit_are_timed_in_one_heat_and_validation_holds_one_open_at_a_time(tiny_checkpoint, tmp_path,
                                                                                         open_runners):
     result = run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name="one", out=tmp_path,
                                       task="embedding", backend="auto", precision="fp32"))
-    passed = [r for r in result.report["measured"] if r["passed"]]
-    heats = result.report["timing"]["heats"]
-    assert len(heats) == 1 and len(heats[0]["score"]) == len(passed)
+    passed = [r for r in result.report.measured if r.passed]
+    heats = result.report.timing.heats
+    assert len(heats) == 1 and len(heats[0].score) == len(passed)
     assert open_runners[0] == len(passed)  # validation opened one at a time; timing all passing ones together
-    assert json.loads((tmp_path / "one_encoder" / "validation.json").read_text())["timing"] == result.report["timing"]
+    assert export_report.read(tmp_path / "one_encoder").timing == result.report.timing
 
 
 class _FakeRunner:

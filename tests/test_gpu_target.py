@@ -34,10 +34,10 @@ def minilm(tmp_path_factory, exports):
 
 def test_the_packaged_model_exports_fp16_for_tensorrt_at_full_fidelity(minilm):
     _, report, config = minilm
-    assert (report["backend"], report["precision"], report["device"], report["passed"]) == (
+    assert (report.validation.backend, report.validation.precision, report.device, report.validation.passed) == (
         "onnxruntime-tensorrt", "fp16", "gpu", True)
-    assert report["cosine_min"] >= 0.999 and report["cosine_mean"] >= 0.9999
-    assert "not fp16 arithmetic" in report["validated_on"]
+    assert report.validation.cosine_min >= 0.999 and report.validation.cosine_mean >= 0.9999
+    assert "not fp16 arithmetic" in report.validated_on
     assert config.platform == "onnxruntime_onnx"
     assert config.instance_group[0].kind == tc.pb.ModelInstanceGroup.KIND_GPU
     # a GPU encoder waits a little for concurrent requests to merge; a CPU one does not (test_serving)
@@ -50,7 +50,7 @@ def test_the_tensorrt_accelerator_carries_fp16_and_profiles_from_the_model_limit
     params = dict(accelerator.parameters)
     assert accelerator.name == "tensorrt" and set(params) <= tc.ACCELERATOR_KEYS["tensorrt"]
     assert params["precision_mode"] == "FP16" and params["trt_engine_cache_enable"] == "1"
-    names, length = report["inputs"], report["max_length"]
+    names, length = report.inputs, report.max_length
     assert params["trt_profile_min_shapes"] == ",".join(f"{n}:1x1" for n in names)
     assert params["trt_profile_max_shapes"] == ",".join(f"{n}:64x{length}" for n in names)
     assert config.max_batch_size == 64 and length == 256
@@ -78,7 +78,7 @@ def test_the_cuda_accelerator_is_the_other_gpu_choice(tiny_checkpoint, tmp_path)
     result = run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name="tiny", out=tmp_path,
                                       device="gpu", backend="onnxruntime-cuda", precision="auto"))
     config = tc.read(tmp_path / "tiny_encoder" / "config.pbtxt")
-    assert result.report["passed"] and result.report["precision"] == "fp16"
+    assert result.report.validation.passed and result.report.validation.precision == "fp16"
     assert [a.name for a in config.optimization.execution_accelerators.gpu_execution_accelerator] == ["cuda"]
     # nexus-sli validate opens it as the CUDA target, with the CUDA accelerator's providers
     assert revalidate(tmp_path, "tiny")["backend"] == "onnxruntime-cuda"
@@ -87,15 +87,15 @@ def test_the_cuda_accelerator_is_the_other_gpu_choice(tiny_checkpoint, tmp_path)
 @pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
 def test_every_family_validates_in_fp16(model_type, tiny_checkpoint, tmp_path):
     report, _ = _gpu_export(str(tiny_checkpoint(model_type)), tmp_path, "tiny", task="embedding")
-    assert report["passed"] and report["cosine_min"] >= 0.999, report["failures"]
+    assert report.validation.passed and report.validation.cosine_min >= 0.999, report.validation.failures
 
 
 @pytest.mark.parametrize("model_type", REMOTE_TINY)
 def test_families_of_our_own_validate_in_fp16_labels_too(model_type, tiny_tokenizer, tmp_path):
     checkpoint = build_tiny_remote(model_type, tmp_path / "ckpt", tiny_tokenizer, task="classification")
     report, _ = _gpu_export(str(checkpoint), tmp_path / "repo", "tiny")
-    assert report["task"] == "classification" and report["passed"], report["failures"]
-    assert report["agreement"] >= 0.99 and report["thresholds"]["agreement"] == 0.99
+    assert report.task == "classification" and report.validation.passed, report.validation.failures
+    assert report.validation.agreement >= 0.99 and report.validation.thresholds["agreement"] == 0.99
 
 
 def test_auto_never_leaves_the_device_asked_for():

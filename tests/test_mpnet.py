@@ -10,14 +10,13 @@ export a seeded tiny model for every task the family serves.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
 import transformers
 
+from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.export.checkpoint import Checkpoint
 from nexus_sli.exporter.export.families import family_for
 from nexus_sli.exporter.export.onnx_export import export_onnx, model_input_names
@@ -130,9 +129,9 @@ def test_every_task_exports_and_matches_transformers(task, tiny_tokenizer, tmp_p
     checkpoint = _task_checkpoint(task, tmp_path / "ckpt", tiny_tokenizer)
     run_export(ExportOptions(model=str(checkpoint), task=task, name="m", out=tmp_path / "repo"))
     encoder = tmp_path / "repo" / "m_encoder"
-    report = json.loads((encoder / "validation.json").read_text())
-    assert report["passed"] is True and report["model_type"] == "mpnet" and report["task"] == task
-    assert report["max_abs_diff"] <= 1e-4
+    report = export_report.read(encoder)
+    assert report.validation.passed is True and report.model_type == "mpnet" and report.task == task
+    assert report.validation.max_abs_diff <= 1e-4
 
     # the served graph against transformers' own task model, on a padded batch
     reference = getattr(transformers, AUTO_CLASSES[task]).from_pretrained(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -11,6 +9,7 @@ from nexus_sli.exporter.triton import config as triton_config
 from nexus_sli.exporter.targets import plan as plan_configurations
 from nexus_sli.exporter.targets.cpu import supports_bf16
 from nexus_sli.exporter.errors import NexusError
+from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.static_int8 import calibration_texts
 from nexus_sli.exporter.targets.openvino_cpu import OpenVINOSession
@@ -52,25 +51,26 @@ def test_openvino_export_writes_the_openvino_backend_config(exported):
     config = triton_config.read(exported / "ov_encoder" / "config.pbtxt")
     assert config.backend == "openvino" and not config.platform
     assert config.default_model_filename == "model.onnx"
-    report = json.loads((exported / "ov_encoder" / "validation.json").read_text())
-    assert report["backend"] == "openvino" and report["requested_precision"] == "bf16" and report["passed"]
+    report = export_report.read(exported / "ov_encoder")
+    assert report.validation.backend == "openvino" and report.requested_precision == "bf16"
+    assert report.validation.passed
 
 
 @pytest.mark.skipif(not supports_bf16(), reason="the CPU has no avx512_bf16/amx_bf16: bf16 is not exported here")
 def test_openvino_bf16_export_is_held_to_the_bf16_thresholds(exported):
     config = triton_config.read(exported / "ov_encoder" / "config.pbtxt")
-    report = json.loads((exported / "ov_encoder" / "validation.json").read_text())
-    assert config.parameters["HINT_BF16"].string_value == "YES" and report["precision"] == "bf16"
-    assert report["thresholds"] == {"cosine_mean": 0.9999, "cosine_min": 0.999}
-    assert report["cosine_min"] >= 0.999
+    report = export_report.read(exported / "ov_encoder")
+    assert config.parameters["HINT_BF16"].string_value == "YES" and report.validation.precision == "bf16"
+    assert report.validation.thresholds == {"cosine_mean": 0.9999, "cosine_min": 0.999}
+    assert report.validation.cosine_min >= 0.999
 
 
 @pytest.mark.skipif(supports_bf16(), reason="the CPU has avx512_bf16/amx_bf16: the fp32 fallback is not used here")
 def test_openvino_bf16_falls_back_to_fp32_parity_without_cpu_bf16(exported):
     config = triton_config.read(exported / "ov_encoder" / "config.pbtxt")
-    report = json.loads((exported / "ov_encoder" / "validation.json").read_text())
-    assert config.parameters["HINT_BF16"].string_value == "NO" and report["precision"] == "fp32"
-    assert report["thresholds"] == {"max_abs_diff": 1e-4} and report["max_abs_diff"] <= 1e-4
+    report = export_report.read(exported / "ov_encoder")
+    assert config.parameters["HINT_BF16"].string_value == "NO" and report.validation.precision == "fp32"
+    assert report.validation.thresholds == {"max_abs_diff": 1e-4} and report.validation.max_abs_diff <= 1e-4
 
 
 def test_openvino_session_matches_onnxruntime_at_fp32(exported):
@@ -93,12 +93,12 @@ def test_openvino_int8_is_an_nncf_ir_held_to_the_static_thresholds(tiny_checkpoi
     assert not (version / "model.onnx").exists()
     assert triton_config.read(out / "q_encoder" / "config.pbtxt").default_model_filename == "model.xml"
     # static int8 is held to a higher bar than ONNX Runtime's dynamic int8 (0.99 / 0.95)
-    assert result.report["thresholds"] == {"cosine_mean": 0.995, "cosine_min": 0.98}
-    assert result.report["passed"] is True and result.report["allow_degraded"] is False
-    assert result.report["cosine_mean"] >= 0.995 and result.report["cosine_min"] >= 0.98
+    assert result.report.validation.thresholds == {"cosine_mean": 0.995, "cosine_min": 0.98}
+    assert result.report.validation.passed is True and result.report.allow_degraded is False
+    assert result.report.validation.cosine_mean >= 0.995 and result.report.validation.cosine_min >= 0.98
     # every MatMul int8, the feed-forward outputs kept, and SmoothQuant 0.75 with the attention outputs
     # kept, alone and with the feed-forward outputs: each validated, the fastest that passed kept
-    assert [c["graph"] for c in result.report["candidates"]] == [
+    assert [c.graph for c in result.report.candidates] == [
         "plain", "plain+ffn-out-fp32", "plain+sq0.75+attn-out-fp32", "plain+sq0.75+attn-ffn-out-fp32"]
 
 
@@ -249,18 +249,18 @@ def test_cli_export_defaults_to_auto_and_records_what_it_measured(monkeypatch, t
     monkeypatch.setitem(registry.AUTO_CONFIGURATIONS, "cpu", TWO_RUNTIMES)
     out = tmp_path / "repo"
     assert main(["export", "--model", str(tiny_checkpoint("bert")), "--name", "tiny", "--out", str(out)]) == 0
-    report = json.loads((out / "tiny_encoder" / "validation.json").read_text())
-    assert report["requested_backend"] == report["requested_precision"] == "auto"
-    assert [(a["backend"], a["precision"], a["passed"]) for a in report["attempts"]] == [
+    report = export_report.read(out / "tiny_encoder")
+    assert report.requested_backend == report.requested_precision == "auto"
+    assert [(a.backend, a.precision, a.passed) for a in report.attempts] == [
         ("onnxruntime", "fp32", True), ("openvino", "fp32", True)]
-    rows = report["measured"]
-    assert {(r["backend"], r["precision"]) for r in rows} == set(TWO_RUNTIMES)
-    assert all(r["passed"] and set(r["timings_ms"]) == {"batch of 32", "one short text"} for r in rows)
-    chosen = [r for r in rows if r["chosen"]]
-    assert len(chosen) == 1 and chosen[0]["score"] == min(r["score"] for r in rows if r["score"] is not None)
-    assert (report["backend"], report["precision"], report["graph"]) == (
-        chosen[0]["backend"], chosen[0]["precision"], chosen[0]["graph"])
-    assert report["passed"] and len(report["workloads"]) == 2 and report["timing"]["optimize"] == "balanced"
+    rows = report.measured
+    assert {(r.backend, r.precision) for r in rows} == set(TWO_RUNTIMES)
+    assert all(r.passed and set(r.timings_ms) == {"batch of 32", "one short text"} for r in rows)
+    chosen = [r for r in rows if r.chosen]
+    assert len(chosen) == 1 and chosen[0].score == min(r.score for r in rows if r.score is not None)
+    assert (report.validation.backend, report.validation.precision, report.graph) == (
+        chosen[0].backend, chosen[0].precision, chosen[0].graph)
+    assert report.validation.passed and len(report.workloads) == 2 and report.timing.optimize == "balanced"
 
 
 @pytest.mark.parametrize("faster, platform", [("openvino", ""), ("onnxruntime", "onnxruntime_onnx")])
@@ -277,12 +277,12 @@ def test_auto_keeps_the_fastest_configuration_that_passes(monkeypatch, tiny_chec
     out = tmp_path / "repo"
     result = run_export(ExportOptions(model=str(tiny_checkpoint("bert")), task="embedding", name="tiny", out=out,
                                       backend="auto", precision="auto"))
-    assert (result.report["backend"], result.report["precision"]) == (faster, "fp32")
-    attempts = result.report["attempts"]
-    assert [(a["backend"], a["precision"], a["passed"]) for a in attempts] == [
+    assert (result.report.validation.backend, result.report.validation.precision) == (faster, "fp32")
+    attempts = result.report.attempts
+    assert [(a.backend, a.precision, a.passed) for a in attempts] == [
         ("openvino", "int8", False), ("onnxruntime", "fp32", True), ("openvino", "fp32", True)]
-    assert "cosine_mean" in attempts[0]["failures"][0] and result.report["passed"]
-    failed = [r for r in result.report["measured"] if not r["passed"]]
-    assert failed and all(r["timings_ms"] == {} and r["score"] is None for r in failed)  # failures are not timed
+    assert "cosine_mean" in attempts[0].failures[0] and result.report.validation.passed
+    failed = [r for r in result.report.measured if not r.passed]
+    assert failed and all(r.timings_ms == {} and r.score is None for r in failed)  # failures are not timed
     config = triton_config.read(out / "tiny_encoder" / "config.pbtxt")
     assert (config.platform, config.backend) == (platform, "openvino" if faster == "openvino" else "")

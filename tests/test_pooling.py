@@ -11,14 +11,13 @@ post-processing model) and what validation makes of a pooled graph.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import onnx
 import pytest
 import torch
 
 from nexus_sli.exporter.errors import ExportError
+from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.export.padding_trim import add_padding_trim
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.pooling import PREFIX, Pooling, add_pooling, pooling_nodes
@@ -173,10 +172,10 @@ def test_export_pools_in_the_graph_and_retires_an_earlier_post_processing_step(t
     result = run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name="tiny", out=out))
     models = ["tiny", "tiny_encoder", "tiny_tokenizer"]
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [*models, "tiny_tokens"]
-    report = json.loads((out / "tiny_encoder" / "validation.json").read_text())
-    assert report == result.report and report["pooled_in_graph"] is True
-    assert report["outputs"] == ["EMBEDDING", "TOKEN_EMBEDDINGS"]
-    assert report["passed"] and report["max_abs_diff"] <= 1e-4
+    report = export_report.read(out / "tiny_encoder")
+    assert report == result.report and report.pooled_in_graph is True
+    assert report.outputs == ["EMBEDDING", "TOKEN_EMBEDDINGS"]
+    assert report.validation.passed and report.validation.max_abs_diff <= 1e-4
     graph = onnx.load(str(out / "tiny_encoder" / "1" / "model.onnx")).graph
     assert [o.name for o in graph.output] == ["EMBEDDING", "TOKEN_EMBEDDINGS"]
     assert pooling_nodes(out / "tiny_encoder" / "1" / "model.onnx")

@@ -21,7 +21,7 @@ from sentence_transformers import SentenceTransformer
 
 from nexus_sli.bench.served import free_ports
 from nexus_sli.client import EncoderClient
-from nexus_sli.exporter.export import packaged
+from nexus_sli.exporter.export import export_report, packaged
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.validate import AUTO_BAR, validation_texts
 from nexus_sli.exporter.serving import server as serve
@@ -55,8 +55,8 @@ def reference(checkpoint):
     return SentenceTransformer(str(checkpoint), device="cpu")
 
 
-def _report(served, name: str) -> dict:
-    return json.loads((served["repo"] / f"{name}_encoder" / "validation.json").read_text())
+def _report(served, name: str) -> export_report.ExportReport:
+    return export_report.read(served["repo"] / f"{name}_encoder")
 
 
 def test_the_packaged_checkpoint_is_the_real_model(checkpoint):
@@ -68,23 +68,23 @@ def test_the_packaged_checkpoint_is_the_real_model(checkpoint):
 def test_exports_record_what_the_checkpoint_says(served):
     for name in (AUTO, FP32):
         report = _report(served, name)
-        assert report["passed"] is True and report["allow_degraded"] is False
-        assert report["model"] == "sentence-transformers/all-mpnet-base-v2" and report["model_type"] == "mpnet"
-        assert report["inputs"] == ["input_ids", "attention_mask"]
+        assert report.validation.passed is True and report.allow_degraded is False
+        assert report.model == "sentence-transformers/all-mpnet-base-v2" and report.model_type == "mpnet"
+        assert report.inputs == ["input_ids", "attention_mask"]
         # sentence_bert_config's max_seq_length; mean pooling, and the Normalize module modules.json names
-        assert (report["max_length"], report["pooling"], report["normalize"]) == (384, "mean", True)
-        assert report["walk"]["layers"] == 12
-    assert _report(served, FP32)["precision"] == "fp32"
-    assert all(row["precision"] == "fp32" for row in _report(served, FP32)["measured"])
+        assert (report.max_length, report.pooling, report.normalize) == (384, "mean", True)
+        assert report.walk.layers == 12
+    assert _report(served, FP32).validation.precision == "fp32"
+    assert all(row.precision == "fp32" for row in _report(served, FP32).measured)
 
 
 def test_auto_measured_every_configuration_and_kept_a_passing_one(served):
     report = _report(served, AUTO)
-    rows = report["measured"]
-    assert {row["precision"] for row in rows} >= {"fp32", "int8"}
-    (chosen,) = [row for row in rows if row["chosen"]]
-    assert chosen["passed"] and chosen["cosine_min"] >= AUTO_BAR["cosine_min"]
-    assert chosen["score"] == min(row["score"] for row in rows if row["passed"])
+    rows = report.measured
+    assert {row.precision for row in rows} >= {"fp32", "int8"}
+    (chosen,) = [row for row in rows if row.chosen]
+    assert chosen.passed and chosen.cosine_min >= AUTO_BAR["cosine_min"]
+    assert chosen.score == min(row.score for row in rows if row.passed)
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -105,7 +105,7 @@ def test_served_default_keeps_the_auto_bar_against_sentence_transformers(served,
     cos = cosines(got, reference.encode(texts, batch_size=32))
     assert cos.mean() >= AUTO_BAR["cosine_mean"] and cos.min() >= AUTO_BAR["cosine_min"]
     # what the export measured against its own PyTorch reference is what the server gives
-    assert cos.min() == pytest.approx(_report(served, AUTO)["cosine_min"], abs=2e-3)
+    assert cos.min() == pytest.approx(_report(served, AUTO).validation.cosine_min, abs=2e-3)
 
 
 def test_texts_past_the_trained_length_are_truncated_as_sentence_transformers_does(served, reference):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.export.checkpoint import Checkpoint
 from nexus_sli.exporter.errors import CheckpointError, NexusError, UnsupportedModelError
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
@@ -232,10 +233,10 @@ def test_jinabert_other_feed_forward_types_match_reference(feed_forward_type, re
 def test_export_passes_validation(model_type, task, precision, exported):
     out, result = exported(model_type, task, precision)
     encoder = out / "tiny_encoder"
-    report = json.loads((encoder / "validation.json").read_text())
-    assert report["passed"] is True and report["model_type"] == model_type and report["task"] == task
+    report = export_report.read(encoder)
+    assert report.validation.passed is True and report.model_type == model_type and report.task == task
     if precision == "fp32":
-        assert report["max_abs_diff"] <= 1e-4
+        assert report.validation.max_abs_diff <= 1e-4
     graph = onnx.load(str(encoder / "1" / "model.onnx")).graph
     inputs = [i.name for i in graph.input]
     assert inputs == (["input_ids", "attention_mask", "token_type_ids"] if model_type == "jinabert"
@@ -248,11 +249,11 @@ def test_export_passes_validation(model_type, task, precision, exported):
 def test_exported_graph_serves_sequences_longer_than_the_export_example(model_type, exported, remote_checkpoint):
     """ALiBi biases and rotary tables come from the runtime length, not the 16-token example."""
     out, result = exported(model_type, "embedding", "fp32")
-    assert result.report["max_length"] == MAX_LENGTH
+    assert result.report.max_length == MAX_LENGTH
     model, _ = walked(remote_checkpoint(model_type), "embedding")
     ids, mask, types = padded_batch([100, 61])
     feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
-    names = result.report["inputs"]
+    names = result.report.inputs
     session = ort.InferenceSession(str(out / "tiny_encoder" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
     got = session.run(None, {name: feeds[name].numpy() for name in names})[0]
     with torch.no_grad():
@@ -260,8 +261,8 @@ def test_exported_graph_serves_sequences_longer_than_the_export_example(model_ty
     # the graph ends in the pooling (exporter/export/pooling.py): compare with the same pooling in python
     from nexus_sli.exporter.export.validate import Embedder
 
-    assert result.report["pooled_in_graph"] and got.shape == (2, 32)
-    pooled = Embedder(result.report["pooling"], result.report["normalize"])(expected, mask.numpy())
+    assert result.report.pooled_in_graph and got.shape == (2, 32)
+    pooled = Embedder(result.report.pooling, result.report.normalize)(expected, mask.numpy())
     assert np.abs(got - pooled).max() <= 1e-4
 
 

@@ -11,6 +11,7 @@ from google.protobuf import text_format
 
 from nexus_sli.cli.main import main
 from nexus_sli.exporter.errors import NexusError, ValidationError
+from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.revalidate import RECORD, revalidate
 from nexus_sli.exporter.triton import config as tc
@@ -35,9 +36,9 @@ def repo(tiny_checkpoint, tmp_path_factory):
                                            ("gpu", "onnxruntime-tensorrt")])
 def test_every_variant_validates_again_here_and_is_recorded(repo, name, backend):
     record = revalidate(repo, name)
-    exported = json.loads((repo / f"{name}_encoder" / "validation.json").read_text())
-    assert record["passed"] and record["backend"] == backend and record["precision"] == exported["precision"]
-    assert record["thresholds"] == exported["thresholds"] and record["texts"] == exported["texts"]
+    exported = export_report.read(repo / f"{name}_encoder").validation
+    assert record["passed"] and record["backend"] == backend and record["precision"] == exported.precision
+    assert record["thresholds"] == exported.thresholds and record["texts"] == exported.texts
     assert json.loads((repo / f"{name}_encoder" / RECORD).read_text()) == record
 
 
@@ -86,10 +87,10 @@ def test_a_repository_exported_before_pooling_moved_into_the_graph_validates_aga
     on both sides as before.  A pooled graph put in its place fails on the output names."""
     copy = tmp_path / "repo"
     shutil.copytree(repo / "legacy_encoder", copy / "legacy_encoder")
-    path = copy / "legacy_encoder" / "validation.json"
-    exported = json.loads(path.read_text())
-    assert exported["pooled_in_graph"] is False and exported["outputs"] == ["last_hidden_state"]
-    path.write_text(json.dumps({k: v for k, v in exported.items() if k not in ("pooled_in_graph", "outputs")}))
+    exported = export_report.read(copy / "legacy_encoder")
+    assert exported.pooled_in_graph is False and exported.outputs == ["last_hidden_state"]
+    older = {k: v for k, v in exported.to_dict().items() if k not in ("version", "pooled_in_graph", "outputs")}
+    export_report.path(copy / "legacy_encoder").write_text(json.dumps(older))  # the older layout, on purpose
     record = revalidate(copy, "legacy")
     assert record["passed"] and record["max_abs_diff"] <= 1e-4 and record["cosine_min"] > 0.9999
     shutil.copyfile(repo / "fp32_encoder" / "1" / "model.onnx", copy / "legacy_encoder" / "1" / "model.onnx")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +14,7 @@ from sentence_transformers import SentenceTransformer
 from helpers.waiting import wait_until
 from nexus_sli.exporter.serving import server as serve
 from nexus_sli.exporter.triton import config as triton_config
+from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.targets.cpu import supports_bf16
 from nexus_sli.exporter.export.validate import validation_texts
@@ -173,8 +173,8 @@ def test_concurrent_single_texts_share_encoder_executions(server):
 
 def _openvino_precision(server) -> tuple[str, str]:
     config = triton_config.read(server["repo"] / "minilm_openvino_encoder" / "config.pbtxt")
-    report = json.loads((server["repo"] / "minilm_openvino_encoder" / "validation.json").read_text())
-    return config.parameters["HINT_BF16"].string_value, report["precision"]
+    report = export_report.read(server["repo"] / "minilm_openvino_encoder").validation
+    return config.parameters["HINT_BF16"].string_value, report.precision
 
 
 @pytest.mark.skipif(not supports_bf16(), reason="the CPU has no avx512_bf16/amx_bf16: bf16 is not served here")
@@ -194,14 +194,14 @@ def test_openvino_int8_ir_serves_what_its_validation_measured(server, reference)
     config = triton_config.read(folder / "config.pbtxt")
     assert config.backend == "openvino" and config.default_model_filename == "model.xml"
     assert (folder / "1" / "model.xml").is_file() and not (folder / "1" / "model.onnx").exists()
-    report = json.loads((folder / "validation.json").read_text())
+    report = export_report.read(folder).validation
     texts = validation_texts()  # the 240 texts validation measured
     got = np.concatenate([_embed(server["grpc"], texts[i:i + 60], model="minilm_openvino_int8", protocol="grpc")
                           for i in range(0, len(texts), 60)])
     cos = cosines(got, reference.encode(texts, batch_size=32))
-    assert report["precision"] == "int8" and got.shape == (240, 384)
-    assert abs(cos.mean() - report["cosine_mean"]) < 1e-4 and abs(cos.min() - report["cosine_min"]) < 1e-4, (
-        cos.mean(), cos.min(), report["cosine_mean"], report["cosine_min"])
+    assert report.precision == "int8" and got.shape == (240, 384)
+    assert abs(cos.mean() - report.cosine_mean) < 1e-4 and abs(cos.min() - report.cosine_min) < 1e-4, (
+        cos.mean(), cos.min(), report.cosine_mean, report.cosine_min)
 
 
 def test_openvino_backend_serves_the_same_embeddings(server, reference):

@@ -5,10 +5,10 @@ files, byte for byte, but for the names in the configs."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from helpers.exports import ExportStore
+from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 
 
@@ -28,7 +28,7 @@ def test_a_renamed_copy_is_what_an_export_under_that_name_writes(tiny_checkpoint
     assert sorted(got) == sorted(want) and any(name.startswith("mine_tokens/") for name in got)
     assert [name for name in want if got[name] != want[name]] == ["mine_encoder/validation.json"]
     # ... whose only differences are what each run found: the memory free to time in, the layer cache's hits
-    reports = [json.loads(files["mine_encoder/validation.json"]) for files in (got, want)]
+    reports = [export_report.read(repository / "mine_encoder").to_dict() for repository in (copied, tmp_path / "direct")]
     for report in reports:
         del report["timing"]["memory_budget_bytes"], report["walk"]["from_cache"]
     assert reports[0] == reports[1]

@@ -8,6 +8,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from helpers.reports import measured_row, version_1
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.static_int8 import SMOOTH_QUANT_ALPHA, STATIC_INT8_GRAPH as STATIC, unsigned_activations
 
@@ -75,18 +76,18 @@ def auto_int8(tiny_checkpoint, tmp_path_factory):
 
 def test_auto_offers_onnx_runtime_a_static_int8_that_keeps_its_bar(auto_int8):
     report, _ = auto_int8
-    candidates = {c["graph"]: c for c in report["measured"]}
+    candidates = {c.graph: c for c in report.measured}
     assert list(candidates) == ["plain", "plain+ffn-out-fp32", "fused", "fused+ffn-out-fp32", STATIC]
     static = candidates[STATIC]
-    assert static["passed"] and static["cosine_min"] >= 0.98 and static["cosine_mean"] >= 0.995
-    assert report["thresholds"] == {"cosine_mean": 0.995, "cosine_min": 0.98}
+    assert static.passed and static.cosine_min >= 0.98 and static.cosine_mean >= 0.995
+    assert report.validation.thresholds == {"cosine_mean": 0.995, "cosine_min": 0.98}
 
 
 def test_explicit_int8_keeps_to_the_dynamic_variants(tiny_checkpoint, tmp_path):
     """Held to int8's own bar, the dynamic variants (faster, and they keep it) are all an int8 export makes."""
     report = _int8_export(tiny_checkpoint, tmp_path / "repo", "int8")
-    assert STATIC not in [c["graph"] for c in report["candidates"]]
-    assert report["thresholds"] == {"cosine_mean": 0.99, "cosine_min": 0.95}
+    assert STATIC not in [c.graph for c in report.candidates]
+    assert report.validation.thresholds == {"cosine_mean": 0.99, "cosine_min": 0.95}
 
 
 def test_the_static_graph_runs_integer_matmuls_on_u8_activations(tiny_checkpoint, tmp_path):
@@ -146,19 +147,21 @@ def test_the_bench_exports_a_static_default_through_auto_and_checks_what_it_kept
     from nexus_sli.bench import exports
     from nexus_sli.bench.options import BenchOptions
     from nexus_sli.bench.run_size import FULL
-    from nexus_sli.exporter.export import pipeline
+    from nexus_sli.exporter.export import export_report, pipeline
+    from nexus_sli.exporter.export.export_report import ExportReport
+    from nexus_sli.exporter.export.pipeline import ExportResult
 
     default = {"label": "int8-static", "backend": "onnxruntime", "precision": "int8", "graph": STATIC}
     monkeypatch.setattr(exports, "default_configuration", lambda options, run_size=None, export=True: default)
     exported = {}
 
-    def fake_export(options):  # what the bench asks for, and a validation.json that says what was kept
+    def fake_export(options):  # what the bench asks for, and a record that says what was kept
         exported[options.name] = (options.backend, options.precision)
-        folder = options.out / f"{options.name}_encoder"
-        folder.mkdir(parents=True)
-        row = {"backend": "onnxruntime", "precision": "int8" if kept == STATIC else "fp32", "graph": kept,
-               "chosen": True}
-        (folder / "validation.json").write_text(json.dumps({"model": "x", "measured": [row]}))
+        row = measured_row("int8" if kept == STATIC else "fp32", kept, True, chosen=True)
+        report = ExportReport.from_dict({**version_1(), "model": "x", "measured": [row]})
+        (options.out / f"{options.name}_encoder").mkdir(parents=True)
+        export_report.write(report, options.out / f"{options.name}_encoder")
+        return ExportResult(options.name, [], report)
 
     monkeypatch.setattr(pipeline, "run_export", fake_export)
     options = BenchOptions(model=str(tiny_checkpoint("bert")), repository=tmp_path / "repo")

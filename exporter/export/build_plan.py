@@ -15,7 +15,6 @@ back to ONNX Runtime needs no export.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 from pathlib import Path
@@ -35,26 +34,28 @@ from nexus_sli.exporter.targets.tensorrt_plan import (
 )
 from nexus_sli.exporter.triton import config as tc
 
+from . import export_report
+from .export_report import ExportReport, PlanRecord
 from .revalidate import against_reference
 
 #: The exported graph a plan is built from (the GPU export's model file; it stays after the switch).
 ONNX_FILE = "model.onnx"
-#: validation.json's record of the plans built, by compute capability.
+#: validation.json's key of the plans built, by compute capability (:attr:`ExportReport.tensorrt_plans`).
 PLANS = "tensorrt_plans"
 #: The platforms a GPU export's encoder has before and after a plan was built.
 GPU_PLATFORMS = ("onnxruntime_onnx", "tensorrt_plan")
 
 
-def gpu_export(folder: Path) -> tuple[tc.pb.ModelConfig, dict]:
-    """The encoder's config and export record, refusing anything but a GPU export's encoder."""
+def gpu_export(folder: Path) -> tuple[tc.pb.ModelConfig, ExportReport]:
+    """The encoder's config and export report, refusing anything but a GPU export's encoder."""
     if not (folder / "config.pbtxt").is_file():
         raise NexusError(f"{folder} holds no encoder config: is the model name right?")
-    if not (folder / "validation.json").is_file():
-        raise NexusError(f"{folder / 'validation.json'} is missing: export the model again with --target gpu")
+    if not export_report.path(folder).is_file():
+        raise NexusError(f"{export_report.path(folder)} is missing: export the model again with --target gpu")
     config = tc.read(folder / "config.pbtxt")
-    exported = json.loads((folder / "validation.json").read_text())
+    exported = export_report.read(folder)
     kinds = {tc.pb.ModelInstanceGroup.Kind.Name(g.kind) for g in config.instance_group}
-    if config.platform not in GPU_PLATFORMS or kinds != {"KIND_GPU"} or exported.get("device") != "gpu":
+    if config.platform not in GPU_PLATFORMS or kinds != {"KIND_GPU"} or exported.device != "gpu":
         raise NexusError(f"{folder.name} is not a GPU export (platform {config.platform or config.backend!r}, "
                          f"{', '.join(sorted(kinds))}): export it with --target gpu first")
     if not (folder / "1" / ONNX_FILE).is_file():
@@ -97,43 +98,44 @@ def _replace(path: Path, data: bytes) -> None:
     os.replace(partial, path)
 
 
-def install(folder: Path, config: tc.pb.ModelConfig, plan: bytes, record: dict) -> tc.pb.ModelConfig:
+def install(folder: Path, config: tc.pb.ModelConfig, plan: bytes, record: PlanRecord) -> tc.pb.ModelConfig:
     """The validated ``plan`` into ``folder``: the plan, then the config, then validation.json, each renamed
     into place.  A crash at any point leaves a config that names a model file that exists, and
     validation.json never records a plan the config does not serve (a crash between the last two leaves
     the served plan unrecorded: build-plan again records it).  Returns the config now in place."""
-    _replace(folder / "1" / record["file"], plan)
-    exported = json.loads((folder / "validation.json").read_text())
-    exported.setdefault(PLANS, {})[record["compute_capability"]] = record
-    plans = {cc: entry["file"] for cc, entry in sorted(exported[PLANS].items())
-             if (folder / "1" / entry["file"]).is_file()}
-    switched = plan_config(config, plans, record["file"])
+    _replace(folder / "1" / record.file, plan)
+    exported = export_report.read(folder)
+    exported.tensorrt_plans[record.compute_capability] = record
+    plans = {cc: entry.file for cc, entry in sorted(exported.tensorrt_plans.items())
+             if (folder / "1" / entry.file).is_file()}
+    switched = plan_config(config, plans, record.file)
     _replace(folder / "config.pbtxt", text_format.MessageToString(switched).encode())
-    _replace(folder / "validation.json", (json.dumps(exported, indent=2) + "\n").encode())
+    _replace(export_report.path(folder), exported.encode())
     return switched
 
 
-def build_plan(repository: Path, name: str, workspace: int = WORKSPACE_BYTES) -> dict:
+def build_plan(repository: Path, name: str, workspace: int = WORKSPACE_BYTES) -> PlanRecord:
     """Build, validate and install ``name``'s plan for this GPU; the record, or ValidationError (nothing
     switched).  Without TensorRT: :class:`GPURuntimeUnavailableError`, saying where to run it."""
     folder = Path(repository) / f"{name}_encoder"
     config, exported = gpu_export(folder)
     trt = import_tensorrt()
     gpu = CudaRuntime().device()
-    dims = tc.profile_dims(int(exported["max_length"]), config.max_batch_size)
-    plan, pinned = build_engine(trt, folder / "1" / ONNX_FILE, list(exported["inputs"]), dims, workspace)
+    dims = tc.profile_dims(exported.max_length, config.max_batch_size)
+    plan, pinned = build_engine(trt, folder / "1" / ONNX_FILE, list(exported.inputs), dims, workspace)
     runner = EngineRunner(trt, plan)
     mismatches = io_type_mismatches(io_types(config), runner.io_types())
     if mismatches:
         raise PlanBuildError(f"the engine's tensors do not match {name}'s config ({'; '.join(mismatches)}); "
                              "TensorRT 10 or later keeps the int64 inputs the tokenizer sends")
     report = against_reference(folder, runner, TensorRTPlan.name, TensorRTPlan.trims_padding)
-    record = {**report.to_dict(), "file": plan_filename(gpu.capability), "tensorrt": trt.__version__,
-              "gpu": gpu.name, "compute_capability": gpu.capability, "host": platform.node(),
-              "profile": {kind: list(shape) for kind, shape in dims.items()}, "fp32_layers": pinned,
-              "workspace_bytes": workspace, "validated_on": TensorRTPlan.validated_on}
+    record = PlanRecord(validation=report, file=plan_filename(gpu.capability), tensorrt=trt.__version__,
+                        gpu=gpu.name, compute_capability=gpu.capability, host=platform.node(),
+                        profile={kind: list(shape) for kind, shape in dims.items()}, fp32_layers=pinned,
+                        workspace_bytes=workspace, validated_on=TensorRTPlan.validated_on)
     if not report.passed:
         raise ValidationError(f"the TensorRT plan of {name} does not match PyTorch on {gpu.name}: "
-                              f"{report.summary()}; nothing was switched", report=record, failures=report.failures)
+                              f"{report.summary()}; nothing was switched", report=record.to_dict(),
+                              failures=report.failures)
     install(folder, config, plan, record)
     return record

@@ -29,8 +29,8 @@ def fuse(plain: Path, target: Path, num_heads: int, hidden_size: int) -> dict[st
     if counts:
         optimized.save_model_to_file(str(onnx_files.prepare(target)), use_external_data_format=onnx_files.external(plain))
     # The optimizer's objects hold the graphs it loaded in reference cycles, which Python frees only at its
-    # next cyclic collection, whenever that comes: xlm-roberta-large's process kept 11.3 GB after fusing,
-    # 1.2 GB once collected.
+    # next cyclic collection, whenever that comes: until then a large model's graphs stay resident
+    # (bench/data/tried.md, "Exporter constants").
     del optimized
     gc.collect()
     return counts or None

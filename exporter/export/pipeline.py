@@ -27,9 +27,10 @@ from nexus_sli.exporter.triton.staging import Staging
 from nexus_sli.tasks import get_task, infer_task
 from nexus_sli.tasks.spec import TOKEN_MODEL_SUFFIX
 
-from . import onnx_files, stored_reference
+from . import export_report, onnx_files, stored_reference
 from .checkpoint import Checkpoint
 from .embedders import is_sparse_encoder, poolers
+from .export_report import AttemptRecord, CandidateRecord, ExportReport, Heat, MeasuredRow, Timing, WalkRecord
 from .handler import get_registry
 from .onnx_export import export_onnx, model_input_names
 from .report import ValidationReport
@@ -65,9 +66,8 @@ class ExportOptions:
     cache_dir: Path | None = None
     #: embeddings (dense and sparse): pooling (and normalisation) at the end of the encoder graph, the
     #: ensemble tokenizer -> encoder (:mod:`pooling`); False writes the earlier tokenizer -> encoder ->
-    #: python post-processing ensemble.  Internal: measured both ways by bench/experiments/pooling_in_graph.py
-    #: (removed after its finding was recorded in bench/data/tried.md; ``git show
-    #: c81662c:bench/experiments/pooling_in_graph.py``).
+    #: python post-processing ensemble.  Internal: kept to measure both layouts (bench/data/tried.md,
+    #: "Pooling inside the encoder graph").
     pool_in_graph: bool = True
     #: what ``auto`` keeps the fastest graph for (:data:`timing.OBJECTIVES`): balanced, throughput or latency
     optimize: str = DEFAULT_OBJECTIVE
@@ -78,7 +78,7 @@ class ExportResult:
     name: str
     models: list[Path]
     #: what was written to the encoder's validation.json
-    report: dict
+    report: ExportReport
 
 
 @dataclass
@@ -94,7 +94,7 @@ class Prepared:
     reference: Reference
     #: how the graph's output becomes the served answer where the task pools (:mod:`embedders`)
     embedder: Embedder | SparseEmbedder | None
-    walk: dict
+    walk: WalkRecord
     #: what every passing candidate is timed on
     workloads: list[Workload]
 
@@ -115,19 +115,18 @@ class Attempt:
     def summary(self) -> str:
         return "; ".join(f"{c.graph}: {c.report.summary()}" for c in self.candidates)
 
-    def record(self) -> dict:
-        return {"backend": self.configuration.target.name, "precision": self.configuration.precision,
-                "reason": self.configuration.reason, "passed": bool(self.passed),
-                "failures": [] if self.passed else [self.summary()],
-                **({"left_out": self.left_out} if self.left_out else {})}
+    def record(self) -> AttemptRecord:
+        return AttemptRecord(backend=self.configuration.target.name, precision=self.configuration.precision,
+                             reason=self.configuration.reason, passed=bool(self.passed),
+                             failures=[] if self.passed else [self.summary()], left_out=self.left_out or None)
 
-    def rows(self, chosen: Candidate) -> list[dict]:
+    def rows(self, chosen: Candidate) -> list[MeasuredRow]:
         """The measurement table's rows: every candidate, its fidelity and its timings."""
         report_fields = ("passed", "cosine_min", "cosine_mean", "agreement", "max_abs_diff")
-        return [{"backend": self.configuration.target.name, "precision": self.configuration.precision,
-                 "graph": c.graph, **{f: getattr(c.report, f) for f in report_fields},
-                 "timings_ms": {k: round(v, 3) for k, v in (c.timings or {}).items()},
-                 "score": None if c.score is None else round(c.score, 4), "chosen": c is chosen}
+        return [MeasuredRow(backend=self.configuration.target.name, precision=self.configuration.precision,
+                            graph=c.graph, **{f: getattr(c.report, f) for f in report_fields},
+                            timings_ms={k: round(v, 3) for k, v in (c.timings or {}).items()},
+                            score=_rounded(c.score, 4), chosen=c is chosen)
                 for c in self.candidates]
 
 
@@ -211,9 +210,9 @@ def _walk(options: ExportOptions, source, config, task, handler):
     if cache is not None:
         log.info("reused %d of %d layers from the layer cache at %s",
                  report.layers_from_cache, report.layers_loaded, cache.cache_dir)
-    return model, {"layers": report.layers_loaded, "from_cache": report.layers_from_cache,
-                   "tensors": report.tensors_loaded, "skipped": report.skipped,
-                   "absent_optional": report.absent_optional}
+    return model, WalkRecord(layers=report.layers_loaded, from_cache=report.layers_from_cache,
+                             tensors=report.tensors_loaded, skipped=report.skipped,
+                             absent_optional=report.absent_optional)
 
 
 def _pad_id(config, tokenizer) -> int:
@@ -251,12 +250,13 @@ def _attempt(configuration: Configuration, prepared: Prepared) -> Attempt:
     return attempt
 
 
-def _time(attempts: list[Attempt], loads: list[Workload], objective: str) -> tuple[Candidate | None, dict]:
+def _time(attempts: list[Attempt], loads: list[Workload],
+          objective: str) -> tuple[Candidate | None, Timing | None]:
     """Every candidate that passed, reopened and timed side by side on the workloads, in heats that fit in
     memory (:func:`timing.time_in_heats`); the fastest, and how it was timed (validation.json's ``timing``)."""
     passed = [(a.configuration, c) for a in attempts for c in a.passed]
     if not passed:
-        return None, {}
+        return None, None
     sizes = [footprint(c.files()) for _, c in passed]
     budget = memory_budget()
     log.info("timing %d graphs that passed, side by side: %s", len(passed), ", ".join(l.describe() for l in loads))
@@ -266,27 +266,29 @@ def _time(attempts: list[Attempt], loads: list[Workload], objective: str) -> tup
     for index, ((_, candidate), timings) in enumerate(zip(passed, heats.timings)):
         candidate.timings, candidate.latency_ms = timings, sum(timings.values())
         candidate.score = last_score[index]
-    return passed[heats.fastest][1], {"optimize": objective, **_timing_record(passed, sizes, budget, heats)}
+    return passed[heats.fastest][1], _timing_record(objective, passed, sizes, budget, heats)
 
 
 def _label(configuration: Configuration, candidate: Candidate) -> str:
     return f"{configuration.describe()} {candidate.graph}"
 
 
-def _timing_record(passed: list[tuple[Configuration, Candidate]], sizes: list[int], budget: int,
-                   heats: Heats) -> dict:
+def _timing_record(objective: str, passed: list[tuple[Configuration, Candidate]], sizes: list[int], budget: int,
+                   heats: Heats) -> Timing:
     """How the graphs were timed: in one heat (all open together), or in several because they did not fit."""
     one = len(heats.heats) == 1
-    return {"heats": [{"score": {_label(*passed[i]): round(score, 4) for i, score in heat.items()},
-                       "fastest": _label(*passed[min(heat, key=heat.get)]), "rounds": rounds}
-                      for heat, rounds in zip(heats.heats, heats.rounds)],
-            "memory_budget_bytes": budget, "estimated_bytes": {_label(*p): size for p, size in zip(passed, sizes)},
-            "why": ("every graph open at once, side by side" if one else
-                    "the graphs did not fit in the memory budget together: timed side by side in heats, the "
-                    "fastest of each heat carried into the next; each graph's timings in `measured` are from its "
-                    "last heat, so compare scores within a heat"),
-            "score": "each workload's median over the heat's best on it, combined by a geometric mean weighted "
-                     "as `optimize` says (timing.OBJECTIVES); 1.0 is the best on every workload that counts"}
+    return Timing(
+        optimize=objective,
+        heats=[Heat(score={_label(*passed[i]): round(score, 4) for i, score in heat.items()},
+                    fastest=_label(*passed[min(heat, key=heat.get)]), rounds=rounds)
+               for heat, rounds in zip(heats.heats, heats.rounds)],
+        memory_budget_bytes=budget, estimated_bytes={_label(*p): size for p, size in zip(passed, sizes)},
+        why=("every graph open at once, side by side" if one else
+             "the graphs did not fit in the memory budget together: timed side by side in heats, the "
+             "fastest of each heat carried into the next; each graph's timings in `measured` are from its "
+             "last heat, so compare scores within a heat"),
+        score="each workload's median over the heat's best on it, combined by a geometric mean weighted "
+              "as `optimize` says (timing.OBJECTIVES); 1.0 is the best on every workload that counts")
 
 
 def _timings(candidate: Candidate) -> str:
@@ -329,62 +331,46 @@ def _closeness(report: ValidationReport) -> float:
 
 
 def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt], attempt: Attempt,
-            chosen: Candidate, timing: dict) -> dict:
-    """validation.json: the chosen graph's validation, every configuration tried, and the export's facts."""
-    embedder = prepared.embedder
-    return {
-        **chosen.report.to_dict(),
-        "model": prepared.source.model_id,
-        "model_type": prepared.family.model_type,
-        "task": prepared.task.name,
-        "graph": chosen.graph,
-        "requested_backend": options.backend,
-        "requested_precision": options.precision,
-        "device": attempt.configuration.target.device,
-        "validated_on": attempt.configuration.target.validated_on,
-        "attempts": [a.record() for a in attempts],
-        "allow_degraded": options.allow_degraded,
-        "candidates": [{"graph": c.graph, "passed": c.report.passed,
-                        "latency_ms": None if c.latency_ms is None else round(c.latency_ms, 3),
-                        "score": None if c.score is None else round(c.score, 4),
-                        "max_abs_diff": c.report.max_abs_diff, "cosine_min": c.report.cosine_min}
-                       for c in attempt.candidates],
-        # every configuration validated and timed: how the export chose (docs/export.md, "Choosing a backend")
-        "measured": [row for a in attempts for row in a.rows(chosen)],
-        "workloads": [load.describe() for load in prepared.workloads],
-        # how the passing graphs were timed: all open at once, or in heats that fit in memory
-        "timing": timing,
-        # the plain graph is past onnx_files.EXTERNAL_DATA_THRESHOLD: its weights in a data file, fewer candidates
-        "large_model": prepared.graph.large,
-        "inputs": prepared.graph.input_names,
-        "truncate": options.truncate,
-        "max_length": prepared.graph.max_length,
-        "pooling": None,
-        "normalize": None,
-        **(embedder.record() if embedder else {}),  # revalidation reads it back (validate.embedder_from_report)
-        # the graph's first output is the pooled embedding (validation compares it as it comes), the token
-        # states follow where the graph keeps them
-        "pooled_in_graph": prepared.graph.pooled,
-        "outputs": prepared.graph.pooling.outputs if prepared.graph.pooled else prepared.task.output_names(),
-        "walk": prepared.walk,
-    }
+            chosen: Candidate, timing: Timing | None) -> ExportReport:
+    """validation.json: the chosen graph's validation, every configuration tried, and the export's facts
+    (:class:`export_report.ExportReport` documents each)."""
+    embedder, graph = prepared.embedder, prepared.graph
+    return ExportReport(
+        validation=chosen.report, model=prepared.source.model_id, model_type=prepared.family.model_type,
+        task=prepared.task.name, graph=chosen.graph, requested_backend=options.backend,
+        requested_precision=options.precision, device=attempt.configuration.target.device,
+        validated_on=attempt.configuration.target.validated_on, attempts=[a.record() for a in attempts],
+        allow_degraded=options.allow_degraded,
+        candidates=[CandidateRecord(graph=c.graph, passed=c.report.passed, latency_ms=_rounded(c.latency_ms, 3),
+                                    score=_rounded(c.score, 4), max_abs_diff=c.report.max_abs_diff,
+                                    cosine_min=c.report.cosine_min) for c in attempt.candidates],
+        measured=[row for a in attempts for row in a.rows(chosen)],
+        workloads=[load.describe() for load in prepared.workloads], timing=timing, large_model=graph.large,
+        inputs=graph.input_names, truncate=options.truncate, max_length=graph.max_length,
+        **(embedder.record() if embedder else {}),
+        pooled_in_graph=graph.pooled,
+        outputs=graph.pooling.outputs if graph.pooled else prepared.task.output_names(), walk=prepared.walk)
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: Candidate,
-           report: dict) -> list[str]:
+           report: ExportReport) -> list[str]:
     """The models into the staging root, the chosen graph as the encoder's model file; the ensembles' names."""
     task, config, embedder = prepared.task, prepared.config, prepared.embedder
     configuration = attempt.configuration
     facts = ServingFacts(prepared.graph.input_names, prepared.family.hidden_size(config),
                          int(getattr(config, "num_labels", 0) or 0), prepared.graph.max_length, prepared.graph.pad_id,
-                         report["truncate"], task.post_params(config, embedder),
+                         report.truncate, task.post_params(config, embedder),
                          configuration.target.serving(configuration.precision), f"model{chosen.path.suffix}",
                          prepared.graph.pooled, *_retrieval(prepared),
                          vocab_size=prepared.family.vocab_size(config))
     ensembles = write_models(root, name, task.name, facts, prepared.tokenizer_path)
     encoder_dir = root / f"{name}_encoder"
     chosen.install(encoder_dir / "1")
-    (encoder_dir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
+    export_report.write(report, encoder_dir)
     stored_reference.save(prepared.reference, encoder_dir)  # for nexus-sli validate on the serving host
     return ensembles
 

@@ -3,12 +3,12 @@
 A failure says which check it failed (names, shapes, values, fidelity,
 agreement, or the runtime refusing the inputs), so callers and tests branch on
 its type, never on its wording.  The report is serialised once, into the
-encoder's ``validation.json``.
+encoder's ``validation.json`` (:mod:`export_report`), and read back from there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import numpy as np
@@ -28,6 +28,14 @@ class Failure:
 
     def to_dict(self) -> dict[str, str]:
         return {"kind": self.kind, "message": self.message}
+
+    @staticmethod
+    def from_dict(data: dict) -> "Failure":
+        """The typed failure :meth:`to_dict` wrote; a kind this version does not know keeps its name."""
+        kinds = {kind.kind: kind for kind in Failure.__subclasses__()}
+        if data["kind"] in kinds:
+            return kinds[data["kind"]](data["message"])
+        return UnknownFailure(data["message"], kind=data["kind"])
 
 
 class NameMismatch(Failure):
@@ -66,6 +74,13 @@ class RuntimeFailure(Failure):
     kind = "runtime"
 
 
+@dataclass(frozen=True)
+class UnknownFailure(Failure):
+    """A failure of a kind a newer nexus-sli wrote, read back as it was written."""
+
+    kind: str = field(default=Failure.kind, kw_only=True)
+
+
 @dataclass
 class Measures:
     """What running the reference inputs measured, accumulated batch by batch."""
@@ -96,6 +111,8 @@ class ValidationReport:
     ties: int
     failures: list[Failure] = field(default_factory=list)
     reference: str = REFERENCE
+    #: what :meth:`to_dict` writes besides the fields, computed from them
+    DERIVED: ClassVar[tuple[str, ...]] = ("passed",)
 
     @classmethod
     def from_measures(cls, precision: str, backend: str, thresholds: dict[str, float], texts: int,
@@ -114,5 +131,12 @@ class ValidationReport:
         return "passed" if self.passed else "; ".join(map(str, self.failures))
 
     def to_dict(self) -> dict:
-        values = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "failures"}
+        values = {item.name: getattr(self, item.name) for item in fields(self) if item.name != "failures"}
         return {**values, "failures": [f.to_dict() for f in self.failures], "passed": self.passed}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ValidationReport":
+        """The report :meth:`to_dict` wrote (``passed`` follows from the failures again)."""
+        values = {item.name: data[item.name] for item in fields(cls) if item.name in data and item.name != "failures"}
+        return cls(**values, failures=[Failure.from_dict(f) for f in data.get("failures", [])])
+

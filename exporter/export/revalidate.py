@@ -20,7 +20,7 @@ from nexus_sli.exporter.targets.onnxruntime_gpu import OnnxRuntimeGPU
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.tasks import get_task
 
-from . import stored_reference
+from . import export_report, stored_reference
 from .validate import compare, embedder_from_report
 
 #: Where each run is recorded, beside the export's own ``validation.json``.
@@ -65,17 +65,17 @@ def _serving(config: tc.pb.ModelConfig):
 def against_reference(folder: Path, runner, backend: str, trims_padding: bool):
     """``runner`` (a session-like graph or engine) on the reference stored in the encoder ``folder``,
     held to the export's own thresholds: the check ``validate`` and ``build-plan`` share."""
-    exported = json.loads((folder / "validation.json").read_text())
-    task = get_task(exported["task"])
-    reference = stored_reference.load(folder, list(exported["inputs"]), task.output_names())
+    exported = export_report.read(folder)
+    task = get_task(exported.task)
+    reference = stored_reference.load(folder, list(exported.inputs), task.output_names())
     embedder = embedder_from_report(exported)
-    # exports before pooling moved into the graph have no such key: their graph answers token states;
+    # exports before pooling moved into the graph read as not pooled: their graph answers token states;
     # pooled exports before the token states were kept have one output
-    pooled = task.client_output if exported.get("pooled_in_graph") else None
+    pooled = task.client_output if exported.pooled_in_graph else None
     kept = task.token_states.name if task.token_states is not None else None
-    tokens = kept if pooled and kept in exported.get("outputs", []) else None
-    return compare(runner, reference, exported["precision"], embedder, task, backend, exported["thresholds"],
-                   trims_padding, pooled, tokens)
+    tokens = kept if pooled and kept in (exported.outputs or []) else None
+    return compare(runner, reference, exported.validation.precision, embedder, task, backend,
+                   exported.validation.thresholds, trims_padding, pooled, tokens)
 
 
 def _providers(runner) -> list[str]:

@@ -10,12 +10,12 @@ either runtime.
 
 Why ONNX Runtime gets a static int8 besides its dynamic one: the dynamic int8
 scales each MatMul's input by one per-batch range, which a few outlier hidden
-dimensions set for every token; on all-MiniLM-L6-v2 no dynamic variant keeps
-the ``auto`` bar (min cosine 0.955-0.976).  SmoothQuant moves those outliers
-into the weights, and with the attention and feed-forward output projections
-in fp32 the static graph keeps it (0.99208 on the 2-core AVX2 EPYC, where
-OpenVINO's int8 of the same recipe is slower than fp32; bench/data/tried.md,
-"ONNX Runtime static int8").
+dimensions set for every token, so that no dynamic variant keeps the ``auto``
+bar on a small sentence encoder.  SmoothQuant moves those outliers into the
+weights, and with the attention and feed-forward output projections in fp32 the
+static graph keeps it.  It matters on CPUs where OpenVINO's int8 of the same
+recipe is slower than fp32 (bench/data/tried.md, "Faithful int8 on AVX2 without
+VNNI" and "ONNX Runtime static int8").
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ from nexus_sli.exporter.triton.python_models.encoding import encode
 
 CALIBRATION_BATCH = 16
 #: Calibration texts per batch for a graph past 2 GB: NNCF holds every activation it collects statistics of
-#: for a whole batch at once; on xlm-roberta-large's shape one NNCF run peaked at 15.0 GiB (10.5 min) in
-#: batches of 16 and 8.4 GiB (7.4 min) in batches of 4, over the same texts.
+#: for a whole batch at once, so smaller batches lower its peak memory over the same texts
+#: (bench/data/tried.md, "Exporter constants").
 LARGE_MODEL_CALIBRATION_BATCH = 4
 
 #: SmoothQuant's alpha for MatMuls in the variants that keep the attention output projections:
-#: on all-MiniLM-L6-v2 0.75 kept the bar where NNCF's default 0.95 broke a short text (min cosine
-#: 0.855) and 0.5 did less (bench/data/tried.md, "int8 that keeps the bar: static levers")
+#: 0.75 kept the bar where NNCF's default 0.95 broke a short text and 0.5 did less
+#: (bench/data/tried.md, "int8 that keeps the bar: static levers")
 SMOOTH_QUANT_ALPHA = 0.75
 
 #: the graph label of ONNX Runtime's static int8 candidate (validation.json's ``graph``; the bench reads it)
@@ -97,12 +97,12 @@ def quantize_qdq(source: Path, target: Path, calibration: list[dict[str, np.ndar
     from . import onnx_files
 
     # NNCF's default overflow fix (7-bit weights in the first layer only) is kept: 7-bit weights everywhere,
-    # meant for CPUs without VNNI, lost fidelity on the AVX2 EPYC (all-MiniLM-L6-v2: min cosine 0.98994
-    # against 0.99461; all-mpnet-base-v2 fell under the bar, mean 0.99497 against 0.99861)
+    # meant for CPUs without VNNI, lost fidelity on an AVX2 CPU, enough to put a base-size model under the
+    # auto bar (bench/data/tried.md, "ONNX Runtime static int8")
     quantized = _quantize(
         onnx.load(str(source)), calibration, keep or [], smooth_quant_alpha,
         # The embedding tables feed Gathers: quantized, ONNX Runtime would dequantize the whole table on
-        # every run (4.8 of a single query's 9.6 ms on all-MiniLM-L6-v2), where OpenVINO folds it once.
+        # every run, where OpenVINO folds it once (bench/data/tried.md, "ONNX Runtime static int8").
         ignored_types=["Gather"])
     return onnx_files.save(unsigned_activations(quantized), target)
 
@@ -110,8 +110,9 @@ def quantize_qdq(source: Path, target: Path, calibration: list[dict[str, np.ndar
 def unsigned_activations(model):
     """``model`` with each activation's int8 QuantizeLinear/DequantizeLinear pair made uint8 (zero point + 128,
     the same scale: every value dequantizes as before).  NNCF writes int8 wherever a range reaches below 0, but
-    ONNX Runtime's x86 integer kernels take u8 activations: from int8 ones its optimizer made 12 of 36 MatMuls
-    integer and ran a short text 5x slower than fp32 (bench/data/tried.md, "ONNX Runtime static int8")."""
+    ONNX Runtime's x86 integer kernels take u8 activations: from int8 ones its optimizer left most MatMuls
+    dequantized in fp32 and ran a short text slower than fp32 (bench/data/tried.md, "ONNX Runtime static
+    int8")."""
     import onnx
     from onnx import numpy_helper
 

@@ -4,13 +4,14 @@ A candidate is timed on what clients send (the bench's workloads): one client
 batch of :data:`BATCH` validation texts of mixed lengths, and one short query
 alone.  Its score weighs the two as the user asked (:data:`OBJECTIVES`,
 ``--optimize``): each workload's median as a ratio to the best candidate's on
-that workload, combined by a weighted geometric mean, so that 1% on a 700 ms
-batch and 1% on a 4 ms query count alike; ``balanced`` (the default) weighs
+that workload, combined by a weighted geometric mean, so that 1% on a long
+batch and 1% on a short query count alike; ``balanced`` (the default) weighs
 both equally, ``throughput`` only the batch, ``latency`` only the lone query.
-A sum of milliseconds would let the batch decide alone: on the AVX2 machine it
-kept OpenVINO fp32 (batch 667.7 ms, one short text 6.5 ms) over ONNX Runtime
-fp32 (677.1 ms, 3.6 ms).  Texts are tokenised as the served tokenizer does
-(padded to the batch's longest text; CPU graphs cut that padding themselves).
+A sum of milliseconds would let the batch decide alone, keeping a graph a
+little faster on the batch over one far faster on a single query
+(bench/data/tried.md, "Exporter constants").  Texts are tokenised as the served
+tokenizer does (padded to the batch's longest text; CPU graphs cut that padding
+themselves).
 
 The candidates take turns, one run each per round, rather than one after the
 other: a machine whose speed drifts (other jobs, turbo, a noisy neighbour)
@@ -23,9 +24,9 @@ on the CPU), they are timed in heats (:func:`time_in_heats`): as many as fit
 in :func:`memory_budget` side by side, then the fastest of that heat side by
 side with the next ones, and so on, so every graph is compared with the
 leader in one heat; where all fit, that is one heat, as before.  Where one
-round takes longer than :data:`LONG_ROUND_S` (a large model's batch of 32 takes
-tens of seconds on two cores) each run is long enough to measure on its own:
-one warm-up run and :data:`LONG_ROUNDS` rounds instead of two and five.
+round takes longer than :data:`LONG_ROUND_S` (a large model's batch of 32 on a
+small CPU) each run is long enough to measure on its own: one warm-up run and
+:data:`LONG_ROUNDS` rounds instead of two and five.
 """
 
 from __future__ import annotations
@@ -113,13 +114,13 @@ def time_side_by_side(runners: list, loads: list[Workload], rounds: int = ROUNDS
 
 
 #: Seconds of one round (every graph of a heat once on every workload) past which runs are measured
-#: with :data:`LONG_ROUNDS` rounds after one warm-up: xlm-roberta-large's batch of 32 took 49-65 s per
-#: graph on this project's 2-core EPYC, so two warm-ups and five rounds of ten graphs would take an hour.
+#: with :data:`LONG_ROUNDS` rounds after one warm-up: for a model past 2 GB on a small CPU, two warm-ups
+#: and five rounds of its ten graphs would take about an hour (bench/data/tried.md, "Exporter constants").
 LONG_ROUND_S = 20.0
 LONG_ROUNDS = 3
 #: A graph open in its runtime, after the timing workloads, takes up to this many times the size of its
-#: files: measured on xlm-roberta-large's 2.23 GB fp32 graph, ONNX Runtime 0.75x (it maps the external
-#: data and touches only the embedding rows it reads), OpenVINO 1.8x.
+#: files: ONNX Runtime maps the external data and touches only the embedding rows it reads, OpenVINO
+#: takes more than its files (bench/data/tried.md, "Exporter constants").
 RUNNER_MEMORY_FACTOR = 2.0
 #: The share of the memory available when timing starts that the graphs of one heat may take: the rest
 #: stays for the exporter itself and for whatever else runs on the machine.

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .export_report import ExportReport
 from .padding_trim import trimmed_length
 from .report import (
     AgreementShortfall,
@@ -143,13 +144,13 @@ class SparseEmbedder:
                 "splade": {"strategy": self.strategy, "activation": self.activation}}
 
 
-def embedder_from_report(exported: dict) -> Embedder | SparseEmbedder | None:
+def embedder_from_report(exported: ExportReport) -> Embedder | SparseEmbedder | None:
     """The embedder an export's validation.json records (None: the task's graph does not pool)."""
-    if exported.get("splade"):
-        return SparseEmbedder(exported["splade"]["strategy"], exported["splade"]["activation"])
-    if not exported.get("pooling"):
+    if exported.splade:
+        return SparseEmbedder(exported.splade["strategy"], exported.splade["activation"])
+    if not exported.pooling:
         return None
-    return Embedder(exported["pooling"], exported["normalize"], exported.get("layer_norm"))
+    return Embedder(exported.pooling, bool(exported.normalize), exported.layer_norm)
 
 
 @dataclass
