@@ -16,7 +16,7 @@ from nexus_sli.exporter.export.report import (
     ValidationReport,
     ValueMismatch,
 )
-from nexus_sli.exporter.export.validate import TIE_MARGIN, Embedder, Reference, compare
+from nexus_sli.exporter.export.validate import TIE_MARGIN, Embedder, Reference, compare, mixed_batches
 
 
 class FixedSession:
@@ -138,3 +138,60 @@ def test_names_are_checked_before_any_run_and_runtime_errors_are_typed():
     report = embedding_report(hidden, hidden, session=renamed)
     assert [type(f) for f in report.failures] == [NameMismatch]
     assert report.to_dict()["failures"] == [{"kind": "names", "message": report.failures[0].message}]
+
+
+# --- graphs that quantize per batch: a second batching, every batch spanning the lengths ------------
+
+def _sorted_reference(lengths: list[int], size: int, pad_id: int = 0) -> Reference:
+    """Texts of ``lengths`` (ascending) in batches of ``size``, as validation batches them: each batch
+    padded to its longest, PyTorch's token states standing in as ``position + 10 * text``."""
+    reference = Reference(["input_ids", "attention_mask"], ["last_hidden_state"])
+    for start in range(0, len(lengths), size):
+        chunk = lengths[start:start + size]
+        width = max(chunk)
+        mask = np.array([[1] * n + [0] * (width - n) for n in chunk], np.int64)
+        ids = np.where(mask == 1, 7, pad_id)
+        states = np.stack([np.arange(width)[:, None] + 10.0 * (start + row) + np.zeros((width, 2))
+                           for row in range(len(chunk))])
+        reference.add({"input_ids": ids, "attention_mask": mask}, [states])
+    reference.text_batches = len(reference.batches)
+    return reference
+
+
+def test_mixed_batches_span_the_lengths_and_keep_each_texts_own_answer():
+    mixed = mixed_batches(_sorted_reference([1, 2, 3, 4, 5, 6], size=2, pad_id=3), {"last_hidden_state"}, size=2)
+    masks = [b["attention_mask"].sum(axis=1).tolist() for b in mixed.batches]
+    assert masks == [[1, 4], [2, 5], [3, 6]] and mixed.text_batches == 3 and mixed.first_text == 0
+    first = mixed.batches[0]
+    assert first["input_ids"].tolist() == [[7, 3, 3, 3], [7, 7, 7, 7]]  # padded with the reference's pad id
+    # text 3 (length 4) keeps its own states; text 0's are cut to its one token and padded with zeros
+    states = mixed.outputs[0][0]
+    assert states.shape == (2, 4, 2) and states[1, :, 0].tolist() == [30.0, 31.0, 32.0, 33.0]
+    assert states[0, :, 0].tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def _states(mask: np.ndarray) -> np.ndarray:
+    """Every text's token states alike: position + 1, so only a flipped row can disagree."""
+    return np.broadcast_to(np.arange(1.0, mask.shape[1] + 1)[None, :, None], (*mask.shape, 2)).copy()
+
+
+class LoudNeighbours(FixedSession):
+    """A graph whose answer for a text suffers when a much longer one shares its batch (as dynamic int8's
+    per-batch activation scale makes it): in a batch of mixed lengths, every row but the longest flips."""
+
+    def run(self, _names, feeds):
+        mask = feeds["attention_mask"]
+        lengths, states = mask.sum(axis=1), _states(mask)
+        if lengths.max() - lengths.min() > 2:
+            states[lengths < lengths.max()] *= -1
+        return [states]
+
+
+def test_a_graph_that_scales_per_batch_is_held_to_the_bar_in_mixed_batches_too():
+    reference = _sorted_reference([1, 1, 2, 2, 6, 6, 7, 7], size=2)
+    reference.outputs = [[_states(feeds["attention_mask"])] for feeds in reference.batches]
+    embedding, embedder = get_task("embedding"), Embedder("mean", True)
+    alone = compare(LoudNeighbours([]), reference, "int8", embedder, embedding)  # sorted batches: no mix
+    assert alone.passed and alone.texts == 8
+    together = compare(LoudNeighbours([]), reference, "int8", embedder, embedding, per_batch=True)
+    assert [type(f) for f in together.failures] == [FidelityShortfall] and together.texts == 8

@@ -33,6 +33,7 @@ from .embedders import is_sparse_encoder, poolers
 from .export_report import AttemptRecord, CandidateRecord, ExportReport, Heat, MeasuredRow, Timing, WalkRecord
 from .handler import get_registry
 from .onnx_export import export_onnx, model_input_names
+from .quantize import scales_per_batch
 from .report import ValidationReport
 from .source import (check_name, load_config, matryoshka_dims, max_sequence_length, prompts, resolve_model,
                      tokenizer_file)
@@ -245,7 +246,7 @@ def _attempt(configuration: Configuration, prepared: Prepared) -> Attempt:
         pooled, tokens = (*graph.pooling.outputs, None)[:2] if graph.pooled else (None, None)
         candidate.report = compare(target.runner(candidate, precision), prepared.reference, precision,
                                    prepared.embedder, prepared.task, target.name, limits, target.trims_padding,
-                                   pooled=pooled, tokens=tokens)
+                                   pooled=pooled, tokens=tokens, per_batch=scales_per_batch(candidate.path))
         log.info("%s %s, %s graph: %s", target.name, precision, candidate.graph, candidate.report.summary())
     return attempt
 

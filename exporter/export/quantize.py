@@ -32,6 +32,22 @@ def get_int8_config() -> Int8Config:
     return Int8Config()
 
 
+#: Operators that quantize their input with a scale measured on the batch they run on.
+PER_BATCH_OPS = frozenset({"DynamicQuantizeLinear", "DynamicQuantizeMatMul"})
+
+
+def scales_per_batch(path: Path) -> bool:
+    """Whether the ONNX graph at ``path`` quantizes activations per batch (dynamic quantization): its
+    answer for a text then depends on the texts batched with it (:func:`validate.compare`'s ``per_batch``).
+    Graphs of other formats (OpenVINO's IR) do not."""
+    import onnx
+
+    if Path(path).suffix != ".onnx":
+        return False
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return any(node.op_type in PER_BATCH_OPS for node in graph.node)
+
+
 def ffn_output_matmuls(path: Path, intermediate_size: int, hidden_size: int) -> list[str]:
     """MatMul nodes whose weight maps the feed-forward width back to the hidden size."""
     import onnx

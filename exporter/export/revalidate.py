@@ -21,6 +21,7 @@ from nexus_sli.exporter.triton import config as tc
 from nexus_sli.tasks import get_task
 
 from . import export_report, stored_reference
+from .quantize import scales_per_batch
 from .validate import compare, embedder_from_report
 
 #: Where each run is recorded, beside the export's own ``validation.json``.
@@ -40,7 +41,8 @@ def revalidate(repository: Path, name: str) -> dict:
               if isinstance(target, OnnxRuntimeGPU) else {})
     runner = target.open(folder / "1" / (config.default_model_filename or "model.onnx"),
                          {k: v.string_value for k, v in config.parameters.items()}, **served)
-    report = against_reference(folder, runner, target.name, target.trims_padding)
+    model_file = folder / "1" / (config.default_model_filename or "model.onnx")
+    report = against_reference(folder, runner, target.name, target.trims_padding, scales_per_batch(model_file))
     record = {**report.to_dict(), "host": platform.node(), "providers": _providers(runner)}
     (folder / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     if not report.passed:
@@ -62,9 +64,10 @@ def _serving(config: tc.pb.ModelConfig):
     return serving_target(config.platform, config.backend, kind)  # the closest, or an error naming the registered
 
 
-def against_reference(folder: Path, runner, backend: str, trims_padding: bool):
+def against_reference(folder: Path, runner, backend: str, trims_padding: bool, per_batch: bool = False):
     """``runner`` (a session-like graph or engine) on the reference stored in the encoder ``folder``,
-    held to the export's own thresholds: the check ``validate`` and ``build-plan`` share."""
+    held to the export's own thresholds: the check ``validate`` and ``build-plan`` share (``per_batch``:
+    the graph quantizes per batch, :func:`validate.compare`)."""
     exported = export_report.read(folder)
     task = get_task(exported.task)
     reference = stored_reference.load(folder, list(exported.inputs), task.output_names())
@@ -75,7 +78,7 @@ def against_reference(folder: Path, runner, backend: str, trims_padding: bool):
     kept = task.token_states.name if task.token_states is not None else None
     tokens = kept if pooled and kept in (exported.outputs or []) else None
     return compare(runner, reference, exported.validation.precision, embedder, task, backend,
-                   exported.validation.thresholds, trims_padding, pooled, tokens)
+                   exported.validation.thresholds, trims_padding, pooled, tokens, per_batch)
 
 
 def _providers(runner) -> list[str]:

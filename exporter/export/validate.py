@@ -208,7 +208,7 @@ def _masked_max_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None) -> f
 def compare(session: Any, reference: Reference, precision: str, embedder: Embedder | SparseEmbedder | None,
             task: TaskSpec | None = None, backend: str = "onnxruntime",
             limits: dict[str, float] | None = None, trims_padding: bool = True,
-            pooled: str | None = None, tokens: str | None = None) -> ValidationReport:
+            pooled: str | None = None, tokens: str | None = None, per_batch: bool = False) -> ValidationReport:
     """Run ``session`` on the reference inputs: names, then shapes and values, then
     fidelity against ``limits`` (default: :func:`thresholds`), every failure collected.
 
@@ -222,7 +222,13 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
     ``[batch, vocab]``), with PyTorch's outputs pooled by ``embedder`` (the python
     pooling runs on the reference only, never on the graph's answer).  ``tokens``:
     the graph's second output, the token states it keeps beside the pooled one,
-    compared with PyTorch's over the real tokens (a per-token output)."""
+    compared with PyTorch's over the real tokens (a per-token output).
+
+    ``per_batch``: the graph scales its activations per batch (dynamic
+    quantization), so a text's answer depends on the texts served with it.  The
+    texts then run a second time in batches that each span every length
+    (:func:`mixed_batches`), and the fidelity figures cover both batchings: a
+    text batched with longer, louder ones must keep the bar too."""
     limits = limits or thresholds(task, precision)
     measures = Measures()
     if pooled is not None:
@@ -231,14 +237,66 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
     else:
         per_token = set(reference.output_names) if task is not None and task.per_token else set()
     failures = _name_failures(session, reference)
+    trimmed = per_token if trims_padding else set()
     if not failures:
-        failures = _run_batches(session, reference, embedder, task, backend, measures,
-                                per_token if trims_padding else set(), per_token, pooled is not None)
+        failures = _run_batches(session, reference, embedder, task, backend, measures, trimmed, per_token,
+                                pooled is not None)
+    if per_batch and not failures:
+        failures = _run_batches(session, mixed_batches(reference, per_token), embedder, task, backend, measures,
+                                trimmed, per_token, pooled is not None)
     texts = sum(len(b["input_ids"]) for b in reference.batches[reference.first_text:])
     report = ValidationReport.from_measures(precision, backend, limits, texts, measures, failures)
     if not failures:
         report.failures.extend(_threshold_failures(report))
     return report
+
+
+def mixed_batches(reference: Reference, per_token: set[str], size: int = TEXT_BATCH) -> Reference:
+    """``reference``'s texts (already sorted by length) batched again so that every batch spans
+    their lengths: batch ``k`` takes texts ``k``, ``k + n``, ``k + 2n`` ... of ``n`` batches.  Each
+    text's inputs and PyTorch outputs are cut to its real tokens and padded to its new batch's
+    longest (``per_token``: the outputs that follow the sequence); no PyTorch run is needed."""
+    rows = [row for index in range(reference.first_text, len(reference.batches))
+            for row in _rows(reference.batches[index], reference.outputs[index], reference.output_names, per_token)]
+    pad_id = _pad_id(reference.batches[reference.first_text:])
+    count = -(-len(rows) // size)
+    mixed = Reference(reference.input_names, reference.output_names)
+    for start in range(count):
+        feeds, outputs = _padded(rows[start::count], reference.input_names, reference.output_names, per_token, pad_id)
+        mixed.add(feeds, outputs)
+    mixed.text_batches = count
+    return mixed
+
+
+def _rows(feeds: dict[str, np.ndarray], outputs: list[np.ndarray], names: list[str],
+          per_token: set[str]) -> list[tuple[dict[str, np.ndarray], list[np.ndarray]]]:
+    """One batch as its texts: each row's inputs and outputs cut to its real tokens."""
+    lengths = feeds["attention_mask"].sum(axis=1)
+    return [({name: array[row, :n] for name, array in feeds.items()},
+             [out[row, :n] if name in per_token else out[row] for name, out in zip(names, outputs)])
+            for row, n in enumerate(lengths)]
+
+
+def _pad_id(batches: list[dict[str, np.ndarray]]) -> int:
+    """The id the reference padded its inputs with (0 where no text needed padding)."""
+    padded = np.concatenate([feeds["input_ids"][feeds["attention_mask"] == 0] for feeds in batches])
+    return int(np.bincount(padded).argmax()) if padded.size else 0
+
+
+def _padded(rows, input_names: list[str], output_names: list[str], per_token: set[str],
+            pad_id: int) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+    """Rows right-padded to the longest as the served tokenizer pads a batch (ids with ``pad_id``)."""
+    width = max(len(feeds["input_ids"]) for feeds, _ in rows)
+
+    def pad(array: np.ndarray, value) -> np.ndarray:
+        extra = [(0, width - array.shape[0])] + [(0, 0)] * (array.ndim - 1)
+        return np.pad(array, extra, constant_values=value)
+
+    feeds = {name: np.stack([pad(f[name], pad_id if name == "input_ids" else 0) for f, _ in rows])
+             for name in input_names}
+    outputs = [np.stack([pad(o[i], 0) if name in per_token else o[i] for _, o in rows])
+               for i, name in enumerate(output_names)]
+    return feeds, outputs
 
 
 def _name_failures(session: Any, reference: Reference) -> list[Failure]:
