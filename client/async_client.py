@@ -10,6 +10,7 @@ import numpy as np
 from . import calls
 from . import protocol as p
 from .client import client_kwargs, default_url
+from .model_info import ModelInfo
 from .replicas import (REFRESH_S, RETRY_S, Fleet, Resolve, Retries, attempts_for, check_attempts, gave_up,
                        retry_budget, retryable, unresolved)
 
@@ -55,10 +56,10 @@ class AsyncEncoderClient:
         self.attempts = attempts_for(attempts, self.fleet)
         #: how long one call keeps retrying retryable failures
         self.retry_s = retry_s
-        self._info: dict[str, p.ModelInfo] = {}
+        self._info: dict[str, ModelInfo] = {}
 
-    async def _on_replicas(self, model: str, call):
-        """``await call(tritonclient)`` on the replicas in turn until one answers or a non-retryable
+    async def _on_replicas(self, model: str, send):
+        """``await send(tritonclient)`` on the replicas in turn until one answers or a non-retryable
         error; passes over them again, after pauses, while the call's retry budget lasts."""
         retries, tried = Retries(self.retry_s), []
         while (pause := retries.next_pause()) is not None:
@@ -68,7 +69,7 @@ class AsyncEncoderClient:
             tried = [] if order else unresolved(self.fleet)
             for url in order:
                 try:
-                    result = await call(self.fleet.clients[url])
+                    result = await send(self.fleet.clients[url])
                 except Exception as exc:
                     tried.append((url, retryable(exc, model, self.replicas, url)))
                     continue
@@ -76,7 +77,7 @@ class AsyncEncoderClient:
                 return result
         raise gave_up(tried) from None
 
-    async def info(self, model: str) -> p.ModelInfo:
+    async def info(self, model: str) -> ModelInfo:
         if model not in self._info:
             kwargs = {"as_json": True, **self._deadline} if self.protocol == "grpc" else {}
 
@@ -88,33 +89,33 @@ class AsyncEncoderClient:
                 return config
 
             config = await self._on_replicas(model, read)
-            self._info[model] = p.ModelInfo.from_config(model, config.get("config", config))
+            self._info[model] = ModelInfo.from_config(model, config)
         return self._info[model]
 
-    async def _run(self, model: str, plan: calls.Plan):
-        model = plan.model or model
-        (await self.info(model)).expect(plan.task)
-        return plan.read(list(await asyncio.gather(*(self._infer(model, r, plan) for r in plan.requests))))
+    async def _run(self, model: str, call: calls.Call):
+        model = call.model or model
+        (await self.info(model)).expect(call.task)
+        return call.read(list(await asyncio.gather(*(self._infer(model, r, call) for r in call.requests))))
 
-    async def _infer(self, model: str, request: calls.Request, plan: calls.Plan) -> tuple[np.ndarray, ...]:
+    async def _infer(self, model: str, request: calls.Request, call: calls.Call) -> tuple[np.ndarray, ...]:
         inputs = []
         for name, array in request.items():
             tensor = self._types.InferInput(name, list(array.shape), "BYTES")
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
-        outputs = [self._types.InferRequestedOutput(output) for output in plan.outputs]
-        kwargs = {**self._deadline, **({"parameters": plan.parameters} if plan.parameters else {})}
+        outputs = [self._types.InferRequestedOutput(output) for output in call.outputs]
+        kwargs = {**self._deadline, **({"parameters": call.parameters} if call.parameters else {})}
         try:
             result = await self._on_replicas(model, lambda client: client.infer(model, inputs, outputs=outputs,
                                                                               **kwargs))
         except Exception:
             self._info.pop(model, None)
             raise
-        return tuple(result.as_numpy(output) for output in plan.outputs)
+        return tuple(result.as_numpy(output) for output in call.outputs)
 
-    async def _call(self, model: str | None, plan):
+    async def _call(self, model: str | None, make):
         model = p.model_name(model, self.model)
-        return await self._run(model, plan(await self.info(model)))
+        return await self._run(model, make(await self.info(model)))
 
     async def embed(self, texts, model: str | None = None, prompt_name: str | None = None,
                     dimensions: int | None = None) -> np.ndarray:

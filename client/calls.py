@@ -1,6 +1,6 @@
-"""Each client method as a plan: the requests to send and how to read the answers.
+"""Each client method as a call: the requests to send and how to read the answers.
 
-The sync and async clients differ only in how they send a plan's requests, so
+The sync and async clients differ only in how they send a call's requests, so
 everything else (input checks, chunking, result types) lives here once.
 """
 
@@ -18,6 +18,7 @@ from nexus_sli.tasks.spec import TOKEN_MASK, TOKEN_MODEL_PARAMETER, TOKEN_TASK
 from . import protocol as p
 from .error_codes import PROMPT_PARAMETER
 from .errors import InvalidInputError, WrongTaskError
+from .model_info import ModelInfo
 
 #: The least norm a vector is divided by (the served pooling's guard, python_models/encoding.py)
 MIN_NORM = 1e-12
@@ -26,7 +27,8 @@ Request = dict[str, np.ndarray]
 
 
 @dataclass
-class Plan:
+class Call:
+    """What one client method sends, and how its answers become the method's result."""
     task: str
     requests: list[Request]
     #: the outputs asked for; ``finish`` gets each request's arrays (one output: the array itself)
@@ -42,8 +44,8 @@ class Plan:
         return self.finish([a[0] for a in answers] if len(self.outputs) == 1 else answers)
 
 
-def _texts_plan(task: str, texts, info: p.ModelInfo, parse, parameters: dict | None = None,
-                outputs: tuple[str, ...] | None = None, model: str | None = None) -> Plan:
+def _texts_call(task: str, texts, info: ModelInfo, parse, parameters: dict | None = None,
+                outputs: tuple[str, ...] | None = None, model: str | None = None) -> Call:
     """One request per chunk of texts; ``parse`` reads every chunk's outputs at once."""
     items, single = p.as_list(texts)
     requests = [{"TEXT": p.strings(chunk).reshape(-1, 1)} for chunk in p.chunks(items, info.max_batch_size)]
@@ -51,30 +53,12 @@ def _texts_plan(task: str, texts, info: p.ModelInfo, parse, parameters: dict | N
     def finish(outs):
         found = parse(outs)
         return found[0] if single else found
-    return Plan(task, requests, outputs or (get_task(task).client_output,), finish, parameters or {}, model)
+    return Call(task, requests, outputs or (get_task(task).client_output,), finish, parameters or {}, model)
 
 
-def _prompt(prompt_name: str | None, info: p.ModelInfo) -> dict:
+def _prompt(prompt_name: str | None, info: ModelInfo) -> dict:
     """The request parameter naming a prompt, checked against the model's prompts before anything is sent."""
-    if prompt_name is None:
-        return {}
-    if not isinstance(prompt_name, str) or prompt_name not in info.prompts:
-        known = ", ".join(repr(n) for n in info.prompts) or "none (this model has no prompts)"
-        raise InvalidInputError(f"unknown prompt_name {prompt_name!r} for model {info.name!r}; its prompts: {known}")
-    return {PROMPT_PARAMETER: prompt_name}
-
-
-def truncate(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
-    """Matryoshka sizes: the first ``dimensions`` values of each embedding, L2-normalised again (a unit
-    vector, as OpenAI's shortened embeddings are).  The served vector is the model's pipeline up to and
-    including its normalisation, and normalising is scale-free, so this equals truncating the model's
-    unnormalised output and normalising that.  ``None``: the vectors as served."""
-    if dimensions is None:
-        return vectors
-    size = vectors.shape[-1]
-    if isinstance(dimensions, bool) or not isinstance(dimensions, (int, np.integer)) or not 1 <= dimensions <= size:
-        raise InvalidInputError(f"dimensions must be an integer from 1 to the model's {size}, got {dimensions!r}")
-    return unit_rows(vectors[..., :dimensions])
+    return {} if info.check_prompt(prompt_name) is None else {PROMPT_PARAMETER: prompt_name}
 
 
 def unit_rows(vectors: np.ndarray) -> np.ndarray:
@@ -82,10 +66,17 @@ def unit_rows(vectors: np.ndarray) -> np.ndarray:
     return vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), MIN_NORM)
 
 
-def embed(texts, info: p.ModelInfo, prompt_name: str | None = None, dimensions: int | None = None) -> Plan:
+def embed(texts, info: ModelInfo, prompt_name: str | None = None, dimensions: int | None = None) -> Call:
+    """``dimensions`` (Matryoshka): each vector cut to that size, then L2-normalised again (a unit vector,
+    as OpenAI's shortened embeddings are).  The served vector is the model's pipeline up to and including
+    its normalisation, and normalising is scale-free, so this equals cutting the model's unnormalised
+    output and normalising that."""
     parse = get_task("embedding").parse
-    return _texts_plan("embedding", texts, info, lambda outs: truncate(parse(outs), dimensions),
-                       _prompt(prompt_name, info))
+
+    def read(outs):
+        vectors = parse(outs)
+        return vectors if dimensions is None else unit_rows(info.cut(vectors, dimensions))
+    return _texts_call("embedding", texts, info, read, _prompt(prompt_name, info))
 
 
 def sparsify(rows: np.ndarray, top_k: int | None, threshold: float) -> list[SparseEmbedding]:
@@ -100,16 +91,16 @@ def sparsify(rows: np.ndarray, top_k: int | None, threshold: float) -> list[Spar
     return found
 
 
-def embed_sparse(texts, info: p.ModelInfo, prompt_name: str | None = None, top_k: int | None = None,
-                 threshold: float = 0.0) -> Plan:
+def embed_sparse(texts, info: ModelInfo, prompt_name: str | None = None, top_k: int | None = None,
+                 threshold: float = 0.0) -> Call:
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise InvalidInputError(f"top_k must be a positive integer or None (every active term), got {top_k!r}")
     parse = get_task("sparse-embedding").parse
-    return _texts_plan("sparse-embedding", texts, info, lambda outs: sparsify(parse(outs), top_k, threshold),
+    return _texts_call("sparse-embedding", texts, info, lambda outs: sparsify(parse(outs), top_k, threshold),
                        _prompt(prompt_name, info))
 
 
-def embed_tokens(texts, info: p.ModelInfo, prompt_name: str | None = None) -> Plan:
+def embed_tokens(texts, info: ModelInfo, prompt_name: str | None = None) -> Call:
     """Each text's token vectors ``[tokens, hidden]`` (special tokens included), from the embedding
     model's ``NAME_tokens`` ensemble (its ``token_model`` parameter)."""
     tokens_model = info.params.get(TOKEN_MODEL_PARAMETER)
@@ -122,31 +113,31 @@ def embed_tokens(texts, info: p.ModelInfo, prompt_name: str | None = None) -> Pl
         # row i's real tokens are the first mask[i].sum() states (the tokenizer pads on the right)
         return [vectors[:int(row_mask.sum())] for got, row_mask_batch in answers
                 for vectors, row_mask in zip(got, row_mask_batch)]
-    return _texts_plan(TOKEN_TASK, texts, info, parse, _prompt(prompt_name, info), (states, mask), tokens_model)
+    return _texts_call(TOKEN_TASK, texts, info, parse, _prompt(prompt_name, info), (states, mask), tokens_model)
 
 
-def classify(texts, info: p.ModelInfo, top_k: int = 1) -> Plan:
+def classify(texts, info: ModelInfo, top_k: int = 1) -> Call:
     spec = get_task("classification")
-    return _texts_plan(spec.name, texts, info, lambda outs: spec.parse(outs, info.id2label, top_k))
+    return _texts_call(spec.name, texts, info, lambda outs: spec.parse(outs, info.id2label, top_k))
 
 
-def ner(texts, info: p.ModelInfo) -> Plan:
-    return _texts_plan("token-classification", texts, info, get_task("token-classification").parse)
+def ner(texts, info: ModelInfo) -> Call:
+    return _texts_call("token-classification", texts, info, get_task("token-classification").parse)
 
 
-def answer(question: str, context: str, info: p.ModelInfo, top_k: int = 1) -> Plan:
+def answer(question: str, context: str, info: ModelInfo, top_k: int = 1) -> Call:
     for name, value in (("question", question), ("context", context)):
         p.check_text(value, name)
     if not context.strip():
         raise InvalidInputError("context is empty: there is nothing to find an answer in")
     spec = get_task("question-answering")
     request = {"QUESTION": p.strings([question]), "CONTEXT": p.strings([context])}
-    return Plan(spec.name, [request], (spec.client_output,), lambda outs: spec.parse(outs, top_k))
+    return Call(spec.name, [request], (spec.client_output,), lambda outs: spec.parse(outs, top_k))
 
 
-def rerank(query: str, documents, info: p.ModelInfo, top_k: int | None = None, chunk: int = 64) -> Plan:
+def rerank(query: str, documents, info: ModelInfo, top_k: int | None = None, chunk: int = 64) -> Call:
     p.check_text(query, "query")
     items, _ = p.as_list(documents, "documents")
     spec = get_task("rerank")
     requests = [{"QUERY": p.strings([query]), "DOCUMENTS": p.strings(c)} for c in p.chunks(items, chunk)]
-    return Plan(spec.name, requests, (spec.client_output,), lambda outs: spec.parse(outs, items, top_k))
+    return Call(spec.name, requests, (spec.client_output,), lambda outs: spec.parse(outs, items, top_k))

@@ -9,6 +9,7 @@ import numpy as np
 
 from . import calls
 from . import protocol as p
+from .model_info import ModelInfo
 from .replicas import (REFRESH_S, RETRY_S, Fleet, Resolve, Retries, attempts_for, check_attempts, gave_up,
                        retry_budget, retryable, unresolved)
 
@@ -97,10 +98,10 @@ class EncoderClient:
         self.attempts = attempts_for(attempts, self.fleet)
         #: how long one call keeps retrying retryable failures
         self.retry_s = retry_s
-        self._info: dict[str, p.ModelInfo] = {}
+        self._info: dict[str, ModelInfo] = {}
 
-    def _on_replicas(self, model: str, call):
-        """``call(tritonclient)`` on the replicas in turn until one answers or a non-retryable error;
+    def _on_replicas(self, model: str, send):
+        """``send(tritonclient)`` on the replicas in turn until one answers or a non-retryable error;
         passes over them again, after pauses, while the call's retry budget lasts."""
         retries, tried = Retries(self.retry_s), []
         while (pause := retries.next_pause()) is not None:
@@ -110,7 +111,7 @@ class EncoderClient:
             tried = [] if order else unresolved(self.fleet)
             for url in order:
                 try:
-                    result = call(self.fleet.clients[url])
+                    result = send(self.fleet.clients[url])
                 except Exception as exc:
                     tried.append((url, retryable(exc, model, self.replicas, url)))
                     continue
@@ -118,7 +119,7 @@ class EncoderClient:
                 return result
         raise gave_up(tried) from None
 
-    def info(self, model: str) -> p.ModelInfo:
+    def info(self, model: str) -> ModelInfo:
         """The model's task and batch limit, read once from its Triton config."""
         if model not in self._info:
             deadline = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
@@ -133,35 +134,35 @@ class EncoderClient:
                 return config
 
             config = self._on_replicas(model, read)
-            self._info[model] = p.ModelInfo.from_config(model, config.get("config", config))
+            self._info[model] = ModelInfo.from_config(model, config)
         return self._info[model]
 
-    def _run(self, model: str, plan: calls.Plan):
-        model = plan.model or model
-        self.info(model).expect(plan.task)
-        return plan.read([self._infer(model, request, plan) for request in plan.requests])
+    def _run(self, model: str, call: calls.Call):
+        model = call.model or model
+        self.info(model).expect(call.task)
+        return call.read([self._infer(model, request, call) for request in call.requests])
 
-    def _infer(self, model: str, request: calls.Request, plan: calls.Plan) -> tuple[np.ndarray, ...]:
+    def _infer(self, model: str, request: calls.Request, call: calls.Call) -> tuple[np.ndarray, ...]:
         inputs = []
         for name, array in request.items():
             tensor = self._triton.InferInput(name, list(array.shape), "BYTES")
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         kwargs = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
-        if plan.parameters:
-            kwargs["parameters"] = plan.parameters
-        outputs = [self._triton.InferRequestedOutput(output) for output in plan.outputs]
+        if call.parameters:
+            kwargs["parameters"] = call.parameters
+        outputs = [self._triton.InferRequestedOutput(output) for output in call.outputs]
         try:
             result = self._on_replicas(model, lambda client: client.infer(model, inputs, outputs=outputs, **kwargs))
         except Exception:
             self._info.pop(model, None)  # the model may come back changed
             raise
-        return tuple(result.as_numpy(output) for output in plan.outputs)
+        return tuple(result.as_numpy(output) for output in call.outputs)
 
-    def _call(self, model: str | None, plan):
-        """Run the plan ``plan(info)`` makes for the model named, or the client's default."""
+    def _call(self, model: str | None, make):
+        """Run the :class:`~calls.Call` ``make(info)`` builds for the model named, or the client's default."""
         model = p.model_name(model, self.model)
-        return self._run(model, plan(self.info(model)))
+        return self._run(model, make(self.info(model)))
 
     def embed(self, texts, model: str | None = None, prompt_name: str | None = None,
               dimensions: int | None = None) -> np.ndarray:

@@ -47,3 +47,21 @@ class InvalidInputError(ClientError, ValueError):
 
 class InferenceError(ClientError):
     """The server failed the request; its message is attached."""
+
+
+class UnknownPromptError(InvalidInputError):
+    """A ``prompt_name`` the model does not have; ``known`` lists the ones it has."""
+
+    def __init__(self, prompt_name, model: str, known: list[str]):
+        self.prompt_name, self.model, self.known = prompt_name, model, list(known)
+        listed = ", ".join(repr(n) for n in self.known) or "none (this model has no prompts)"
+        super().__init__(f"unknown prompt_name {prompt_name!r} for model {model!r}; its prompts: {listed}")
+
+
+class DimensionsError(InvalidInputError):
+    """A ``dimensions`` that is not an integer from 1 to the model's ``size``; ``trained`` lists the
+    sizes the model was trained for (Matryoshka), where its card names them."""
+
+    def __init__(self, dimensions, size: int, model: str, trained: list[int]):
+        self.dimensions, self.size, self.model, self.trained = dimensions, size, model, list(trained)
+        super().__init__(f"dimensions must be an integer from 1 to the model's {size}, got {dimensions!r}")

@@ -1,6 +1,6 @@
 """What goes over the wire for each task, shared by the sync and async clients.
 
-A call is planned as a list of requests (chunks no larger than the server's
+A call is sent as a list of requests (chunks no larger than the server's
 ``max_batch_size``), each a list of (input name, numpy array); the task's spec
 (:mod:`nexus_sli.tasks`) turns the responses' arrays into typed results.
 """
@@ -8,9 +8,7 @@ A call is planned as a list of requests (chunks no larger than the server's
 from __future__ import annotations
 
 import http.client
-import json
 import re
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,33 +20,7 @@ from .errors import (
     ModelUnavailableError,
     NoModelError,
     ServerUnavailableError,
-    WrongTaskError,
 )
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    task: str
-    max_batch_size: int
-    params: dict
-
-    @classmethod
-    def from_config(cls, name: str, config: dict) -> "ModelInfo":
-        params = {k: v.get("string_value", v.get("stringValue", "")) for k, v in config.get("parameters", {}).items()}
-        return cls(name, params.get("task", ""), int(config.get("max_batch_size", 0)), params)
-
-    def expect(self, task: str) -> None:
-        if self.task != task:
-            raise WrongTaskError(f"model {self.name!r} serves task {self.task or 'unknown'!r}, not {task!r}")
-
-    @property
-    def prompts(self) -> dict[str, str]:
-        """The model's named prompts (an embedding model's sentence-transformers prompts; empty: none)."""
-        return json.loads(self.params.get("prompts", "{}"))
-
-    @property
-    def id2label(self) -> dict[int, str]:
-        return {int(k): v for k, v in json.loads(self.params.get("id2label", "{}")).items()}
 
 
 def model_name(given: str | None, default: str | None) -> str:

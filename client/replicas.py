@@ -35,9 +35,9 @@ from .errors import ClientError, ReplicasFailedError, RetryableError, ServerUnav
 
 #: How long a replica that failed is tried only after the others.
 DOWN_FOR_S = 5.0
-#: How long one call keeps trying again after retryable failures, by default: longer than a
-#: python-backend worker's restart (2.8 s measured for the default model, docs/reliability.md)
-#: or a small model's reload, short enough that a server that is gone is reported soon.
+#: How long one call keeps trying again after retryable failures, by default: several times a
+#: python-backend worker's restart or a small model's reload (bench/data/tried.md, "The client's
+#: retry budget"), short enough that a server that is gone is reported soon.
 RETRY_S = 15.0
 #: The pause before the second pass over the replicas, doubled after each pass up to the last.
 FIRST_PAUSE_S, MAX_PAUSE_S = 0.05, 1.0

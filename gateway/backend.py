@@ -20,10 +20,11 @@ import tritonclient.grpc as grpc_types
 
 from nexus_sli.client import AsyncEncoderClient, ServerUnavailableError
 from nexus_sli.client.error_codes import PROMPT_PARAMETER
+from nexus_sli.client.model_info import ModelInfo
 from nexus_sli.client.protocol import chunks, strings, translate
 from nexus_sli.client.replicas import Fleet, Resolve
 
-from .discovery import Catalog, ServedModel
+from .discovery import Catalog
 
 #: The longest the small calls (readiness, discovery) wait, whatever the inference timeout:
 #: a health probe must not hang as long as a large batch may take.
@@ -75,18 +76,18 @@ class Backend:
         except Exception:  # noqa: BLE001 - unreachable or too slow is not ready
             return False
 
-    async def embed(self, model: ServedModel, texts: list[str], prompt_name: str | None = None) -> np.ndarray:
+    async def embed(self, model: ModelInfo, texts: list[str], prompt_name: str | None = None) -> np.ndarray:
         """Embeddings [n, dims], with the named prompt (None: the model's default prompt, if any)."""
         return await self.client.embed(texts, model=model.name, prompt_name=prompt_name)
 
-    async def embed_counted(self, model: ServedModel, texts: list[str],
+    async def embed_counted(self, model: ModelInfo, texts: list[str],
                             prompt_name: str | None = None) -> tuple[np.ndarray, int]:
         """(embeddings [n, dims], tokens the model read, the prompt's included), the two calls made at once."""
         vectors, tokens = await asyncio.gather(self.embed(model, texts, prompt_name),
                                                self.count_tokens(model, texts, prompt_name))
         return vectors, tokens
 
-    async def count_tokens(self, model: ServedModel, texts: list[str], prompt_name: str | None = None) -> int:
+    async def count_tokens(self, model: ModelInfo, texts: list[str], prompt_name: str | None = None) -> int:
         if model.tokenizer is None:
             return 0
         parameters = {PROMPT_PARAMETER: prompt_name} if prompt_name is not None else None

@@ -13,38 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 
 from nexus_sli.client import ModelNotFoundError, ModelUnavailableError
+from nexus_sli.client.model_info import ModelInfo
 from nexus_sli.client.protocol import translate
 
 from .errors import GatewayError
 
 
-@dataclass(frozen=True)
-class ServedModel:
-    name: str
-    task: str
-    #: the last dimension of the ensemble's output: embedding size, or number of labels (0 when variable)
-    dimensions: int
-    #: the ensemble's first step, the tokenizer model
-    tokenizer: str | None
-    max_batch_size: int
-    params: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, config: dict) -> "ServedModel | None":
-        """The model a Triton config (JSON) describes, or None if it is not a nexus-sli task model."""
-        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        # the steps carry the task too (the post-processing picks its head by it): only the ensemble is the model
-        if config.get("platform") != "ensemble" or not params.get("task"):
-            return None
-        outputs = config.get("output", [])
-        dims = [int(d) for d in outputs[0].get("dims", [])] if outputs else []
-        steps = config.get("ensemble_scheduling", {}).get("step", [])
-        return cls(name=config["name"], task=params["task"], dimensions=max(dims[-1], 0) if dims else 0,
-                   tokenizer=steps[0]["model_name"] if steps else None,
-                   max_batch_size=int(config.get("max_batch_size", 0)), params=params)
+def served_model(name: str, config: dict) -> ModelInfo | None:
+    """The model a Triton config (JSON) describes, or None if it is not a nexus-sli task model."""
+    model = ModelInfo.from_config(name, config)
+    # the steps carry the task too (the post-processing picks its head by it): only the ensemble is the model
+    if config.get("platform") != "ensemble" or not model.task:
+        return None
+    return model
 
 
 async def model_names(triton, timeout_s: float | None = None) -> list[str]:
@@ -68,7 +51,7 @@ def _status(exc: Exception) -> str | None:
     return str(status()) if callable(status) else None
 
 
-async def discover(triton, timeout_s: float | None = None) -> dict[str, ServedModel]:
+async def discover(triton, timeout_s: float | None = None) -> dict[str, ModelInfo]:
     """Every nexus-sli task model Triton serves now, by name."""
     found = {}
     for name in await model_names(triton, timeout_s):
@@ -79,7 +62,7 @@ async def discover(triton, timeout_s: float | None = None) -> dict[str, ServedMo
             if isinstance(error, ModelNotFoundError):  # unloaded since it was listed
                 continue
             raise error from None
-        model = ServedModel.from_config(config.get("config", config))
+        model = served_model(name, config.get("config", config))
         if model is not None:
             found[name] = model
     return found
@@ -98,18 +81,18 @@ class Catalog:
 
     def __init__(self, triton, ttl_s: float, timeout_s: float | None = None):
         self._triton, self._ttl_s, self._timeout_s = triton, ttl_s, timeout_s
-        self._models: dict[str, ServedModel] = {}
+        self._models: dict[str, ModelInfo] = {}
         #: model -> (the model, when a list last had it).  One missing from a later list is being reloaded
         #: (a worker that died, a new version): requests for it are a 503 to retry, not a 404 no client
         #: would retry, for :data:`RELOAD_GRACE_S`; a model gone longer was removed, and is a 404 again
-        self._seen: dict[str, tuple[ServedModel, float]] = {}
+        self._seen: dict[str, tuple[ModelInfo, float]] = {}
         self._read_at = float("-inf")
         self._lock = asyncio.Lock()
 
     def _stale(self, max_age_s: float) -> bool:
         return time.monotonic() - self._read_at > max_age_s
 
-    async def models(self, max_age_s: float | None = None) -> dict[str, ServedModel]:
+    async def models(self, max_age_s: float | None = None) -> dict[str, ModelInfo]:
         """The models, read again when older than ``max_age_s`` (default: the ttl)."""
         max_age_s = self._ttl_s if max_age_s is None else max_age_s
         # a fresh list is answered without the lock: requests never wait behind a discovery they do not need
@@ -122,7 +105,7 @@ class Catalog:
                 self._read_at = time.monotonic()
         return self._models
 
-    def check_not_reloading(self, name: str, models: dict[str, ServedModel]) -> None:
+    def check_not_reloading(self, name: str, models: dict[str, ModelInfo]) -> None:
         """Raise the retryable :class:`ModelUnavailableError` (a 503) where ``name`` was served here and
         is missing from ``models`` now."""
         if name not in models and self._recently_served(name):
@@ -135,7 +118,7 @@ class Catalog:
         return ModelUnavailableError(f"model {name!r} was served here and is not ready now (being reloaded, or "
                                      "its worker restarted); retry shortly")
 
-    async def get(self, name: str, task: str) -> ServedModel:
+    async def get(self, name: str, task: str) -> ModelInfo:
         """The model ``name``, checked to serve ``task``: 404 if unknown, 400 naming its task if another."""
         models = await self.models()
         if name not in models:
@@ -151,7 +134,7 @@ class Catalog:
                                f"{_route_hint(model.task)}", param="model", code="wrong_task")
         return model
 
-    async def only_for(self, task: str) -> ServedModel:
+    async def only_for(self, task: str) -> ModelInfo:
         """TEI's routes name no model: the one model serving ``task``, else a 400 saying what to send."""
         models = await self.models()
         matching = sorted(n for n, m in models.items() if m.task == task)

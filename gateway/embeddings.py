@@ -1,53 +1,37 @@
-"""What both embedding routes share: prompts, Matryoshka sizes, normalisation, and the float/base64 encodings."""
+"""What both embedding routes share: the model's prompt and size checks as 400s naming the field, and
+OpenAI's float/base64 encodings.  The rules themselves are the model description's
+(:class:`~nexus_sli.client.model_info.ModelInfo`); here they only take the gateway's error shape."""
 
 from __future__ import annotations
 
 import base64
-import json
 
 import numpy as np
 
-from .discovery import ServedModel
+from nexus_sli.client.errors import DimensionsError, UnknownPromptError
+from nexus_sli.client.model_info import ModelInfo
+
 from .errors import GatewayError
 
 
-def prompts(model: ServedModel) -> dict[str, str]:
-    """The model's named prompts (from its sentence-transformers config; empty: none)."""
-    return json.loads(model.params.get("prompts", "{}"))
-
-
-def trained_dimensions(model: ServedModel) -> list[int]:
-    """The sizes the model was trained for (Matryoshka), largest first, where its card names them."""
-    return json.loads(model.params.get("matryoshka_dims", "[]"))
-
-
-def check_prompt(value, model: ServedModel) -> str | None:
+def check_prompt(value, model: ModelInfo) -> str | None:
     """``prompt_name`` if it names one of the model's prompts; None (the model's default prompt, if any)."""
-    if value is None:
-        return None
-    known = prompts(model)
-    if not isinstance(value, str) or value not in known:
-        listed = ", ".join(known) if known else "none: this model has no prompts"
-        raise GatewayError("invalid", f"unknown prompt_name {value!r} for model {model.name!r}; its prompts: {listed}",
-                           param="prompt_name", code="prompt_not_found")
-    return value
+    try:
+        return model.check_prompt(value)
+    except UnknownPromptError as exc:
+        listed = ", ".join(exc.known) if exc.known else "none: this model has no prompts"
+        raise GatewayError("invalid", f"unknown prompt_name {exc.prompt_name!r} for model {exc.model!r}; its "
+                           f"prompts: {listed}", param="prompt_name", code="prompt_not_found") from None
 
 
-def check_dimensions(value, model: ServedModel) -> int | None:
+def check_dimensions(value, model: ModelInfo) -> int | None:
     """``dimensions``: any size from 1 to the model's (the vectors are cut to it and normalised again)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= model.dimensions:
-        trained = trained_dimensions(model)
-        hint = f"; it was trained for {', '.join(map(str, trained))}" if trained else ""
-        raise GatewayError("invalid", f"dimensions must be an integer from 1 to {model.dimensions} for model "
-                           f"{model.name!r}{hint}; got {value!r}", param="dimensions")
-    return value
-
-
-def normalizes(model: ServedModel) -> bool:
-    """Whether the served model's post-processing already normalises (the export's choice)."""
-    return model.params.get("normalize", "false") == "true"
+    try:
+        return model.check_dimensions(value)
+    except DimensionsError as exc:
+        hint = f"; it was trained for {', '.join(map(str, exc.trained))}" if exc.trained else ""
+        raise GatewayError("invalid", f"dimensions must be an integer from 1 to {exc.size} for model "
+                           f"{exc.model!r}{hint}; got {exc.dimensions!r}", param="dimensions") from None
 
 
 def encode(vector: np.ndarray, encoding_format: str):

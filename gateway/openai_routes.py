@@ -15,10 +15,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from nexus_sli.client.calls import truncate, unit_rows
+from nexus_sli.client.calls import unit_rows
 from nexus_sli.tasks.spec import TOKEN_TASK
 
-from .embeddings import check_dimensions, check_prompt, encode, normalizes, prompts, trained_dimensions
+from .embeddings import check_dimensions, check_prompt, encode
 from .errors import GatewayError
 from .limits import check_texts, read_json, text_list
 
@@ -44,9 +44,10 @@ async def embeddings(request: Request) -> JSONResponse:
     prompt_name = check_prompt(body.get("prompt_name"), model)  # ours: the openai SDK sends it in extra_body
     vectors, tokens = await state.backend.embed_counted(model, texts, prompt_name)
     state.metrics.texts.labels(request.url.path).inc(len(texts))
-    if dimensions is not None:  # cut to the size asked for, then a unit vector again
-        vectors = truncate(vectors, dimensions)
-    elif not normalizes(model):  # OpenAI's embeddings are unit vectors; so are these
+    vectors = model.cut(vectors, dimensions)
+    # OpenAI's embeddings are always unit vectors, shortened ones too: a cut vector is normalised again,
+    # and so is one from a model that does not normalise in the server (TEI's routes normalise only if asked)
+    if dimensions is not None or not model.normalizes:
         vectors = unit_rows(vectors)
     data = [{"object": "embedding", "index": i, "embedding": encode(v, encoding_format)}
             for i, v in enumerate(vectors)]
@@ -70,8 +71,8 @@ def _described(model) -> dict:
     ``dimensions`` may be asked for), and its named prompts."""
     if model.task != "embedding":
         return {}
-    return {"dimensions": model.dimensions, "matryoshka_dimensions": trained_dimensions(model),
-            "prompts": prompts(model), "default_prompt_name": model.params.get("default_prompt_name")}
+    return {"dimensions": model.dimensions, "matryoshka_dimensions": model.trained_dimensions,
+            "prompts": model.prompts, "default_prompt_name": model.default_prompt_name}
 
 
 ROUTES = [Route("/v1/embeddings", embeddings, methods=["POST"]), Route("/v1/models", models, methods=["GET"])]

@@ -17,7 +17,7 @@ from starlette.routing import Route
 from nexus_sli.client.calls import unit_rows
 
 from .discovery import MISS_REFRESH_S
-from .embeddings import check_dimensions, check_prompt, normalizes
+from .embeddings import check_dimensions, check_prompt
 from .errors import GatewayError
 from .limits import check_texts, flag, read_json, text_list
 
@@ -98,15 +98,16 @@ async def embed(request: Request) -> JSONResponse:
     state, body, texts, model, prompt_name = await _embedding_request(request, "embedding")
     dimensions = check_dimensions(body.get("dimensions"), model)
     normalize = flag(body, "normalize", True)
-    if not normalize and normalizes(model):
+    if not normalize and model.normalizes:
         raise GatewayError("invalid", f"normalize=false is not available for model {model.name!r}: its export "
                            "normalises in the server (export it with normalisation off for raw vectors)",
                            param="normalize")
     vectors = await state.backend.embed(model, texts, prompt_name)  # TEI reports no token counts: none are made
     state.metrics.texts.labels(request.url.path).inc(len(texts))
-    if dimensions is not None:  # TEI cuts first, then normalises (when asked)
-        vectors = vectors[:, :dimensions]
-    if normalize and (dimensions is not None or not normalizes(model)):
+    vectors = model.cut(vectors, dimensions)
+    # TEI's order: cut, then normalise only when asked (``normalize``, true by default), so that
+    # normalize=false returns the cut values as the model made them (OpenAI's route always normalises)
+    if normalize and (dimensions is not None or not model.normalizes):
         vectors = unit_rows(vectors)
     return JSONResponse(np.asarray(vectors, dtype=np.float32).tolist())
 

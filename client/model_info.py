@@ -1,0 +1,105 @@
+"""What a served model is, read from its Triton config: the one description the client and the gateway share.
+
+A nexus-sli model is an ensemble whose string ``parameters`` say what it serves
+(``task``), its named prompts (``prompts``, ``default_prompt_name``), the sizes
+it was trained for (``matryoshka_dims``), whether it normalises (``normalize``)
+and its labels (``id2label``).  The description parses them once, and holds the
+rules about them: which prompt names a request may send, which shorter sizes
+(Matryoshka) it may ask for, and how a vector is cut to one.  Each caller turns
+the typed errors into its own API's shape.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import DimensionsError, UnknownPromptError, WrongTaskError
+
+
+def _string(value: dict) -> str:
+    """One parameter's value.  Triton writes ``string_value``; a config turned into JSON by protobuf's
+    default (camelCase) names writes ``stringValue``: both are the same field."""
+    return value.get("string_value", value.get("stringValue", ""))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    task: str
+    max_batch_size: int
+    #: the config's string parameters, by name
+    params: dict[str, str] = field(default_factory=dict)
+    #: the last dimension of the model's output: an embedding's size, or the number of labels (0: variable)
+    dimensions: int = 0
+    #: the ensemble's first step, its tokenizer model (None: not an ensemble)
+    tokenizer: str | None = None
+
+    @classmethod
+    def from_config(cls, name: str, config: dict) -> "ModelInfo":
+        """The model ``name`` as its Triton config (JSON, or gRPC's ``{"config": ...}`` around it) describes it."""
+        config = config.get("config", config)
+        params = {k: _string(v) for k, v in config.get("parameters", {}).items()}
+        outputs = config.get("output", [])
+        dims = [int(d) for d in outputs[0].get("dims", [])] if outputs else []
+        steps = config.get("ensemble_scheduling", {}).get("step", [])
+        return cls(name, params.get("task", ""), int(config.get("max_batch_size", 0)), params,
+                   dimensions=max(dims[-1], 0) if dims else 0, tokenizer=steps[0]["model_name"] if steps else None)
+
+    def expect(self, task: str) -> None:
+        if self.task != task:
+            raise WrongTaskError(f"model {self.name!r} serves task {self.task or 'unknown'!r}, not {task!r}")
+
+    @property
+    def prompts(self) -> dict[str, str]:
+        """The model's named prompts (an embedding model's sentence-transformers prompts; empty: none)."""
+        return json.loads(self.params.get("prompts", "{}"))
+
+    @property
+    def default_prompt_name(self) -> str | None:
+        """The prompt the server applies when a request names none (None: no prompt)."""
+        return self.params.get("default_prompt_name")
+
+    @property
+    def trained_dimensions(self) -> list[int]:
+        """The sizes the model was trained for (Matryoshka), largest first, where its card names them."""
+        return json.loads(self.params.get("matryoshka_dims", "[]"))
+
+    @property
+    def normalizes(self) -> bool:
+        """Whether the served model already normalises its vectors (the export's choice)."""
+        return self.params.get("normalize", "false") == "true"
+
+    @property
+    def id2label(self) -> dict[int, str]:
+        return {int(k): v for k, v in json.loads(self.params.get("id2label", "{}")).items()}
+
+    def check_prompt(self, prompt_name) -> str | None:
+        """``prompt_name`` where it is None (the model's default prompt, if any) or one of :attr:`prompts`;
+        else :class:`UnknownPromptError`, before anything is sent."""
+        if prompt_name is None:
+            return None
+        if not isinstance(prompt_name, str) or prompt_name not in self.prompts:
+            raise UnknownPromptError(prompt_name, self.name, list(self.prompts))
+        return prompt_name
+
+    def check_dimensions(self, dimensions, size: int | None = None) -> int | None:
+        """``dimensions`` where it is None (the full size) or an integer from 1 to ``size`` (default: the
+        model's :attr:`dimensions`); else :class:`DimensionsError`.  Any such size may be asked for: the
+        trained ones only keep more of the full size's quality."""
+        size = self.dimensions if size is None else size
+        if dimensions is None:
+            return None
+        whole = isinstance(dimensions, (int, np.integer)) and not isinstance(dimensions, bool)
+        if not whole or not 1 <= dimensions <= size:
+            raise DimensionsError(dimensions, size, self.name, self.trained_dimensions)
+        return dimensions
+
+    def cut(self, vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
+        """Each vector's first ``dimensions`` values (None: the vectors as they are), checked against the
+        vectors' own size.  Not normalised again: whether to is each API's rule."""
+        if dimensions is None:
+            return vectors
+        return vectors[..., :self.check_dimensions(dimensions, vectors.shape[-1])]
