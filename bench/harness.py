@@ -733,7 +733,7 @@ def _padding(setup: Setup, facts) -> dict:
     batches of 32 (each batch planned into length groups, as the served encoder does)."""
     import numpy as np
 
-    from nexus_sli.exporter.serving.backends.batching import plan as group_rows
+    from nexus_sli.exporter.serving.backends.batching import length_groups as group_rows
 
     real = computed = 0
     for i in range(0, len(setup.tokens), 32):
