@@ -10,8 +10,8 @@ run at its own longest real length.
 The cost model: a run costs a fixed price, expressed as
 :data:`RUN_COST_TOKENS` tokens, and each token costs more as the sequence
 grows (attention is quadratic), by a factor ``1 + length / QUADRATIC_LENGTH``.
-The constants were fitted by timing MiniLM-L6 runs (docs/repository.md,
-"Batching", has the measurement); the grouping is not sensitive to them.
+The constants were fitted by timing encoder runs; the grouping is not
+sensitive to them (bench/data/tried.md, "The length groups' cost model").
 """
 
 from __future__ import annotations
