@@ -80,6 +80,7 @@ class TritonServer(subprocess.Popen):
 
 
 def wait_ready(http_port: int, process: subprocess.Popen, timeout: float = 180.0, host: str = "127.0.0.1") -> None:
+    """Return once the server answers ready; a :class:`ServerError` if it exits first or takes past ``timeout``."""
     deadline = time.monotonic() + timeout
     ready = url(host, http_port, "/v2/health/ready")
     while time.monotonic() < deadline:
