@@ -66,11 +66,11 @@ def server_memory(idle: list[int], load: list[int], processes: int) -> dict:
 def batch_padding(tokens: list[int], facts) -> dict:
     """Real tokens over the tokens the encoder computes when a client sends the set in
     batches of 32 (each batch planned into length groups, as the served encoder does)."""
-    from nexus_sli.exporter.serving.backends.batching import plan as group_rows
+    from nexus_sli.exporter.serving.backends.batching import length_groups
 
     real = computed = 0
     for i in range(0, len(tokens), 32):
         lengths = np.minimum(np.array(tokens[i:i + 32]), facts.max_length)
         real += int(lengths.sum())
-        computed += sum(len(group) * int(lengths[group].max()) for group in group_rows(lengths))
+        computed += sum(len(group) * int(lengths[group].max()) for group in length_groups(lengths))
     return {"served_batch32_real_token_share": round(real / computed, 3)}

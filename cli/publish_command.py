@@ -24,11 +24,11 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nexus_sli.exporter.triton.publish import Destination, plan, publish
+    from nexus_sli.exporter.triton.publish import Destination, plan_publish, publish
 
     destination = Destination.parse(args.to, args.endpoint_url)
     if args.dry_run:
-        result = plan(Path(args.repository), destination)
+        result = plan_publish(Path(args.repository), destination)
     else:
         result = publish(Path(args.repository), destination, prune=args.prune)
     print(f"{'would publish' if args.dry_run else 'published'} {args.repository} -> {destination}")

@@ -13,7 +13,7 @@ from onnx import TensorProto
 from nexus_sli.exporter.export import fp16
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.revalidate import revalidate
-from nexus_sli.exporter.targets import plan
+from nexus_sli.exporter.targets import configurations_for
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton.python_models.encoding import padded_length
 from helpers.tiny_models import TINY_CONFIGS
@@ -99,8 +99,9 @@ def test_families_of_our_own_validate_in_fp16_labels_too(model_type, tiny_tokeni
 
 
 def test_auto_never_leaves_the_device_asked_for():
-    assert {c.target.device for c in plan("auto", "auto", {"avx512_bf16", "amx_bf16"}, device="cpu")} == {"cpu"}
-    assert [(c.target.name, c.precision) for c in plan("auto", "auto", set(), device="gpu")] == [
+    assert {c.target.device
+            for c in configurations_for("auto", "auto", {"avx512_bf16", "amx_bf16"}, device="cpu")} == {"cpu"}
+    assert [(c.target.name, c.precision) for c in configurations_for("auto", "auto", set(), device="gpu")] == [
         ("onnxruntime-tensorrt", "fp16")]
 
 

@@ -163,7 +163,7 @@ def test_a_failed_publish_leaves_the_published_version_serving(s3, exports, tmp_
         counts = process.supervisor.stub_counts()
         assert counts.get("embedder_tokenizer") == 1
 
-        plan = pub.plan(exports["b"]["repo"], destination)
+        plan = pub.plan_publish(exports["b"]["repo"], destination)
         assert plan.unreferenced == {"embedder_tokenizer": [2]}  # four of the tokenizer's five files got there
         assert [g.version for g in plan.groups] == [3]  # never reuses the interrupted folder's number
         pub.publish(exports["b"]["repo"], destination)
@@ -220,7 +220,7 @@ def test_a_publish_stopped_while_switching_keeps_one_consistent_set_and_is_finis
     ensemble = _config(s3, "switching", "embedder")
     assert list(ensemble.version_policy.specific.versions) == [3]
     assert [step.model_version for step in ensemble.ensemble_scheduling.step] == [3, 3]
-    assert pub.plan(exports["b"]["repo"], destination).groups == []
+    assert pub.plan_publish(exports["b"]["repo"], destination).groups == []
     # the publish after that drops version 1: the steps serve the pinned 3 and the new 4; --prune then
     # deletes every version folder no config serves (servers copy a model's whole folder on load)
     done = pub.publish(exports["a"]["repo"], destination, prune=True)
@@ -243,7 +243,7 @@ def test_a_step_whose_config_changed_is_refused_not_applied_to_the_previous_vers
     config = text_format.Parse(path.read_text(), pb.ModelConfig())
     config.max_batch_size += 1  # what another export of other limits would change
     path.write_text(text_format.MessageToString(config))
-    for run in (pub.plan, pub.publish):  # --dry-run says so too
+    for run in (pub.plan_publish, pub.publish):  # --dry-run says so too
         with pytest.raises(pub.PublishError, match="embedder_encoder's config differs.*new prefix"):
             run(changed, destination)
     assert _configs_bytes(s3, "reconfigured") == before and _keys(s3, "reconfigured") == keys
@@ -267,7 +267,7 @@ def test_one_publisher_at_a_time(s3, exports):
     assert _keys(s3, "concurrent") == {f"concurrent/{pub.LOCK}"}
     client.delete_object(Bucket=BUCKET, Key=f"concurrent/{pub.LOCK}")
     # a publisher that took the same version number (one that ignores the lock) is not overwritten
-    plan = pub.plan(exports["a"]["repo"], destination)
+    plan = pub.plan_publish(exports["a"]["repo"], destination)
     theirs = plan.groups[0].uploads[1][1]
 
     def other_writer(key: str) -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from nexus_sli.exporter.triton import config as triton_config
-from nexus_sli.exporter.targets import plan as plan_configurations
+from nexus_sli.exporter.targets import configurations_for
 from nexus_sli.exporter.targets.cpu import supports_bf16
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export import export_report
@@ -15,7 +15,7 @@ from nexus_sli.exporter.export.static_int8 import calibration_texts
 from nexus_sli.exporter.targets.openvino_cpu import OpenVINOSession
 from nexus_sli.exporter.export.optimize import session
 from nexus_sli.exporter.export.padding_trim import trimmed_length
-from nexus_sli.exporter.serving.backends.batching import plan, real_lengths
+from nexus_sli.exporter.serving.backends.batching import length_groups, real_lengths
 from nexus_sli.exporter.serving.backends.openvino_properties import compile_properties
 from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.triton.python_models.encoding import pool
@@ -199,10 +199,10 @@ def test_calibration_texts_are_not_validation_texts():
 
 def test_batching_plan_groups_by_length_and_covers_every_row():
     lengths = np.array([5, 250, 6, 240, 7, 5, 8, 255])
-    groups = plan(lengths)
+    groups = length_groups(lengths)
     assert sorted(np.concatenate(groups).tolist()) == list(range(len(lengths)))
     assert len(groups) == 2 and {int(lengths[g].max()) for g in groups} == {8, 255}
-    assert len(plan(np.full(40, 30))) == 1  # equal lengths: one run
+    assert len(length_groups(np.full(40, 30))) == 1  # equal lengths: one run
     mask = np.array([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]])
     assert real_lengths(mask).tolist() == [2, 3, 1]
 
@@ -212,7 +212,7 @@ AMX = {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", 
 
 
 def tried(backend: str, precision: str, flags: set[str]) -> list[tuple[str, str]]:
-    return [(c.target.name, c.precision) for c in plan_configurations(backend, precision, flags)]
+    return [(c.target.name, c.precision) for c in configurations_for(backend, precision, flags)]
 
 
 def test_auto_measures_every_configuration_this_cpu_can_run():

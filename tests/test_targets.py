@@ -7,7 +7,8 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export.validate import LABEL_THRESHOLDS, THRESHOLDS
-from nexus_sli.exporter.targets import AUTO_CONFIGURATIONS, DEVICES, TARGETS, get_target, plan, register, serving_target
+from nexus_sli.exporter.targets import (AUTO_CONFIGURATIONS, DEVICES, TARGETS, configurations_for, get_target, register,
+                                        serving_target)
 from nexus_sli.exporter.triton import config as tc
 
 TARGET_NAMES = sorted(TARGETS)
@@ -47,14 +48,14 @@ def test_auto_lists_registered_configurations_and_one_every_cpu_runs_at_parity()
         for name, precision in listed:
             assert precision in get_target(name).precisions and get_target(name).device == device
     # a CPU without any fast path still gets ONNX Runtime fp32, which every family exports at parity
-    assert ("onnxruntime", "fp32") in [(c.target.name, c.precision) for c in plan("auto", "auto", set())]
+    assert ("onnxruntime", "fp32") in [(c.target.name, c.precision) for c in configurations_for("auto", "auto", set())]
 
 
 def test_auto_configurations_are_held_to_the_auto_bar_and_named_ones_are_not():
-    assert all(c.auto for c in plan("auto", "auto", set()))
-    assert all(c.auto for c in plan("openvino", "auto", set()))
-    assert not any(c.auto for c in plan("auto", "int8", set()))  # int8 asked for: its own bar
-    assert not any(c.auto for c in plan("onnxruntime", "fp32", set()))
+    assert all(c.auto for c in configurations_for("auto", "auto", set()))
+    assert all(c.auto for c in configurations_for("openvino", "auto", set()))
+    assert not any(c.auto for c in configurations_for("auto", "int8", set()))  # int8 asked for: its own bar
+    assert not any(c.auto for c in configurations_for("onnxruntime", "fp32", set()))
 
 
 def test_a_second_registration_under_one_name_is_refused():
@@ -65,10 +66,10 @@ def test_a_second_registration_under_one_name_is_refused():
 
 def test_unknown_backend_and_precision_errors_list_the_choices():
     with pytest.raises(NexusError, match="onnxruntime, openvino"):
-        plan("tensorflow", "fp32")
+        configurations_for("tensorflow", "fp32")
     with pytest.raises(NexusError, match="fp32, int8, bf16"):
-        plan("auto", "fp8")
+        configurations_for("auto", "fp8")
     with pytest.raises(NexusError, match="serves precision fp32, int8, not 'bf16'"):
-        plan("onnxruntime", "bf16")
+        configurations_for("onnxruntime", "bf16")
     with pytest.raises(NexusError, match="no runtime target serves"):
         serving_target("tensorflow_savedmodel", "")

@@ -1,7 +1,7 @@
 """The export pipeline, the only orchestrator of an export.
 
     model source -> layer walk -> plain ONNX -> PyTorch reference (once)
-      -> for every configuration of :func:`targets.plan`: the target's candidate
+      -> for every configuration of :func:`targets.configurations_for`: the target's candidate
          graphs (embeddings: ending in the pooling), each validated and closed again
       -> every graph that passed, reopened and timed side by side on the bench's
          workload (in heats that fit in memory: :func:`timing.time_in_heats`)
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nexus_sli.exporter.errors import ExportError, ValidationError
-from nexus_sli.exporter.targets import Candidate, Configuration, ExportedGraph, plan
+from nexus_sli.exporter.targets import Candidate, Configuration, ExportedGraph, configurations_for
 from nexus_sli.exporter.triton.models import ServingFacts, write_models, write_readme
 from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
 from nexus_sli.exporter.triton.staging import Staging
@@ -133,7 +133,7 @@ class Attempt:
 
 def run_export(options: ExportOptions) -> ExportResult:
     """Export, validate and publish one model; see the module docstring for the steps."""
-    configurations = plan(options.backend, options.precision, device=options.device)
+    configurations = configurations_for(options.backend, options.precision, device=options.device)
     check_objective(options.optimize)
     if options.task != "auto":
         get_task(options.task)  # an unknown task fails before any download

@@ -9,12 +9,12 @@ from .registry import (
     DEVICES,
     TARGETS,
     Configuration,
+    configurations_for,
     get_target,
-    plan,
     precisions,
     register,
     serving_target,
 )
 
 __all__ = ["AUTO", "AUTO_CONFIGURATIONS", "DEVICES", "TARGETS", "Candidate", "Configuration", "EncoderServing", "ExportedGraph",
-           "Target", "get_target", "plan", "precisions", "register", "serving_target"]
+           "Target", "configurations_for", "get_target", "precisions", "register", "serving_target"]

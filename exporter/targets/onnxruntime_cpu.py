@@ -60,11 +60,10 @@ class OnnxRuntimeCPU(Target):
 
     @staticmethod
     def _static_int8(graph: ExportedGraph) -> list[Candidate]:
-        """NNCF's static int8 where the auto bar holds.  On the AVX2-only EPYC it kept the bar where every
-        dynamic variant missed it (all-MiniLM-L6-v2: min cosine 0.99208 against 0.962 at best; all-mpnet-base-v2:
-        0.99468 against -0.15) and ran 1.08x and 1.27x ONNX Runtime fp32 on a batch of 32 (bench/data/tried.md,
-        "ONNX Runtime static int8").  Keeping only one of the two roles in fp32 missed the bar there.  It is an
-        extra candidate: where NNCF cannot quantize a family's graph, the export goes on without it."""
+        """NNCF's static int8 where the auto bar holds.  On an AVX2-only CPU it kept the bar where every
+        dynamic variant missed it on real models, and still ran faster than ONNX Runtime fp32; keeping only
+        one of the two roles in fp32 missed the bar (bench/data/tried.md, "ONNX Runtime static int8").  It is
+        an extra candidate: where NNCF cannot quantize a family's graph, the export goes on without it."""
         if not graph.auto or graph.large:
             return []
         keep = graph.attention_outputs(graph.plain) + graph.ffn_outputs(graph.plain)

@@ -71,8 +71,8 @@ class OpenVINOSession:
         return [results[port].copy() for port in ports]
 
 
-#: The one int8 variant a graph past 2 GB gets (:attr:`ExportedGraph.large`): the one ``auto`` kept wherever
-#: int8 was fastest and passed (docs/export.md, "Choosing a backend"; ../shared/ARCHITECTURE.md, "Verified later").
+#: The one int8 variant a graph past 2 GB gets (:attr:`ExportedGraph.large`): the one ``auto`` kept where
+#: OpenVINO int8 was fastest and passed (docs/export.md, "Choosing a backend").
 LARGE_MODEL_VARIANT = f"plain+sq{SMOOTH_QUANT_ALPHA}+attn-out-fp32"
 
 #: OpenVINO int8 (NNCF static quantization, calibrated) is held to a higher bar than

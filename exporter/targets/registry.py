@@ -17,7 +17,7 @@ from .onnxruntime_gpu import OnnxRuntimeCUDA, OnnxRuntimeTensorRT
 from .openvino_cpu import OpenVINOCPU
 from .tensorrt_plan import TensorRTPlan
 
-#: backend or precision: let the registry choose (:func:`plan`).
+#: backend or precision: let the registry choose (:func:`configurations_for`).
 AUTO = "auto"
 
 TARGETS: dict[str, Target] = {}
@@ -94,7 +94,8 @@ def serving_target(platform: str, backend: str, device: str = "KIND_CPU") -> Tar
                      f"registered: {', '.join(TARGETS)}")
 
 
-def plan(backend: str, precision: str, flags: set[str] | None = None, device: str = "cpu") -> list[Configuration]:
+def configurations_for(backend: str, precision: str, flags: set[str] | None = None,
+                       device: str = "cpu") -> list[Configuration]:
     """The configurations to measure for a requested backend and precision (either may be
     ``auto``) on ``device``: ``auto`` never leaves the device asked for."""
     flags = cpu_flags() if flags is None else flags

@@ -9,10 +9,10 @@ it will be served.  This module holds what needs TensorRT itself: the build
 layers constrained to fp32), the engine runner that validation and ``nexus-sli
 validate`` use, and the GPU's name and compute capability.
 
-Nothing here that imports ``tensorrt`` or the CUDA runtime has run on this
-project's machines (no GPU, and TensorRT is not installable from PyPI there);
-docs/gpu.md says so.  The pure parts (layer selection, I/O type checks, the
-error without TensorRT) are tested.
+Nothing here that imports ``tensorrt`` or the CUDA runtime is exercised by the
+tests, which run without a GPU or TensorRT (TensorRT does not install from
+PyPI); docs/gpu.md says so.  The pure parts (layer selection, I/O type
+checks, the error without TensorRT) are tested.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def wants_fp32(layer_type: str, operation: str | None, name: str = "") -> bool:
     """Whether a TensorRT layer (type, operation and layer name) computes one of :data:`FP32_OPS`, or
     belongs to an embedding graph's pooling (:mod:`export.pooling`), which the fp16 graph keeps in fp32
     too.  TensorRT's ONNX parser names a layer after the node it came from, with or without a prefix of
-    its own (``node_of_...``), so the pooling's node prefix is looked for anywhere in the name; no
-    TensorRT has run this here (module docstring)."""
+    its own (``node_of_...``), so the pooling's node prefix is looked for anywhere in the name; not
+    exercised by the tests (module docstring)."""
     if POOLING_PREFIX in name:
         return True
     return any(layer_type == kind and (op is None or op == operation) for kind, op in FP32_LAYERS.values())

@@ -21,21 +21,16 @@ MAX_BATCH_SIZE = 64
 #: How long a GPU encoder waits for more requests to merge (microseconds), so that
 #: concurrent single texts share one kernel launch.  Short: a lone request pays it,
 #: and under load requests queue up while the step runs anyway (Triton then merges
-#: everything waiting).  Not measured on a GPU (none on the project's machines).
+#: everything waiting).  Not measured on a GPU.
 GPU_QUEUE_DELAY_US = 500
 #: A CPU encoder does not wait: its time grows with the rows it runs, so waiting
-#: only delays a lone query, and under load it merges what queued while it ran.
-#: Measured on the AVX2 machine with bench/experiments/encoder_delay.py (removed after
-#: its finding was recorded; bench/data/tried.md, "The CPU encoder's queue delay"):
-#: a single query's p50 0.46-0.64 ms shorter, 16 concurrent clients within noise.
+#: only delays a lone query, and under load it merges what queued while it ran
+#: (bench/data/tried.md, "The CPU encoder's queue delay").
 CPU_QUEUE_DELAY_US = 0
-#: The python steps do not wait: a lone query paid every step's delay (0.6 ms
-#: queued per step, from Triton's statistics), while the encoder merges what the
-#: tokenizer sends regardless.  Measured with bench/experiments/queue_delay.py
-#: (removed after its finding was recorded; ``git show c81662c:bench/experiments/queue_delay.py``):
-#: single-query p50 3.7 ms instead of 4.7-5.1 ms, 16 concurrent clients within
-#: noise (bench/data/tried.md).  Under load each still merges what
-#: queued while it ran.
+#: The python steps do not wait: a lone query would pay every step's delay, while
+#: the encoder merges what the tokenizer sends regardless, and under load each step
+#: still merges what queued while it ran (bench/data/tried.md, "Where a single
+#: query's time goes").
 TOKENIZER_QUEUE_DELAY_US = 0
 POSTPROCESS_QUEUE_DELAY_US = 0
 #: Every token row is padded to this width (or the model's limit when shorter),

@@ -120,7 +120,7 @@ class RemoteModel:
 
 
 @dataclass
-class GroupPlan:
+class PublishGroup:
     """One ensemble and its steps (or the ensembles that share steps, or a model alone), published
     together under one version number."""
 
@@ -138,9 +138,11 @@ class GroupPlan:
 
 
 @dataclass
-class Plan:
+class PublishPlan:
+    """What publishing a repository uploads and switches (:func:`plan_publish`; :func:`publish` returns what it did)."""
+
     destination: Destination
-    groups: list[GroupPlan]
+    groups: list[PublishGroup]
     #: models whose published version equals the export, and the versions they serve
     unchanged: dict[str, list[int]]
     #: version folders on the store that no config serves (left by an interrupted publish, or older)
@@ -377,7 +379,7 @@ def _changed(store: Store, local: LocalModel, remote: RemoteModel) -> str | None
     return None
 
 
-def plan(repository: Path, destination: Destination, store: Store | None = None) -> Plan:
+def plan_publish(repository: Path, destination: Destination, store: Store | None = None) -> PublishPlan:
     """What publishing ``repository`` to ``destination`` would upload and switch (nothing is written)."""
     store = store or Store(destination)
     local = read_local(repository)
@@ -411,10 +413,10 @@ def plan(repository: Path, destination: Destination, store: Store | None = None)
                 uploads.append((None, destination.key(name, str(version)) + "/", sha256_b64(b"")))
             extras += [(model.folder / rel, destination.key(name, rel), sha) for rel, sha in model.extras.items()]
         serves = {n: sorted(set(keep.get(n, [])) | {version}) for n in names}
-        groups.append(GroupPlan(names, ensembles, version, {n: remote[n].served for n in names},
+        groups.append(PublishGroup(names, ensembles, version, {n: remote[n].served for n in names},
                                 "; ".join(changed), uploads, serves, extras))
     unreferenced = {n: sorted(r.versions - set(r.served)) for n, r in remote.items() if r.versions - set(r.served)}
-    return Plan(destination, groups, unchanged, unreferenced, local)
+    return PublishPlan(destination, groups, unchanged, unreferenced, local)
 
 
 def _published_ensembles(ensembles: list[str], remote: dict[str, RemoteModel]) -> list[pb.ModelConfig]:
@@ -445,7 +447,7 @@ UploadHook = Callable[[str], None]
 
 
 def publish(repository: Path, destination: Destination, store: Store | None = None,
-            after_upload: UploadHook | None = None, prune: bool = False) -> Plan:
+            after_upload: UploadHook | None = None, prune: bool = False) -> PublishPlan:
     """Upload what changed as new version folders, verify every checksum, then switch the configs.
 
     One publisher at a time per prefix: the lock object ``<prefix>/.nexus-sli-publish.lock`` is
@@ -465,7 +467,7 @@ def publish(repository: Path, destination: Destination, store: Store | None = No
             f"s3://{destination.bucket}/{lock} exists: another publish to {destination} is running. If none "
             "is (one was killed), delete that object and publish again") from None
     try:
-        result = plan(repository, destination, store)
+        result = plan_publish(repository, destination, store)
         for group in result.groups:
             _upload(store, group.uploads, group, after_upload, create=True)
             _switch(store, group, result.local, after_upload)
@@ -493,7 +495,7 @@ def _prune(store: Store, names: list[str]) -> dict[str, list[int]]:
     return pruned
 
 
-def _upload(store: Store, uploads: list, group: GroupPlan, after_upload: UploadHook | None,
+def _upload(store: Store, uploads: list, group: PublishGroup, after_upload: UploadHook | None,
             create: bool = False) -> None:
     for path, key, sha in uploads:
         store.put(key, path.read_bytes() if path is not None else b"", sha, create=create)
@@ -508,7 +510,7 @@ def _upload(store: Store, uploads: list, group: GroupPlan, after_upload: UploadH
              len(uploads))
 
 
-def _switch(store: Store, group: GroupPlan, local: dict[str, LocalModel], after_upload: UploadHook | None) -> None:
+def _switch(store: Store, group: PublishGroup, local: dict[str, LocalModel], after_upload: UploadHook | None) -> None:
     """The configs, in the order that keeps every moment consistent for a server that starts then."""
     def put(name: str, versions: list[int], pin: int | None = None) -> None:
         body = published_config(local[name].config, versions, pin)

@@ -3,15 +3,15 @@
 Triton hands the encoder every request it merged: rows of texts from a
 4-token query to a 512-token paragraph, all padded to one width.  Running
 them as one batch pays for the padding; running each alone pays the fixed
-cost of a run many times.  :func:`plan` sorts the rows by real length and
+cost of a run many times.  :func:`length_groups` sorts the rows by real length and
 splits them into the groups that minimise the estimated cost, each group
 run at its own longest real length.
 
 The cost model: a run costs a fixed price, expressed as
 :data:`RUN_COST_TOKENS` tokens, and each token costs more as the sequence
 grows (attention is quadratic), by a factor ``1 + length / QUADRATIC_LENGTH``.
-The constants were fitted by timing MiniLM-L6 runs (docs/repository.md,
-"Batching", has the measurement); the plan is not sensitive to them.
+The constants were fitted by timing encoder runs; the grouping is not
+sensitive to them (bench/data/tried.md, "The length groups' cost model").
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _run_cost(rows: np.ndarray, length: float) -> np.ndarray:
     return RUN_COST_TOKENS + rows * length * (1.0 + length / QUADRATIC_LENGTH)
 
 
-def plan(lengths: np.ndarray) -> list[np.ndarray]:
+def length_groups(lengths: np.ndarray) -> list[np.ndarray]:
     """Groups of row indices, each run as one batch at its longest length.
 
     Optimal for the cost model among groupings of the length-sorted rows

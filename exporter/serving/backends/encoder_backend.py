@@ -4,7 +4,7 @@ A subclass loads its model (:meth:`EncoderBackend.load`) and runs one batch
 of arrays (:meth:`EncoderBackend.infer`); this class turns Triton's requests
 into batches and the batches' outputs back into responses:
 
-- every row of every request in the execution is planned at once
+- every row of every request in the execution is grouped at once
   (:mod:`batching`): sorted by real length and run in groups, each cut to its
   own longest real token, so the fixed-width padding the tokenizer adds
   (one width, so Triton merges every request) is never computed;
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from batching import plan, real_lengths
+from batching import length_groups, real_lengths
 from error_codes import INFERENCE_FAILED, INVALID_INPUT, mark
 
 
@@ -72,7 +72,7 @@ class EncoderBackend(ABC):
         return [name for name in self.outputs if name in asked] or list(self.outputs)
 
     def _run(self, per_request, wanted):
-        """All requests' rows, run in planned groups, computing the outputs in ``wanted`` (one list per
+        """All requests' rows, run in length groups, computing the outputs in ``wanted`` (one list per
         request): each request's own outputs, in order."""
         names = [name for name in self.outputs if any(name in w for w in wanted)]
         width = max(feeds[self.inputs[0]].shape[1] for feeds in per_request)
@@ -86,7 +86,7 @@ class EncoderBackend(ABC):
         lengths = real_lengths(mask) if mask is not None else np.full(len(batch[self.inputs[0]]), width)
         longest = int(lengths.max())
         results = {}
-        for rows in plan(lengths):
+        for rows in length_groups(lengths):
             length = int(lengths[rows].max())
             group = {name: np.ascontiguousarray(array[rows, :length]) for name, array in batch.items()}
             got = self.infer(group, names)

@@ -46,9 +46,8 @@ class TritonPythonModel(EncoderBackend):
         # Operator knobs, read from the server's environment: intra-op threads (0: one
         # per core) and whether idle threads spin (1) or sleep (0) between runs.  Sleeping
         # is the default: the tokenizer and pooling steps share the cores with this one,
-        # and spinning threads delay them (measured by bench/experiments/ort_threads.py, removed
-        # after its finding was recorded: git show c81662c:bench/experiments/ort_threads.py;
-        # the figures are in bench/data/tried.md).
+        # and spinning threads delay them (bench/data/tried.md, "thread settings of the served
+        # encoder").
         options.intra_op_num_threads = int(os.environ.get("NEXUS_ORT_THREADS", "0"))
         spinning = os.environ.get("NEXUS_ORT_SPINNING", "0")
         if spinning not in ("0", "1"):  # ONNX Runtime would read anything else as 0

@@ -14,12 +14,11 @@ backend, so the same repository runs on an NGC container:
   of every length up to this many tokens is run at load.
 
 Why the warm-up: OpenVINO's CPU plugin prepares its kernels for each new input
-shape on the first run at that shape, and on a 2-core AVX2 machine that first
-run took 1.6x (fp32) and 1.85x (int8) its repeats for one query (MiniLM-L6, a
-median 4-7 ms more; ONNX Runtime 1.01x; docs/repository.md, "OpenVINO's first
-run at a shape").  So every new query length would be a slow query, a p99
-nobody chose.  Batches' shapes (rows x length) are too many to warm; their
-first run costs 1.1-1.2x, once per shape and process.
+shape on the first run at that shape, so that run is slower than its repeats,
+for one query most of all (ONNX Runtime's is not; bench/data/tried.md,
+"OpenVINO's first run at a new input shape").  So every new query length would
+be a slow query, a p99 nobody chose.  Batches' shapes (rows x length) are too
+many to warm; each pays its slower first run once per process.
 """
 
 import sys

@@ -1,0 +1,119 @@
+"""The ``tritonserver`` process: its command, starting it, waiting until it is ready, ending it.
+
+:mod:`binary` says which binary runs, :mod:`flags` what it is told and
+:mod:`backend_folders` what the wheel's binary loads its backends from.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .backend_folders import prepare_backends
+from .binary import ServerError, system_binary, wheel_binary, wheel_environment
+from .flags import ADMIN_HEADER, server_args
+from .stub_supervisor import StubSupervisor
+
+
+@dataclass
+class ServerCommand:
+    argv: list[str]
+    env: dict[str, str]
+    backend_dir: Path | None
+    #: the backend folder is a temporary one made for this command (removed when the server stops)
+    temporary_backend_dir: bool = False
+
+
+def server_command(repository: Path | str, http_port: int, grpc_port: int, metrics_port: int,
+                   host: str = "127.0.0.1", backend_dir: Path | None = None,
+                   admin_key: str | None = None, reload_models: bool = False) -> ServerCommand:
+    """The command for ``tritonserver`` on PATH as it is, else for the wheel's with a backend
+    folder (``backend_dir``, or a temporary one) and the environment it needs."""
+    args = server_args(repository, http_port, grpc_port, metrics_port, host, admin_key, reload_models)
+    system = system_binary()
+    if system:
+        return ServerCommand([system, *args], dict(os.environ), None)
+    binary = wheel_binary()
+    temporary = backend_dir is None
+    backend_dir = prepare_backends(backend_dir or Path(tempfile.mkdtemp(prefix="nexus-sli-backends-")))
+    argv = [str(binary), *args, f"--backend-directory={backend_dir}"]
+    return ServerCommand(argv, wheel_environment(), backend_dir, temporary)
+
+
+def client_host(host: str) -> str:
+    """Where a local client reaches a server bound to ``host`` (a wildcard address is not one)."""
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def url(host: str, port: int, path: str) -> str:
+    """``path`` on the server bound to ``host``:``port``, as a local client reaches it."""
+    host = client_host(host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}{path}"
+
+
+class TritonServer(subprocess.Popen):
+    """The ``tritonserver`` process (a :class:`subprocess.Popen`: ``pid``, ``poll()``,
+    ``wait()``), plus the :class:`StubSupervisor` that :func:`server.start` attaches to it.
+
+    Its ``args`` are redacted: the model-control secret is never shown."""
+
+    supervisor: StubSupervisor | None = None
+
+    def __init__(self, command: ServerCommand, admin_key: str | None, **popen):
+        super().__init__(command.argv, env=command.env, **popen)
+        self.args = [a.replace(admin_key, "<secret>") if admin_key else a for a in command.argv]
+        self._temporary_dirs = [command.backend_dir] if command.temporary_backend_dir else []
+
+    def remove_temporary_files(self) -> None:
+        """The folders made for this server (backends, a shadow repository), once it has stopped."""
+        if self.poll() is not None:
+            for folder in self._temporary_dirs:
+                shutil.rmtree(folder, ignore_errors=True)
+            self._temporary_dirs = []
+
+
+def wait_ready(http_port: int, process: subprocess.Popen, timeout: float = 180.0, host: str = "127.0.0.1") -> None:
+    """Return once the server answers ready; a :class:`ServerError` if it exits first or takes past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    ready = url(host, http_port, "/v2/health/ready")
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServerError(f"tritonserver exited with code {process.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(ready, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise ServerError(f"tritonserver was not ready within {timeout:.0f} s")
+
+
+def check_identity(host: str, http_port: int, admin_key: str) -> None:
+    """The server that answered is ours (it knows our secret), not another one on the same port."""
+    request = urllib.request.Request(url(host, http_port, "/v2/logging"), headers={ADMIN_HEADER: admin_key})
+    try:
+        urllib.request.urlopen(request, timeout=10).close()
+    except urllib.error.HTTPError as exc:
+        if exc.code == 403:
+            raise ServerError(f"another server answers on port {http_port} (is one running there already?); "
+                              "this tritonserver could not take the port") from None
+        raise
+
+
+def end(process: subprocess.Popen, grace: float) -> None:
+    """SIGTERM, then SIGKILL if ``process`` has not exited within ``grace`` seconds."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -1,0 +1,163 @@
+"""Reload a model whose python-backend process died.
+
+Every python-backend model instance runs in its own stub process
+(:data:`backend_folders.STUB_EXECUTABLE`), and Triton does not restart one that
+dies: the model then fails every request.  :class:`StubSupervisor` watches those
+processes and reloads such a model through the repository API, which the server
+restricts to the secret header (:mod:`flags`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from google.protobuf.text_format import ParseError
+
+from nexus_sli.exporter.triton.config import read as read_config
+
+from .backend_folders import STUB_EXECUTABLE
+from .flags import ADMIN_HEADER, is_remote
+
+log = logging.getLogger(__name__)
+
+
+class StubSupervisor(threading.Thread):
+    """Reloads a model whose python-backend process has died.
+
+    Every ``interval`` seconds it counts the server's live stub processes per
+    model (the model is the folder of the file a stub runs:
+    ``<repository>/<model>/<version>/model.py`` or ``.../model.onnx``); when a
+    model has fewer than it had, it unloads and loads that model through the
+    restricted repository API, then loads again whatever else was ready
+    before (the ensemble that uses it).  Until then the model answers with an
+    error ("Stub process ... is not healthy"), which the client reports as
+    retryable :class:`~nexus_sli.client.ModelUnavailableError`.
+
+    ``base_url``: the server's HTTP endpoint as a local client reaches it;
+    ``admin_key``: the secret its restricted APIs require.
+    """
+
+    def __init__(self, server: subprocess.Popen, repository: Path | str, base_url: str, admin_key: str,
+                 interval: float = 0.5):
+        super().__init__(name="nexus-sli-stub-supervisor", daemon=True)
+        self.server, self.interval = server, interval
+        self.repository = repository if is_remote(repository) else Path(repository).resolve()
+        self._base = base_url
+        self._key = admin_key
+        self._stopping = threading.Event()
+        self.restarts: list[tuple[float, str]] = []  # (time.time(), model), for tests and operators
+        self._expected = self.stub_counts()
+        self._ready = set(self._ready_models())
+        self._ensembles: set[str] | None = None
+
+    def stub_processes(self) -> dict[str, list]:
+        """Live stub processes (``psutil.Process``) of this server, per model name."""
+        import psutil
+
+        found: dict[str, list] = {}
+        try:
+            children = psutil.Process(self.server.pid).children()
+        except psutil.Error:
+            return found
+        for child in children:
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                argv = child.cmdline()
+            except psutil.Error:
+                continue
+            if len(argv) < 2 or Path(argv[0]).name != STUB_EXECUTABLE:
+                continue
+            model = self._model_of(Path(argv[1]).parent.parent)
+            if model is not None:
+                found.setdefault(model, []).append(child)
+        return found
+
+    def _model_of(self, model_dir: Path) -> str | None:
+        """The model a stub serves, from the folder it runs in: ``<repository>/<model>`` for a
+        folder; for an object store, Triton's local copy (a random ``/tmp/folderXXXXXX``) of the
+        model folder, named by the ``name`` in the config.pbtxt copied with it."""
+        if not isinstance(self.repository, str):
+            return model_dir.name if model_dir.parent == self.repository else None
+        try:
+            return read_config(model_dir / "config.pbtxt").name or None
+        except (OSError, ParseError):  # not a model copy (or gone: unloaded meanwhile)
+            return None
+
+    def stub_counts(self) -> dict[str, int]:
+        return {model: len(processes) for model, processes in self.stub_processes().items()}
+
+    def _post(self, path: str, body: dict | None = None) -> bytes:
+        request = urllib.request.Request(self._base + path, data=json.dumps(body or {}).encode(), method="POST",
+                                         headers={ADMIN_HEADER: self._key, "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.read()
+
+    def _ready_models(self) -> list[str]:
+        index = json.loads(self._post("/v2/repository/index", {"ready": True}) or b"[]")
+        return [entry["name"] for entry in index]
+
+    def _serving(self) -> bool:
+        """Ready and not shutting down (Triton closes its endpoints when asked to stop)."""
+        if self._stopping.is_set() or self.server.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(self._base + "/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def _is_ensemble(self, model: str) -> bool:
+        with urllib.request.urlopen(self._base + f"/v2/models/{model}/config", timeout=30) as response:
+            return json.loads(response.read()).get("platform") == "ensemble"
+
+    def reload(self, model: str) -> None:
+        """Unload and load ``model``, then load whatever else was ready before and is not now.
+
+        From an object store, every model that was ready is loaded again, the ensembles last: a
+        load reads the model's config from the store, where a publish may have pinned newer step
+        versions since this server started; reloading one step alone would leave the ensemble
+        pinning a version that step no longer serves.  The replica then serves the store's
+        current set (docs/deployment.md)."""
+        log.warning("the python backend process of model %s exited; reloading the model", model)
+        remote = isinstance(self.repository, str)
+        if remote and self._ensembles is None:  # asked once, while every model is still loaded
+            self._ensembles = {m for m in self._ready if self._is_ensemble(m)}
+        ensembles = self._ensembles or set()
+        self._post(f"/v2/repository/models/{model}/unload")
+        self._post(f"/v2/repository/models/{model}/load")
+        others = self._ready if remote else self._ready - set(self._ready_models())
+        for other in sorted(others - {model}, key=lambda m: (m in ensembles, m)):
+            self._post(f"/v2/repository/models/{other}/load")
+        if remote:  # the store's versions may differ from the ones loaded at start
+            self._expected = self.stub_counts()
+        self.restarts.append((time.time(), model))
+        log.warning("model %s reloaded", model)
+
+    def run(self) -> None:
+        failures = 0
+        while not self._stopping.wait(min(self.interval * 2 ** failures, 30.0)):
+            if self.server.poll() is not None:
+                return
+            counts = self.stub_counts()
+            lost = [m for m, n in self._expected.items() if counts.get(m, 0) < n]
+            if not lost or not self._serving():
+                continue
+            try:
+                for model in lost:
+                    self.reload(model)
+                failures = 0
+            except (OSError, ValueError) as exc:  # tried again, later and later
+                failures += 1
+                log.error("could not reload model %s (%s); trying again", model, exc)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout=30)
