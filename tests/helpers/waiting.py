@@ -12,12 +12,19 @@ POLL_S = 0.05
 
 
 def wait_until(condition: Callable[[], T], what: str, timeout: float = 60.0, poll_s: float = POLL_S) -> T:
-    """``condition()``'s first truthy value, checked every ``poll_s``; fails naming ``what`` after ``timeout``
-    seconds (a bound on the test, not a timing assertion)."""
+    """``condition()``'s first value that says it holds (:func:`holds`), checked every ``poll_s``; fails
+    naming ``what`` after ``timeout`` seconds (a bound on the test, not a timing assertion)."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
-        if value:
+        if holds(value):
             return value
         assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
         time.sleep(poll_s)
+
+
+def holds(value) -> bool:
+    """Not None, not False, not empty: an answer (an array included) counts as it comes."""
+    if value is None or value is False:
+        return False
+    return len(value) > 0 if hasattr(value, "__len__") else bool(value)
