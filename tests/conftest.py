@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from nexus_sli.exporter.export import timing
 from nexus_sli.exporter.export.layer_cache import CACHE_DIR_ENV
 from helpers.exports import ExportStore
 from helpers.tiny_models import build_tiny
@@ -16,6 +17,28 @@ def scratch_layer_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(CACHE_DIR_ENV, str(tmp_path_factory.mktemp("layer-cache")))
         yield
+
+
+#: The exporter's own timing: warm-up runs, then rounds of every candidate side by side.
+EXPORT_TIMING = {"WARMUP": timing.WARMUP, "ROUNDS": timing.ROUNDS}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_timing_round():
+    """Exports made by tests time each candidate on one warm-up run and one round.  Which graph wins
+    is a measurement no test asserts but those marked ``real_timing``, which get the exporter's own
+    rounds back (:func:`real_timing`); the rest only need a candidate kept the way an export keeps it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(timing, "WARMUP", 1)
+        patch.setattr(timing, "ROUNDS", 1)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def real_timing(request, monkeypatch):
+    if request.node.get_closest_marker("real_timing"):
+        for name, value in EXPORT_TIMING.items():
+            monkeypatch.setattr(timing, name, value)
 
 
 #: The tiny models' WordPiece tokenizer, trained once by :func:`tiny_models.train_tokenizer` on the validation

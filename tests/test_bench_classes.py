@@ -1,7 +1,7 @@
 """The CPU classes table of BENCHMARKS.md and target (e), the share of the compute peak.
 
-Pure functions over results: no server, no model.  The kept Zen 5 run in
-bench/results/classes/ is real data from a full `make bench`; the rest is built here.
+Pure functions over results: no server, no model.  The kept runs in
+bench/results/classes/ are real data from full `make bench` runs; the rest is built here.
 """
 
 from __future__ import annotations

@@ -55,19 +55,20 @@ def test_int8_fidelity(repo):
     assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops
 
 
-def test_failed_validation_changes_nothing(repo, monkeypatch):
+def test_failed_validation_changes_nothing(repo, monkeypatch, tiny_checkpoint):
     before = {p: p.stat().st_mtime_ns for p in repo.rglob("*")}
-    # A threshold no real export can meet stands in for a broken graph.
+    # A threshold no real export can meet stands in for a broken graph; the export that fails replaces the
+    # served model of the same name (a seeded tiny one: what is under test is the pipeline's, not the model's)
     monkeypatch.setitem(validate.THRESHOLDS, "fp32", {"max_abs_diff": 0.0})
     with pytest.raises(ValidationError, match="nothing was written"):
-        run_export(ExportOptions(out=repo))
+        run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name=MINILM, out=repo))
     assert {p: p.stat().st_mtime_ns for p in repo.rglob("*")} == before
     assert not list(repo.parent.glob(f".{repo.name}.staging-*"))
 
 
-def test_allow_degraded_is_recorded(tmp_path, monkeypatch):
+def test_allow_degraded_is_recorded(tmp_path, monkeypatch, tiny_checkpoint):
     monkeypatch.setitem(validate.THRESHOLDS, "fp32", {"max_abs_diff": 0.0})
-    run_export(ExportOptions(out=tmp_path, allow_degraded=True, name="degraded"))
+    run_export(ExportOptions(model=str(tiny_checkpoint("bert")), out=tmp_path, allow_degraded=True, name="degraded"))
     report = _report(tmp_path, "degraded")
     assert report.validation.passed is False and report.allow_degraded is True and report.validation.failures
 
@@ -99,7 +100,7 @@ def test_hub_id_without_network_fails_fast_with_guidance(tmp_path):
     assert time.monotonic() - start < 60, "an unreachable hub must not hang the export"
 
 
-def test_killed_export_leaves_the_repository_as_it_was(repo):
+def test_killed_export_leaves_the_repository_as_it_was(repo, tiny_checkpoint):
     import signal
 
     before = {p: p.stat().st_mtime_ns for p in repo.rglob("*")}
@@ -113,5 +114,5 @@ def test_killed_export_leaves_the_repository_as_it_was(repo):
     assert {p: p.stat().st_mtime_ns for p in repo.rglob("*")} == before
     stale = list(repo.parent.glob(f".{repo.name}.staging-*"))
     assert stale, "the killed export should have left its staging folder behind"
-    run_export(ExportOptions(out=repo, name="after_kill"))
+    run_export(ExportOptions(model=str(tiny_checkpoint("bert")), out=repo, name="after_kill"))  # any model will do
     assert not [p for p in stale if p.exists()], "the next export removes staging folders of dead exports"

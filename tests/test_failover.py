@@ -17,7 +17,7 @@ import pytest
 
 from helpers.waiting import wait_until
 from helpers import object_store
-from helpers.servers import kill_server
+from helpers.servers import end_now, kill_server
 from nexus_sli.client import AsyncEncoderClient, EncoderClient, ReplicasFailedError, ServerUnavailableError
 from nexus_sli.client.replicas import RETRY_S, Replicas, parse_urls
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
@@ -125,7 +125,7 @@ def replicas(request, store):
         yield {"servers": servers, "protocol": protocol, "reference": store["reference"]}
     finally:
         for server in servers:
-            serve.stop(server["process"])
+            end_now(server["process"])
             server["log"].close()
 
 

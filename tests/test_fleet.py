@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
+from helpers.servers import end_now, kill_server
 from helpers.waiting import wait_until
 from nexus_sli.bench.served import free_ports
 from nexus_sli.client import EncoderClient
@@ -86,8 +87,7 @@ def fleet(tmp_path_factory, tiny_checkpoint):
         list(pool.map(start, ["127.0.0.1", "127.0.0.2", "127.0.0.3"]))
     yield state
     for process in state["servers"].values():
-        if process.poll() is None:
-            serve.stop(process)
+        end_now(process)
 
 
 def _successes(address: str, http_port: int) -> int:
@@ -99,9 +99,7 @@ def _successes(address: str, http_port: int) -> int:
 
 def _kill(process) -> None:
     """A pod that dies: SIGKILL to the server, its python-backend processes ended after it."""
-    from helpers.servers import kill_server as kill_replica
-
-    kill_replica({"process": process})
+    kill_server({"process": process})
 
 
 class Load:
@@ -292,8 +290,7 @@ def test_a_new_version_rolls_out_under_load_with_no_failed_request(store):
             load.wait_for(lambda: versions["new"] >= 200, "200 requests on the new version")
     finally:
         for process in servers.values():
-            if process.poll() is None:
-                serve.stop(process)
+            end_now(process)
     # Load counts an assertion error in embed() as a failure: none, so no answer mixed versions
     assert load.failures == [], load.failures[:3]
     assert versions["old"] >= 400 and versions["new"] >= 200, versions

@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 
+from helpers.servers import serving
 from helpers.waiting import wait_until
 from helpers import task_models
 from helpers.exports import MINILM
@@ -76,10 +77,8 @@ def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint, exports):
                              name="classifier", out=repo))
     run_export(ExportOptions(model=str(task_models.reranker(tiny_tokenizer, root / "reranker")),
                              name="reranker", out=repo))
-    http, grpc, metrics = free_ports(3)
-    process = serve.start(repo, http, grpc, metrics)
-    yield {"repo": repo, "http": f"127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}"}
-    serve.stop(process)
+    with serving(repo) as server:
+        yield server
 
 
 def start_gateway(triton: str, *args: str, log: Path) -> Gateway:

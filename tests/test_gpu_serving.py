@@ -19,6 +19,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from sentence_transformers import SentenceTransformer
 
+from helpers.servers import serving
 from nexus_sli.client import EncoderClient
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export.source import resolve_model
@@ -39,13 +40,10 @@ def repo(tmp_path_factory, exports):
 
 @pytest.fixture(scope="module")
 def served(repo, tmp_path_factory):
-    http_port, grpc_port, metrics_port = _free_ports(3)
     log = tmp_path_factory.mktemp("gpu-serve-log") / "tritonserver.log"
     with open(log, "w") as sink:  # the server's output, where the backend shim logs its providers
-        process = serve.start(repo, http_port, grpc_port, metrics_port, gpu_on_cpu=True, stdout=sink,
-                              stderr=subprocess.STDOUT)
-    yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}", "process": process, "log": log}
-    serve.stop(process)
+        with serving(repo, gpu_on_cpu=True, stdout=sink, stderr=subprocess.STDOUT) as server:
+            yield {**server, "log": log}
 
 
 def test_gpu_models_are_refused_here_unless_asked(repo):

@@ -24,6 +24,7 @@ import tritonclient.grpc as grpcclient
 from nexus_sli.bench.served import Gateway, free_ports
 from nexus_sli.exporter.serving import server as serve
 from nexus_sli.gateway.config import API_KEY_ENV
+from helpers.servers import end_now
 from helpers.exports import MINILM
 from helpers.k8s import adapter_rules, by_name, dashboard, render
 
@@ -242,7 +243,7 @@ def scraped(tmp_path_factory, exports):
         finally:
             gateway.stop()
     finally:
-        serve.stop(process)
+        end_now(process)
 
 
 @pytest.fixture(scope="module")

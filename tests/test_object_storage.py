@@ -13,6 +13,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
+from helpers.servers import end_now
 from helpers.waiting import wait_until
 from helpers import object_store
 from nexus_sli.cli.main import main
@@ -184,14 +185,14 @@ def test_a_failed_publish_leaves_the_published_version_serving(s3, exports, tmp_
         assert np.allclose(served, exports["b"]["reference"], atol=1e-4)
         assert not np.allclose(served, exports["a"]["reference"], atol=1e-2)
     finally:
-        serve.stop(process)
+        end_now(process)
 
     # a fresh server loads both step versions and the ensemble's pinned set: the new export
     process, grpc = _serve(s3, "prod", log)
     try:
         assert np.allclose(_embed(grpc), exports["b"]["reference"], atol=1e-4)
     finally:
-        serve.stop(process)
+        end_now(process)
         log.close()
 
 

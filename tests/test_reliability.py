@@ -34,6 +34,7 @@ import tritonclient.http as httpclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers.servers import end_now
 from helpers.waiting import wait_until
 from helpers import task_models
 from helpers.checkpoints import copy_checkpoint, edit_weights
@@ -83,7 +84,7 @@ def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint):
     state["start"] = lambda: _start(state)
     state["process"] = state["start"]()
     yield state
-    serve.stop(state["process"])
+    end_now(state["process"])
 
 
 def _start(state):
@@ -564,7 +565,7 @@ def _embedded_or_none(client):
 
 #: Every python-backend step of an ensemble (the legacy export has the post-processing step)
 STEPS = [("embedder", "tokenizer"), ("embedder", "encoder"), ("legacy", "postprocess")]
-#: Concurrent clients while a worker is killed (issue 23: "16 concurrent clients")
+#: Concurrent clients while a worker is killed
 CLIENTS = 16
 
 

@@ -20,13 +20,13 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as models
 from tokenizers import Tokenizer
 
-from nexus_sli.bench.served import Gateway, free_ports
+from nexus_sli.bench.served import Gateway
 from nexus_sli.client import AsyncEncoderClient, EncoderClient, InvalidInputError
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.source import matryoshka_dims, prompts
 from nexus_sli.exporter.export.validate import validation_texts
-from nexus_sli.exporter.serving import server as serve
+from helpers.servers import serving
 from helpers import task_models
 from helpers.http_api import call, schema_problems, tei_schema
 from helpers.vectors import cosines
@@ -107,10 +107,8 @@ def served(tmp_path_factory, retriever, splade, layer_normed):
     run_export(ExportOptions(model=str(retriever), name=NAME, out=repo))
     run_export(ExportOptions(model=str(splade), name=SPLADE, out=repo))
     run_export(ExportOptions(model=str(layer_normed), name=LAYER_NORMED, out=repo))
-    http, grpc, metrics = free_ports(3)
-    process = serve.start(repo, http, grpc, metrics)
-    yield {"repo": repo, "http": f"127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}"}
-    serve.stop(process)
+    with serving(repo) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,14 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from sentence_transformers import SentenceTransformer
 
+from helpers.servers import serving
 from helpers.waiting import wait_until
-from nexus_sli.exporter.serving import server as serve
 from nexus_sli.exporter.triton import config as triton_config
 from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.targets.cpu import supports_bf16
 from nexus_sli.exporter.export.validate import validation_texts
 
-from nexus_sli.bench.served import free_ports
 from helpers.exports import MINILM
 from helpers.vectors import cosines
 
@@ -36,10 +35,8 @@ def server(tmp_path_factory, exports):
     # exporter's validation the bar); helpers.exports.PACKAGED has their options
     for name in (NAME, "minilm_int8", "minilm_strict", "minilm_openvino", "minilm_openvino_int8"):
         exports.copy(name, repo)
-    http_port, grpc_port, metrics_port = free_ports(3)
-    process = serve.start(repo, http_port, grpc_port, metrics_port)
-    yield {"repo": repo, "http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
-    serve.stop(process)
+    with serving(repo) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

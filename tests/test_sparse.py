@@ -27,7 +27,6 @@ from sentence_transformers.base.modules import Transformer
 from sentence_transformers.sparse_encoder.modules import SpladePooling as STSpladePooling
 from transformers import BertConfig
 
-from nexus_sli.bench.served import free_ports
 from nexus_sli.exporter.errors import CheckpointError, NexusError, UnsupportedModelError
 from nexus_sli.exporter.export.padding_trim import add_padding_trim
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
@@ -35,10 +34,10 @@ from nexus_sli.exporter.export.pooling import add_splade_pooling, pooling_nodes
 from nexus_sli.exporter.export.report import ValueMismatch
 from nexus_sli.exporter.export.validate import SparseEmbedder, build_reference, compare, parity_cases
 from nexus_sli.exporter.export.validate import validation_texts
-from nexus_sli.exporter.serving import server as serve
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton.python_models.encoding import SPLADE_ACTIVATIONS, SPLADE_STRATEGIES, splade
 from nexus_sli.tasks import get_task
+from helpers.servers import serving
 from helpers.task_models import masked_lm, save
 from helpers.tiny_models import COMMON, VOCAB, padded_feeds, plain_graph, quiet_session
 
@@ -71,10 +70,8 @@ def served(tmp_path_factory, checkpoints):
                "distilbert_splade": run_export(ExportOptions(model=str(checkpoints["distilbert_splade"]),
                                                              name="distilbert_splade", task="sparse-embedding",
                                                              out=repo)).report}
-    http, grpc, metrics = free_ports(3)
-    process = serve.start(repo, http, grpc, metrics)
-    yield {"repo": repo, "reports": reports, "http": f"127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}"}
-    serve.stop(process)
+    with serving(repo) as server:
+        yield {**server, "reports": reports}
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +112,10 @@ def test_served_sparse_embeddings_match_sparse_encoder(served, references, model
 
 def test_exports_validate_and_describe_the_sparse_ensemble(served):
     for name, report in served["reports"].items():
-        assert report["task"] == "sparse-embedding" and report["passed"] and report["max_abs_diff"] <= 1e-4
-        assert report["outputs"] == ["SPARSE_EMBEDDING"] and report["pooled_in_graph"] is True
-        assert report["splade"] == {"strategy": "max", "activation": "relu"}
-        assert report["walk"]["tensors"] > 0 and not report["walk"]["absent_optional"]
+        assert report.task == "sparse-embedding" and report.validation.passed and report.validation.max_abs_diff <= 1e-4
+        assert report.outputs == ["SPARSE_EMBEDDING"] and report.pooled_in_graph is True
+        assert report.splade == {"strategy": "max", "activation": "relu"}
+        assert report.walk.tensors > 0 and not report.walk.absent_optional
         ensemble = tc.read(served["repo"] / name / "config.pbtxt")
         assert [(o.name, list(o.dims)) for o in ensemble.output] == [("SPARSE_EMBEDDING", [VOCAB])]
         # the SparseEncoder folder's prompts (sentence-transformers saves empty query/document ones) go along

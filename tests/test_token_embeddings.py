@@ -20,17 +20,16 @@ import tritonclient.http as httpclient
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules
 
-from nexus_sli.bench.served import free_ports
 from nexus_sli.exporter.export.padding_trim import add_padding_trim, trimmed_length
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.pooling import Pooling
 from nexus_sli.exporter.export.revalidate import revalidate
 from nexus_sli.exporter.export.validate import Embedder, build_reference, compare, parity_cases
 from nexus_sli.exporter.export.validate import validation_texts
-from nexus_sli.exporter.serving import server as serve
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton import publish
 from nexus_sli.tasks import get_task
+from helpers.servers import serving
 from helpers.tiny_models import COMMON, VOCAB, plain_graph, quiet_session
 from helpers.vectors import cosines
 
@@ -59,10 +58,8 @@ def reference(model_dir):
 def served(tmp_path_factory, model_dir):
     repo = tmp_path_factory.mktemp("token-repo")
     report = run_export(ExportOptions(model=str(model_dir), name=NAME, out=repo)).report
-    http, grpc, metrics = free_ports(3)
-    process = serve.start(repo, http, grpc, metrics)
-    yield {"repo": repo, "report": report, "http": f"127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}"}
-    serve.stop(process)
+    with serving(repo) as server:
+        yield {**server, "report": report}
 
 
 def _infer(url: str, protocol: str, model: str, texts: list[str], outputs: list[str]) -> dict[str, np.ndarray]:
@@ -146,7 +143,7 @@ def test_the_repository_describes_the_token_ensemble(served):
     encoder = tc.read(repo / f"{NAME}_encoder" / "config.pbtxt")
     assert [(o.name, list(o.dims)) for o in encoder.output] == [("EMBEDDING", [HIDDEN]),
                                                                 ("TOKEN_EMBEDDINGS", [-1, HIDDEN])]
-    assert served["report"]["outputs"] == ["EMBEDDING", "TOKEN_EMBEDDINGS"] and served["report"]["passed"]
+    assert served["report"].outputs == ["EMBEDDING", "TOKEN_EMBEDDINGS"] and served["report"].validation.passed
     # publishing uploads the shared steps once, under one version with both ensembles
     assert publish.groups_of(publish.read_local(repo)) == [
         [f"{NAME}_tokenizer", f"{NAME}_encoder", NAME, f"{NAME}_tokens"]]
