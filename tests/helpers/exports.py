@@ -1,4 +1,4 @@
-"""Exports made once per test session and copied into the repositories tests serve.
+"""Exports made once per test run and copied into the repositories tests serve.
 
 An export of the packaged MiniLM takes tens of seconds; a dozen modules serve one.
 Each export is made the first time a test asks for it, into a repository of its
@@ -6,6 +6,8 @@ own (so a copy takes exactly that model's folders), and copied from there under
 the name the test serves it by: the copy renames the folders and the names in
 their ``config.pbtxt`` (the model's own, its ensembles' steps, and the parameters
 that link an ensemble to its token ensemble), which is all that carries the name.
+The store's folder is shared by every process of the run (pytest-xdist's workers):
+a lock per export lets one process make it while the others wait for it.
 """
 
 from __future__ import annotations
@@ -13,11 +15,18 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from nexus_sli.exporter.export.pipeline import ExportOptions, ExportResult, run_export
+from filelock import FileLock
+
+from nexus_sli.exporter.export import export_report
+from nexus_sli.exporter.export.export_report import ExportReport
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.triton import config as triton_config
 
 #: The packaged all-MiniLM-L6-v2's default export name (what ``make export`` writes).
 MINILM = "all_minilm_l6_v2"
+
+#: the file that says an export in the store is whole (made by a process that finished it)
+MADE = ".made"
 
 #: name -> the options of each shared export of the packaged model, as the modules that serve it ask
 PACKAGED: dict[str, dict] = {
@@ -39,14 +48,19 @@ class ExportStore:
 
     def __init__(self, root: Path):
         self.root = root
-        self.results: dict[str, ExportResult] = {}
+        root.mkdir(parents=True, exist_ok=True)
 
-    def export(self, name: str, model: str | None = None, **options) -> ExportResult:
-        """The export ``name`` (of ``model``, else of the packaged model with :data:`PACKAGED`'s options)."""
-        if name not in self.results:
-            options = options if model is not None else {**PACKAGED[name], **options}
-            self.results[name] = run_export(ExportOptions(model=model, name=name, out=self.root / name, **options))
-        return self.results[name]
+    def export(self, name: str, model: str | None = None, **options) -> ExportReport:
+        """The record of the export ``name`` (of ``model``, else of the packaged model with
+        :data:`PACKAGED`'s options), made by whichever process asked first."""
+        folder = self.root / name
+        with FileLock(str(self.root / f"{name}.lock")):
+            if not (folder / MADE).is_file():
+                shutil.rmtree(folder, ignore_errors=True)  # what an export that failed or was killed left
+                options = options if model is not None else {**PACKAGED[name], **options}
+                run_export(ExportOptions(model=model, name=name, out=folder, **options))
+                (folder / MADE).touch()
+        return export_report.read(folder / f"{name}_encoder")
 
     def copy(self, name: str, repository: Path, as_name: str | None = None, **export) -> Path:
         """Export ``name`` if not yet done, and copy its models into ``repository`` as ``as_name``."""
