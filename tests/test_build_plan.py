@@ -31,6 +31,7 @@ from nexus_sli.exporter.serving import gpu_on_cpu
 from nexus_sli.exporter.targets import TARGETS, serving_target
 from nexus_sli.exporter.targets import tensorrt_plan as trt_plan
 from nexus_sli.exporter.triton import config as tc
+from nexus_sli.exporter.triton import staging
 
 no_tensorrt = pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None,
                                  reason="TensorRT is installed here: the missing-TensorRT path does not apply")
@@ -157,14 +158,14 @@ def test_install_switches_by_renames_and_records_each_gpu(copy):
 
 def _crash_when_replacing(monkeypatch, name: str) -> None:
     """The install's renames fail ("disk full") at the file called ``name``, and only there."""
-    real = bp._replace
+    real = staging.replace_file
 
     def crash(path, data):
         if path.name == name:
             raise OSError("disk full")
         real(path, data)
 
-    monkeypatch.setattr(bp, "_replace", crash)
+    monkeypatch.setattr(staging, "replace_file", crash)
 
 
 def test_a_crash_before_the_config_is_renamed_leaves_the_onnx_model_whole(copy, monkeypatch):
@@ -188,7 +189,7 @@ def test_a_crash_after_the_config_leaves_the_plan_served_and_no_record_of_anothe
         bp.install(folder, config, b"engine", _record("8.6", folder))
     on_disk = tc.read(folder / "config.pbtxt")
     assert on_disk.platform == "tensorrt_plan" and (folder / "1" / on_disk.default_model_filename).is_file()
-    assert bp.PLANS not in export_report.read(folder).to_dict()
+    assert "tensorrt_plans" not in export_report.read(folder).to_dict()
 
 
 class _Refusing:

@@ -14,6 +14,7 @@ from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.export.export_report import VERSION, ExportReport, MeasuredRow, PlanRecord, Timing
 from nexus_sli.exporter.export.report import FidelityShortfall, UnknownFailure, ValidationReport
 from nexus_sli.exporter.triton import config as tc
+from nexus_sli.exporter.triton import staging
 
 def _plan(capability: str = "8.6") -> dict:
     """What build-plan records of a plan (its validation beside the plan's facts)."""
@@ -128,7 +129,7 @@ def test_build_plan_adds_its_plans_through_the_report_and_keeps_the_rest(tmp_pat
     record = PlanRecord.from_dict(_plan())
     bp.install(folder, config, b"engine", record)
     written = json.loads((folder / "validation.json").read_text())
-    assert written == {"version": 1, **data, bp.PLANS: {"8.6": _plan()}}
+    assert written == {"version": 1, **data, "tensorrt_plans": {"8.6": _plan()}}
     assert export_report.read(folder).tensorrt_plans == {"8.6": record}
     bp.install(folder, tc.read(folder / "config.pbtxt"), b"engine", PlanRecord.from_dict(_plan("9.0")))
     assert list(export_report.read(folder).tensorrt_plans) == ["8.6", "9.0"]
@@ -138,14 +139,14 @@ def test_a_crash_in_build_plans_update_leaves_the_report_as_it_was(tmp_path, mon
     folder = tmp_path / "gpu_encoder"
     config = _gpu_encoder(folder, {**version_1(), "device": "gpu"})
     before = (folder / "validation.json").read_bytes()
-    real = bp._replace
+    real = staging.replace_file
 
     def crash(path, data):
         if path.name == "validation.json":
             raise OSError("disk full")
         real(path, data)
 
-    monkeypatch.setattr(bp, "_replace", crash)
+    monkeypatch.setattr(staging, "replace_file", crash)
     with pytest.raises(OSError):
         bp.install(folder, config, b"engine", PlanRecord.from_dict(_plan()))
     assert (folder / "validation.json").read_bytes() == before

@@ -184,14 +184,12 @@ def test_the_checker_sees_upward_and_sideways_imports():
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module -> the nexus_sli modules it imports (at any depth), packages' own ``__init__`` left out:
-    a package re-exporting its modules' names is no module leaning on another."""
+    """module (a package's ``__init__`` included) -> the nexus_sli modules it imports, at any depth."""
     graph = {}
     for path in package_files():
         module, is_package = module_name(path)
-        if not is_package:
-            graph[module] = {name for _, name in imports_in(path.read_text(), module, is_package)
-                             if module_path(name) and module_path(name).name != "__init__.py" and name != module}
+        graph[module] = {name for _, name in imports_in(path.read_text(), module, is_package)
+                         if module_path(name) is not None and name != module}
     return graph
 
 

@@ -28,7 +28,8 @@ from nexus_sli.exporter.serving import server as serve
 from helpers.vectors import cosines
 
 # two base-size exports with auto in the first test's setup: far past the suite's per-test bound
-pytestmark = [pytest.mark.real_checkpoint, pytest.mark.timeout(3600)]
+# the tier exports as a user does: the exporter's own timing rounds
+pytestmark = [pytest.mark.real_checkpoint, pytest.mark.real_timing, pytest.mark.timeout(3600)]
 
 MODEL = "all-mpnet-base-v2"
 AUTO, FP32 = "all_mpnet_base_v2", "all_mpnet_base_v2_fp32"

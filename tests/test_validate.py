@@ -191,7 +191,7 @@ class LoudNeighbours(FixedSession):
 
 
 def test_a_graph_that_scales_per_batch_is_held_to_the_bar_in_mixed_batches_too():
-    reference = _sorted_reference([1, 1, 2, 2, 6, 6, 7, 7], size=2)
+    reference = _sorted_reference([1, 2, 2, 3, 6, 7, 7, 8], size=2)
     reference.outputs = [[_states(feeds["attention_mask"])] for feeds in reference.batches]
     embedding, embedder = get_task("embedding"), Embedder("mean", True)
     alone = compare(LoudNeighbours([]), reference, "int8", embedder, embedding)  # sorted batches: no mix
@@ -199,3 +199,9 @@ def test_a_graph_that_scales_per_batch_is_held_to_the_bar_in_mixed_batches_too()
     together = compare(LoudNeighbours([]), reference, "int8", embedder, embedding, per_batch=True)
     assert {type(f) for f in together.failures} == {FidelityShortfall} and together.texts == 8
     assert together.cosine_min < -0.99 < 0.99 < alone.cosine_min  # the flipped rows, measured in the mix
+
+
+def test_where_no_text_was_padded_the_texts_keep_their_batches():
+    reference = _sorted_reference([2, 2, 5, 5], size=2)  # no padding: the pad id is unknown
+    mixed = mixed_batches(reference, {"last_hidden_state"}, size=2)
+    assert [b["attention_mask"].sum(axis=1).tolist() for b in mixed.batches] == [[2, 2], [5, 5]]

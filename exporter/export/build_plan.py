@@ -15,7 +15,6 @@ back to ONNX Runtime needs no export.
 
 from __future__ import annotations
 
-import os
 import platform
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from nexus_sli.exporter.targets.tensorrt_plan import (
     plan_filename,
 )
 from nexus_sli.exporter.triton import config as tc
+from nexus_sli.exporter.triton import staging
 
 from . import export_report
 from .export_report import ExportReport, PlanRecord
@@ -40,8 +40,6 @@ from .revalidate import against_reference
 
 #: The exported graph a plan is built from (the GPU export's model file; it stays after the switch).
 ONNX_FILE = "model.onnx"
-#: validation.json's key of the plans built, by compute capability (:attr:`ExportReport.tensorrt_plans`).
-PLANS = "tensorrt_plans"
 #: The platforms a GPU export's encoder has before and after a plan was built.
 GPU_PLATFORMS = ("onnxruntime_onnx", "tensorrt_plan")
 
@@ -88,29 +86,19 @@ def plan_config(config: tc.pb.ModelConfig, plans: dict[str, str], default: str) 
     return switched
 
 
-def _replace(path: Path, data: bytes) -> None:
-    """``data`` at ``path`` by a rename: readers see the old file or the new one, never a part."""
-    partial = path.with_name(f".{path.name}.partial")
-    with open(partial, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(partial, path)
-
-
 def install(folder: Path, config: tc.pb.ModelConfig, plan: bytes, record: PlanRecord) -> tc.pb.ModelConfig:
     """The validated ``plan`` into ``folder``: the plan, then the config, then validation.json, each renamed
     into place.  A crash at any point leaves a config that names a model file that exists, and
     validation.json never records a plan the config does not serve (a crash between the last two leaves
     the served plan unrecorded: build-plan again records it).  Returns the config now in place."""
-    _replace(folder / "1" / record.file, plan)
+    staging.replace_file(folder / "1" / record.file, plan)
     exported = export_report.read(folder)
     exported.tensorrt_plans[record.compute_capability] = record
     plans = {cc: entry.file for cc, entry in sorted(exported.tensorrt_plans.items())
              if (folder / "1" / entry.file).is_file()}
     switched = plan_config(config, plans, record.file)
-    _replace(folder / "config.pbtxt", text_format.MessageToString(switched).encode())
-    _replace(export_report.path(folder), exported.encode())
+    staging.replace_file(folder / "config.pbtxt", text_format.MessageToString(switched).encode())
+    export_report.replace(exported, folder)
     return switched
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nexus_sli.exporter.errors import ExportReportError
+from nexus_sli.exporter.triton import staging
 
 from .report import ValidationReport
 
@@ -365,4 +366,12 @@ def write(report: ExportReport, folder: Path) -> Path:
     """``report`` into the encoder model ``folder`` (the pipeline's staging folder: nothing serves it yet)."""
     file = path(folder)
     file.write_bytes(report.encode())
+    return file
+
+
+def replace(report: ExportReport, folder: Path) -> Path:
+    """``report`` over the record of an encoder ``folder`` that may be served: by a rename, so that a reader
+    sees the old record or the new one, never a part (``build-plan``'s update)."""
+    file = path(folder)
+    staging.replace_file(file, report.encode())
     return file

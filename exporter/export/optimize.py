@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 
 from . import onnx_files
+from .threads import export_threads
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +38,12 @@ def fuse(plain: Path, target: Path, num_heads: int, hidden_size: int) -> dict[st
 
 
 def session(path: Path, threads: int = 0, providers: tuple[str, ...] = ()):
-    """An ONNX Runtime session on the first of ``providers`` this onnxruntime has, else the CPU."""
+    """An ONNX Runtime session on the first of ``providers`` this onnxruntime has, else the CPU, with
+    ``threads`` intra-op threads (0: :func:`threads.export_threads`)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
+    options.intra_op_num_threads = threads or export_threads()
     options.log_severity_level = 3
     available = [p for p in providers if p in ort.get_available_providers()]
     return ort.InferenceSession(str(path), options, providers=[*available, "CPUExecutionProvider"])

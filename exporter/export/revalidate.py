@@ -39,9 +39,8 @@ def revalidate(repository: Path, name: str) -> dict:
     # included), not the ones the target would write
     served = ({"config": json_format.MessageToDict(config, preserving_proto_field_name=True)}
               if isinstance(target, OnnxRuntimeGPU) else {})
-    runner = target.open(folder / "1" / (config.default_model_filename or "model.onnx"),
-                         {k: v.string_value for k, v in config.parameters.items()}, **served)
     model_file = folder / "1" / (config.default_model_filename or "model.onnx")
+    runner = target.open(model_file, {k: v.string_value for k, v in config.parameters.items()}, **served)
     report = against_reference(folder, runner, target.name, target.trims_padding, scales_per_batch(model_file))
     record = {**report.to_dict(), "host": platform.node(), "providers": _providers(runner)}
     (folder / RECORD).write_text(json.dumps(record, indent=2) + "\n")

@@ -115,7 +115,8 @@ def time_side_by_side(runners: list, loads: list[Workload], rounds: int = ROUNDS
 
 #: Seconds of one round (every graph of a heat once on every workload) past which runs are measured
 #: with :data:`LONG_ROUNDS` rounds after one warm-up: for a model past 2 GB on a small CPU, two warm-ups
-#: and five rounds of its ten graphs would take about an hour (bench/data/tried.md, "Exporter constants").
+#: and five rounds of its ten graphs would outlast the rest of the export (bench/data/tried.md, "Exporter
+#: constants").
 LONG_ROUND_S = 20.0
 LONG_ROUNDS = 3
 #: A graph open in its runtime, after the timing workloads, takes up to this many times the size of its

@@ -255,10 +255,16 @@ def mixed_batches(reference: Reference, per_token: set[str], size: int = TEXT_BA
     """``reference``'s texts (already sorted by length) batched again so that every batch spans
     their lengths: batch ``k`` takes texts ``k``, ``k + n``, ``k + 2n`` ... of ``n`` batches.  Each
     text's inputs and PyTorch outputs are cut to its real tokens and padded to its new batch's
-    longest (``per_token``: the outputs that follow the sequence); no PyTorch run is needed."""
-    rows = [row for index in range(reference.first_text, len(reference.batches))
+    longest (``per_token``: the outputs that follow the sequence), with the id the reference padded
+    with; no PyTorch run is needed.  Where no text was padded that id is unknown, and the texts keep
+    their batches."""
+    texts = range(reference.first_text, len(reference.batches))
+    pad_id = _pad_id([reference.batches[index] for index in texts])
+    if pad_id is None:
+        return Reference(reference.input_names, reference.output_names, [reference.batches[i] for i in texts],
+                         [reference.outputs[i] for i in texts], text_batches=len(texts))
+    rows = [row for index in texts
             for row in _rows(reference.batches[index], reference.outputs[index], reference.output_names, per_token)]
-    pad_id = _pad_id(reference.batches[reference.first_text:])
     count = -(-len(rows) // size)
     mixed = Reference(reference.input_names, reference.output_names)
     for start in range(count):
@@ -277,10 +283,11 @@ def _rows(feeds: dict[str, np.ndarray], outputs: list[np.ndarray], names: list[s
             for row, n in enumerate(lengths)]
 
 
-def _pad_id(batches: list[dict[str, np.ndarray]]) -> int:
-    """The id the reference padded its inputs with (0 where no text needed padding)."""
+def _pad_id(batches: list[dict[str, np.ndarray]]) -> int | None:
+    """The id the reference padded its inputs with (the model's: RoBERTa's 1 counts positions from it);
+    None where no text needed padding."""
     padded = np.concatenate([feeds["input_ids"][feeds["attention_mask"] == 0] for feeds in batches])
-    return int(np.bincount(padded).argmax()) if padded.size else 0
+    return int(np.bincount(padded).argmax()) if padded.size else None
 
 
 def _padded(rows, input_names: list[str], output_names: list[str], per_token: set[str],

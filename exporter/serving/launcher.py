@@ -15,11 +15,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .backend_folders import prepare_backends
 from .binary import ServerError, system_binary, wheel_binary, wheel_environment
 from .flags import ADMIN_HEADER, server_args
-from .stub_supervisor import StubSupervisor
+if TYPE_CHECKING:
+    from .stub_supervisor import StubSupervisor
 
 
 @dataclass
@@ -66,10 +68,11 @@ class TritonServer(subprocess.Popen):
 
     supervisor: StubSupervisor | None = None
 
-    def __init__(self, command: ServerCommand, admin_key: str | None, **popen):
+    def __init__(self, command: ServerCommand, admin_key: str | None, temporary: tuple[Path, ...] = (), **popen):
         super().__init__(command.argv, env=command.env, **popen)
         self.args = [a.replace(admin_key, "<secret>") if admin_key else a for a in command.argv]
-        self._temporary_dirs = [command.backend_dir] if command.temporary_backend_dir else []
+        #: folders made for this server (its backends, a shadow repository), removed once it has stopped
+        self._temporary_dirs = [*([command.backend_dir] if command.temporary_backend_dir else []), *temporary]
 
     def remove_temporary_files(self) -> None:
         """The folders made for this server (backends, a shadow repository), once it has stopped."""

@@ -58,8 +58,7 @@ def start(repository: Path | str, http_port: int = 8000, grpc_port: int = 8001, 
     admin_key = secrets.token_urlsafe(32)
     command = server_command(repository, http_port, grpc_port, metrics_port, host, admin_key=admin_key,
                              reload_models=supervise)
-    process = TritonServer(command, admin_key, **popen)
-    process._temporary_dirs += [shadow] if shadow else []
+    process = TritonServer(command, admin_key, (shadow,) if shadow else (), **popen)
     try:
         wait_ready(http_port, process, timeout, host)
         check_identity(host, http_port, admin_key)

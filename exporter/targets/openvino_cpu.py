@@ -32,6 +32,7 @@ from nexus_sli.exporter.export.pooling import pooling_nodes
 from nexus_sli.exporter.export.static_int8 import (CALIBRATION_BATCH, LARGE_MODEL_CALIBRATION_BATCH, SMOOTH_QUANT_ALPHA,
                                                   calibration_feeds, quantize_ir)
 from nexus_sli.exporter.export.validate import AUTO_BAR
+from nexus_sli.exporter.export.threads import export_threads
 from nexus_sli.exporter.serving.backends.openvino_properties import compile_properties
 from nexus_sli.exporter.triton.config import EncoderServing
 
@@ -54,7 +55,10 @@ class OpenVINOSession:
         import openvino as ov
 
         core = ov.Core()
-        self.compiled = core.compile_model(core.read_model(str(path)), "CPU", compile_properties(params or {}))
+        properties = compile_properties(params or {})
+        if export_threads() and "INFERENCE_NUM_THREADS" not in properties:
+            properties["INFERENCE_NUM_THREADS"] = export_threads()
+        self.compiled = core.compile_model(core.read_model(str(path)), "CPU", properties)
         self.request = self.compiled.create_infer_request()
 
     def get_inputs(self) -> list[_Port]:

@@ -79,3 +79,14 @@ class Staging:
 
     def __exit__(self, *exc) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """``data`` at ``path`` by a rename: readers (a serving Triton among them) see the old file or the new
+    one, never a part."""
+    partial = path.with_name(f".{path.name}.partial")
+    with open(partial, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(partial, path)

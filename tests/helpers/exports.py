@@ -1,6 +1,6 @@
 """Exports made once per test run and copied into the repositories tests serve.
 
-An export of the packaged MiniLM takes tens of seconds; a dozen modules serve one.
+An export of the packaged MiniLM costs far more than a copy of it; a dozen modules serve one.
 Each export is made the first time a test asks for it, into a repository of its
 own (so a copy takes exactly that model's folders), and copied from there under
 the name the test serves it by: the copy renames the folders and the names in
@@ -12,6 +12,7 @@ a lock per export lets one process make it while the others wait for it.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -54,12 +55,15 @@ class ExportStore:
         """The record of the export ``name`` (of ``model``, else of the packaged model with
         :data:`PACKAGED`'s options), made by whichever process asked first."""
         folder = self.root / name
+        options = options if model is not None else {**PACKAGED[name], **options}
+        asked = json.dumps({"model": model, "options": options}, sort_keys=True, default=str)
         with FileLock(str(self.root / f"{name}.lock")):
             if not (folder / MADE).is_file():
                 shutil.rmtree(folder, ignore_errors=True)  # what an export that failed or was killed left
-                options = options if model is not None else {**PACKAGED[name], **options}
                 run_export(ExportOptions(model=model, name=name, out=folder, **options))
-                (folder / MADE).touch()
+                (folder / MADE).write_text(asked)
+        made = (folder / MADE).read_text()
+        assert made == asked, f"the shared export {name!r} was made as {made}, not as {asked}: give it another name"
         return export_report.read(folder / f"{name}_encoder")
 
     def copy(self, name: str, repository: Path, as_name: str | None = None, **export) -> Path:
@@ -73,6 +77,7 @@ def copy_models(source: Path, name: str, repository: Path, as_name: str) -> None
     """Every model folder of ``source`` (one export's repository) into ``repository``, ``name`` renamed."""
     repository.mkdir(parents=True, exist_ok=True)
     for folder in sorted(p for p in source.iterdir() if p.is_dir()):
+        assert folder.name == name or folder.name.startswith(f"{name}_"), f"{folder} is no model of {name!r}"
         target = repository / (as_name + folder.name[len(name):])
         shutil.copytree(folder, target)
         if as_name != name:

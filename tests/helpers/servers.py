@@ -32,17 +32,44 @@ def end_now(process) -> None:
     """A server the tests are done with, ended at once: its supervisor stopped, then SIGKILL to it and its
     python-backend processes, then its temporary folders removed.  A graceful stop (``serve.stop``) waits
     for the clients' idle connections (``--exit-timeout-secs``); the tests of stopping call that one."""
-    process.supervisor.stop()
+    supervisor = getattr(process, "supervisor", None)
+    if supervisor is not None:
+        supervisor.stop()
     kill_server({"process": process})
     process.remove_temporary_files()
 
 
 def kill_server(server: dict) -> None:
-    """A crash: SIGKILL to the server alone (its python-backend processes are ended after it)."""
-    orphans = [p for ps in server["process"].supervisor.stub_processes().values() for p in ps]
-    if server["process"].poll() is None:
-        os.kill(server["process"].pid, signal.SIGKILL)
-    server["process"].wait(30)
-    for orphan in orphans:
+    """A crash: SIGKILL to the server alone (its python-backend processes are ended after it).  The shared
+    memory its backends made is removed afterwards: a killed server leaves it in /dev/shm, where every test
+    run would add more."""
+    process = server["process"]
+    family = _family(process)
+    regions = _shared_memory(family)
+    if process.poll() is None:
+        os.kill(process.pid, signal.SIGKILL)
+    process.wait(30)
+    for orphan in family[1:]:
         with contextlib.suppress(psutil.NoSuchProcess):
             orphan.kill()
+    psutil.wait_procs(family[1:], timeout=30)
+    for region in regions:
+        Path(region).unlink(missing_ok=True)
+
+
+def _family(process) -> list[psutil.Process]:
+    """The server and its python-backend processes (none once it has exited)."""
+    try:
+        server = psutil.Process(process.pid)
+        return [server, *server.children()]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _shared_memory(processes: list[psutil.Process]) -> set[str]:
+    """The /dev/shm regions ``processes`` have mapped (Triton's backends share tensors through them)."""
+    regions: set[str] = set()
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            regions |= {m.path for m in process.memory_maps() if m.path.startswith("/dev/shm/")}
+    return regions

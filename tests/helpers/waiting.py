@@ -24,7 +24,11 @@ def wait_until(condition: Callable[[], T], what: str, timeout: float = 60.0, pol
 
 
 def holds(value) -> bool:
-    """Not None, not False, not empty: an answer (an array included) counts as it comes."""
+    """Whether ``value`` says the condition holds: None, False and an empty collection say "not yet";
+    anything else (0, an exit code or an array included) is an answer."""
     if value is None or value is False:
         return False
-    return len(value) > 0 if hasattr(value, "__len__") else bool(value)
+    try:
+        return len(value) > 0
+    except TypeError:  # no length: a number, a 0-d array
+        return True
