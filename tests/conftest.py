@@ -58,6 +58,13 @@ def pytest_runtest_setup(item):
         setattr(timing, name, value)
 
 
+#: The tiny models' WordPiece tokenizer, trained once by :func:`tiny_models.train_tokenizer` on the validation
+#: texts and kept: the trainer breaks frequency ties in a different order each run (tokenizers' hash maps),
+#: so a tokenizer trained per run made every "seeded" tiny model a slightly different model each time, and
+#: reduced-precision results near a bar passed or failed by chance.
+TINY_TOKENIZER = Path(__file__).parent / "data" / "tiny_tokenizer.json"
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return load_tiny_tokenizer()
