@@ -20,6 +20,7 @@ import tritonclient.grpc as grpcclient
 from sentence_transformers import SentenceTransformer
 
 from helpers.servers import serving
+from helpers.waiting import wait_until
 from nexus_sli.client import EncoderClient
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export.source import resolve_model
@@ -98,7 +99,12 @@ def test_requests_of_one_bucket_are_merged(served):
     before = counts()
     with ThreadPoolExecutor(len(texts)) as pool:
         vectors = list(pool.map(send, range(len(texts))))
-    after = counts()
+    # the encoder is the ensemble's last step: Triton may answer before it has counted the execution
+    def all_counted():
+        now = counts()
+        return now if now[0] - before[0] >= len(texts) else None
+
+    after = wait_until(all_counted, "the encoder's statistics to count every request", timeout=30)
     inferences, executions = after[0] - before[0], after[1] - before[1]
     assert inferences == 16 and executions < inferences, f"{executions} executions for {inferences} requests"
     assert np.allclose(vectors[3], clients[0].embed(texts[3]), atol=1e-5)  # merged rows answer their own text
