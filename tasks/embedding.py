@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .spec import HIDDEN, TaskSpec, Tensor, register, text
+from .spec import EMBEDDED, HIDDEN, TaskSpec, Tensor, register, text
 
 
 def parse(outputs: list[np.ndarray]) -> np.ndarray:
@@ -21,7 +21,7 @@ SPEC = register(TaskSpec(
     auto_class="AutoModel",
     outputs=(("last_hidden_state", "last_hidden_state"),),
     inputs=(text("TEXT"),),
-    results=(Tensor("EMBEDDING", "FP32", (HIDDEN,)),),
+    results=(Tensor("EMBEDDING", "FP32", (EMBEDDED,)),),
     encoder_outputs=(Tensor("last_hidden_state", "FP32", (-1, HIDDEN)),),
     post_inputs=("last_hidden_state", "attention_mask"),
     tokenizer_mode="single",

@@ -14,8 +14,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
-#: Symbolic dims, resolved against the model when the Triton config is written.
-HIDDEN, LABELS, VOCAB = "hidden", "labels", "vocab"
+#: Symbolic dims, resolved against the model when the Triton config is written.  ``EMBEDDED``: the
+#: served embedding's size, the hidden size unless the model's Dense modules project it.
+HIDDEN, LABELS, VOCAB, EMBEDDED = "hidden", "labels", "vocab", "embedded"
 
 
 class TaskError(ValueError):
@@ -25,14 +26,15 @@ class TaskError(ValueError):
 @dataclass(frozen=True)
 class Tensor:
     """One tensor of the ensemble.  ``dtype`` is Triton's type name without ``TYPE_``;
-    dims exclude the batch dimension and may name :data:`HIDDEN`, :data:`LABELS` or :data:`VOCAB`."""
+    dims exclude the batch dimension and may name :data:`HIDDEN`, :data:`LABELS`, :data:`VOCAB` or :data:`EMBEDDED`."""
 
     name: str
     dtype: str
     dims: tuple[int | str, ...]
 
-    def resolved(self, hidden_size: int, num_labels: int, vocab_size: int = 0) -> "Tensor":
-        sizes = {HIDDEN: hidden_size, LABELS: num_labels, VOCAB: vocab_size}
+    def resolved(self, hidden_size: int, num_labels: int, vocab_size: int = 0, embedded_size: int = 0) -> "Tensor":
+        """The tensor with its symbolic dims as sizes (``embedded_size`` 0: the hidden size)."""
+        sizes = {HIDDEN: hidden_size, LABELS: num_labels, VOCAB: vocab_size, EMBEDDED: embedded_size or hidden_size}
         return Tensor(self.name, self.dtype, tuple(sizes.get(d, d) for d in self.dims))
 
 

@@ -305,14 +305,14 @@ def test_cli_embed_takes_a_prompt_and_a_size(served, retriever, capsys):
 
 
 def test_a_pipeline_with_modules_the_export_leaves_out_is_refused(tmp_path, tiny_checkpoint):
-    # a Dense projection changes every vector: refused, not dropped
-    folder = tmp_path / "with-dense"
+    # an LSTM over the token states changes every vector, and the export does not reproduce it: refused, not dropped
+    folder = tmp_path / "with-lstm"
     transformer = models.Transformer(str(tiny_checkpoint("bert")), max_seq_length=64)
-    SentenceTransformer(modules=[transformer, models.Pooling(32, "mean"), models.Dense(32, 16), models.Normalize()],
+    SentenceTransformer(modules=[transformer, models.LSTM(32, 8), models.Pooling(16, "mean"), models.Normalize()],
                         device="cpu").save(str(folder))
-    with pytest.raises(NexusError, match="Transformer, Pooling, Dense, Normalize.*would leave the others out"):
-        run_export(ExportOptions(model=str(folder), name="dense", out=tmp_path / "repo"))
-    assert not (tmp_path / "repo" / "dense").exists()
+    with pytest.raises(NexusError, match="Transformer, LSTM, Pooling, Normalize.*would leave the others out"):
+        run_export(ExportOptions(model=str(folder), name="lstm", out=tmp_path / "repo"))
+    assert not (tmp_path / "repo" / "lstm").exists()
 
 
 @pytest.mark.parametrize("dimensions", [None, 4, 16])

@@ -6,9 +6,10 @@ the embedder (the numpy pooling validation applies to PyTorch's outputs, whose
 parameters the post-processing and clients read) and the same pooling as ONNX
 ops that every target appends to its candidate graphs (:mod:`pooling`):
 
-- ``sentence``: mean, cls or max pooling and L2 normalisation (``1_Pooling``,
-  ``Normalize``), the token states kept beside the embedding where the task
-  keeps them (``token_states``);
+- ``sentence``: mean, cls or max pooling, the pipeline's ``Dense`` modules
+  (:mod:`dense`, on the token states or the pooled vector) and ``LayerNorm``,
+  and L2 normalisation (``1_Pooling``, ``Normalize``), the token states kept
+  beside the embedding where the task keeps them (``token_states``);
 - ``splade``: sentence-transformers' ``SpladePooling`` over masked-LM logits,
   its ``pooling_strategy`` and ``activation_function`` read from its config.
 """
@@ -22,9 +23,10 @@ from typing import Any, Callable
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.triton.python_models.encoding import SPLADE_ACTIVATIONS, SPLADE_STRATEGIES
 
+from .dense import chained_size
 from .pooling import Pooling, SpladePooling
 # sentence-transformers' modules.json, read where the rest of the folder is (one reader)
-from .source import layer_norm, normalizes, pooling_mode, st_module_path
+from .source import dense_modules, layer_norm, normalizes, pooling_mode, st_module_path
 from .validate import Embedder, SparseEmbedder
 
 #: The modules a sparse encoder folder may hold besides its SpladePooling: the masked-LM transformer
@@ -33,10 +35,15 @@ _SPARSE_TRANSFORMERS = ("MLMTransformer", "Transformer")
 
 
 def _sentence(path: Path, task: Any, hidden_size: int, vocab_size: int) -> tuple[Embedder, Pooling]:
-    embedder = Embedder(pooling_mode(path), normalizes(path), layer_norm(path))
+    on_tokens, on_pooled = dense_modules(path)
+    embedder = Embedder(pooling_mode(path), normalizes(path), layer_norm(path), [*on_tokens, *on_pooled])
+    size = chained_size(embedder.dense, hidden_size, path)
+    if embedder.layer_norm is not None and len(embedder.layer_norm["weight"]) != size:
+        raise NexusError(f"{path}: the LayerNorm module normalises {len(embedder.layer_norm['weight'])} values; "
+                         f"the vectors before it have {size}")
     tokens = task.token_states.name if task.token_states is not None else None
     return embedder, Pooling(embedder.pooling, embedder.normalize, task.output_names()[0], task.client_output,
-                             hidden_size, tokens, embedder.layer_norm)
+                             size, tokens, embedder.layer_norm, tuple(embedder.dense))
 
 
 def splade_config(path: Path) -> tuple[str, str]:

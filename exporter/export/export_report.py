@@ -305,11 +305,14 @@ class ExportReport(Record):
     #: the longest sequence the model takes, in tokens
     max_length: int
     #: how token states become the served embedding (None: the task does not pool;
-    #: :func:`validate.embedder_from_report` reads these four back)
+    #: :func:`validate.embedder_from_report` reads these five back)
     pooling: str | None = None
     normalize: bool | None = None
     #: sentence-transformers' LayerNorm module after the pooling ({"weight", "bias", "eps"}), where the model has one
     layer_norm: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+    #: sentence-transformers' Dense modules in order ({"weight", "bias", "activation", "input", "use_residual",
+    #: "residual"}: :meth:`dense.Dense.record`), where the model has them
+    dense: list[dict[str, Any]] | None = field(default=None, metadata=OPTIONAL)
     #: a sparse encoder's SpladePooling ({"strategy", "activation"})
     splade: dict[str, str] | None = field(default=None, metadata=OPTIONAL)
     #: whether the graph ends in the pooling, its first output the pooled embedding (False: the token states,

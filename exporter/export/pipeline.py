@@ -184,9 +184,9 @@ def _prepare(options: ExportOptions, source, work: Path) -> Prepared:
     log.info("computing the PyTorch fp32 reference: %d parity cases, %d text batches", len(cases), len(texts))
     reference = build_reference(model, task, input_names, cases, texts)
     in_graph = pooling if options.pool_in_graph else None  # each target appends it to its candidates
-    if in_graph is None and getattr(embedder, "layer_norm", None) is not None:
-        raise ExportError("the python post-processing step does not apply a LayerNorm module: export this model "
-                          "with the pooling in the graph (the default)")
+    if in_graph is None and getattr(embedder, "graph_only", None):
+        raise ExportError(f"the python post-processing step does not apply {' or '.join(embedder.graph_only)}: "
+                          "export this model with the pooling in the graph (the default)")
     graph = ExportedGraph(work / "plain.onnx", work, family, config, task, input_names, tokenizer, pad_id,
                           max_length, in_graph, large=bool(data))
     loads = workloads(tokenizer, input_names, pad_id, max_length, pairs=task.pair)
@@ -367,7 +367,7 @@ def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: 
                          report.truncate, task.post_params(config, embedder),
                          configuration.target.serving(configuration.precision), f"model{chosen.path.suffix}",
                          prepared.graph.pooled, *_retrieval(prepared),
-                         vocab_size=prepared.family.vocab_size(config))
+                         vocab_size=prepared.family.vocab_size(config), embedded_size=_embedded_size(prepared))
     ensembles = write_models(root, name, task.name, facts, prepared.tokenizer_path)
     encoder_dir = root / f"{name}_encoder"
     chosen.install(encoder_dir / "1")
@@ -393,5 +393,11 @@ def _retrieval(prepared: Prepared) -> tuple[dict, dict]:
         log.info("prompts %s (applied by the tokenizer step; default: %s)", ", ".join(named), default or "none")
     if prepared.task.name != "embedding":
         return given, {}
-    dims = matryoshka_dims(prepared.source.path, prepared.family.hidden_size(prepared.config))
+    dims = matryoshka_dims(prepared.source.path, _embedded_size(prepared))
     return given, ({"matryoshka_dims": json.dumps(dims)} if dims else {})
+
+
+def _embedded_size(prepared: Prepared) -> int:
+    """The served embedding's size: the hidden size, or what the model's Dense modules project it to."""
+    hidden = prepared.family.hidden_size(prepared.config)
+    return prepared.embedder.size(hidden) if isinstance(prepared.embedder, Embedder) else hidden

@@ -50,6 +50,7 @@ from nexus_sli.exporter.triton.python_models.encoding import (MASKED_OUT, MIN_CO
                                                               SPLADE_ACTIVATIONS, SPLADE_STRATEGIES)
 
 from . import onnx_files
+from .dense import ACTIVATIONS, SENTENCE, TOKENS, Dense
 
 #: Every node and constant this step adds is named with this prefix.
 PREFIX = "nexus_pool/"
@@ -167,30 +168,74 @@ def _layer_norm(vectors: str, norm: dict) -> tuple[list[onnx.NodeProto], str, li
     return [node], p + "layer_normed", weights
 
 
+def _dense(x: str, module: Dense, name: str) -> tuple[list[onnx.NodeProto], str, list[onnx.TensorProto]]:
+    """sentence-transformers' Dense module on ``x`` (``[..., in_features]``): (nodes, output, its weights),
+    as :meth:`Dense.__call__` computes it."""
+    p = PREFIX + name + "/"
+    weights = [numpy_helper.from_array(np.asarray(module.weight, np.float32).T.copy(), p + "weight")]
+    nodes = [_node("MatMul", [x, p + "weight"], p + "linear")]
+    out = p + "linear"
+    if module.bias is not None:
+        weights.append(numpy_helper.from_array(np.asarray(module.bias, np.float32), p + "bias"))
+        nodes.append(_node("Add", [out, p + "bias"], p + "biased"))
+        out = p + "biased"
+    op = ACTIVATIONS[module.activation][0]
+    if op is not None:
+        nodes.append(_node(op, [out], p + "activated"))
+        out = p + "activated"
+    if module.use_residual:
+        residual = x
+        if module.residual is not None:
+            weights.append(numpy_helper.from_array(np.asarray(module.residual, np.float32).T.copy(), p + "residual"))
+            nodes.append(_node("MatMul", [x, p + "residual"], p + "projected"))
+            residual = p + "projected"
+        nodes.append(_node("Add", [out, residual], p + "with_residual"))
+        out = p + "with_residual"
+    return nodes, out, weights
+
+
 def add_pooling(source: Path, target: Path, states: str, output: str, mode: str, normalize: bool,
-                hidden_size: int, tokens: str | None = None, layer_norm: dict | None = None) -> Path:
+                size: int, tokens: str | None = None, layer_norm: dict | None = None,
+                dense: tuple[Dense, ...] = ()) -> Path:
     """Write ``source`` as ``target`` with its token-state output ``states`` pooled (``mode``, one of
-    :data:`POOLING_MODES`) and L2-normalised (when ``normalize``) into the fp32 output ``output``
-    of shape ``[batch, hidden_size]``, which replaces ``states`` as the graph's first output; with
-    ``tokens``, the token states stay beside it as that fp32 output ``[batch, sequence, hidden_size]``."""
+    :data:`POOLING_MODES`), projected by sentence-transformers' ``dense`` modules (those on the token
+    states before the pooling, the others after it) and L2-normalised (when ``normalize``) into the fp32
+    output ``output`` of shape ``[batch, size]``, which replaces ``states`` as the graph's first output;
+    with ``tokens``, the token states stay beside it as that fp32 output ``[batch, sequence, hidden]``
+    (the encoder's, before any Dense module)."""
     if mode not in POOLING_MODES:
         raise ExportError(f"cannot pool {mode!r} in the graph; known modes: {', '.join(POOLING_MODES)}")
 
     initializers: list[onnx.TensorProto] = []
 
+    def project(vectors: str, feature: str, nodes: list[onnx.NodeProto]) -> str:
+        for index, module in enumerate(dense):
+            if module.input == feature:
+                more, vectors, weights = _dense(vectors, module, f"dense_{index}")
+                nodes += more
+                initializers.extend(weights)
+        return vectors
+
     def nodes() -> tuple[list[onnx.NodeProto], str]:
-        pooled, vectors = _pool(states, mode)
+        added: list[onnx.NodeProto] = []
+        if any(module.input == TOKENS for module in dense):  # in fp32, as the pooling computes
+            added.append(_node("Cast", [states], PREFIX + "token_states", to=TensorProto.FLOAT))
+            pooled, vectors = _pool(project(PREFIX + "token_states", TOKENS, added), mode)
+        else:
+            pooled, vectors = _pool(states, mode)
+        added += pooled
+        vectors = project(vectors, SENTENCE, added)
         if layer_norm is not None:  # sentence-transformers' LayerNorm module, before the normalisation
             more, vectors, weights = _layer_norm(vectors, layer_norm)
-            pooled += more
+            added += more
             initializers.extend(weights)
         if normalize:
             more, vectors = _normalize(vectors)
-            pooled += more
-        return pooled, vectors
+            added += more
+        return added, vectors
 
     def rewrite(model: onnx.ModelProto) -> None:
-        _append(model.graph, states, nodes, output, hidden_size, tokens)
+        _append(model.graph, states, nodes, output, size, tokens)
         model.graph.initializer.extend(initializers)
 
     # No onnx.checker here: fused graphs carry ONNX Runtime's contrib ops, unknown to it; the
@@ -244,16 +289,19 @@ class Pooling:
     #: the token-state output pooled, and the embedding output that replaces it
     states: str
     output: str
-    hidden_size: int
+    #: the embedding's size (the hidden size, or the last Dense module's ``out_features``)
+    size: int
     #: the output that keeps the token states beside the embedding (None: not kept)
     tokens: str | None = None
     #: sentence-transformers' LayerNorm module between the pooling and the normalisation (None: none)
     layer_norm: dict | None = None
+    #: sentence-transformers' Dense modules in order (on the token states, then on the pooled vector)
+    dense: tuple[Dense, ...] = ()
 
     def append(self, source: Path, target: Path) -> Path:
         """``source`` with the pooling at its end, as ``target``."""
-        return add_pooling(source, target, self.states, self.output, self.mode, self.normalize, self.hidden_size,
-                           self.tokens, self.layer_norm)
+        return add_pooling(source, target, self.states, self.output, self.mode, self.normalize, self.size,
+                           self.tokens, self.layer_norm, self.dense)
 
     @property
     def outputs(self) -> list[str]:

@@ -20,7 +20,8 @@ from nexus_sli.exporter.errors import ModelSourceError, NexusError
 # the served pooling code's modes: what the export accepts is what the server can do
 from nexus_sli.exporter.triton.python_models.encoding import POOLING_MODES
 
-from . import packaged
+from . import dense, packaged
+from .dense import Dense
 from .families import EncoderFamily
 
 log = logging.getLogger(__name__)
@@ -109,31 +110,51 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _modules(path: Path) -> list[dict]:
+    """sentence-transformers' modules.json: its modules in order (empty where the folder has none)."""
+    return _read_json(path / "modules.json") if (path / "modules.json").is_file() else []
+
+
 def st_module_path(path: Path, kind: str) -> Path | None:
     """The folder of the sentence-transformers module of class ``kind`` (``Pooling``, ``SpladePooling``,
     ``Normalize``) in ``modules.json``; None where the model has none.  The class name must match whole:
     ``Pooling`` is not ``SpladePooling``."""
-    for module in _read_json(path / "modules.json") if (path / "modules.json").is_file() else []:
+    for module in _modules(path):
         if module.get("type", "").rsplit(".", 1)[-1] == kind:
             return path / module.get("path", "")
     return None
 
 
-#: The sentence-transformers pipelines an embedding export reproduces, by module class name, in order.
-_SERVED_PIPELINES = (("Transformer", "Pooling"), ("Transformer", "Pooling", "Normalize"),
-                     ("Transformer", "Pooling", "LayerNorm"), ("Transformer", "Pooling", "LayerNorm", "Normalize"))
+#: The sentence-transformers pipelines an embedding export reproduces, by module class name, in order:
+#: Dense modules on the token states before the pooling, and on the pooled vector after it.
+_SERVED_PIPELINE = re.compile(r"Transformer( Dense)* Pooling( Dense)*( LayerNorm)?( Normalize)?")
+_SERVED_PIPELINE_TEXT = "Transformer -> [Dense ...] -> Pooling -> [Dense ...] -> [LayerNorm] -> [Normalize]"
 #: torch.nn.LayerNorm's epsilon, which sentence-transformers' LayerNorm module keeps (it saves no other)
 LAYER_NORM_EPS = 1e-5
 
 
 def _check_pipeline(path: Path) -> None:
-    """Refuse a sentence-transformers pipeline with modules the export would leave out (a Dense
-    projection, a LayerNorm before the normalisation): served vectors would silently differ."""
-    listed = _read_json(path / "modules.json") if (path / "modules.json").is_file() else []
-    kinds = tuple(module.get("type", "").rsplit(".", 1)[-1] for module in listed)
-    if kinds and kinds not in _SERVED_PIPELINES:
+    """Refuse a sentence-transformers pipeline with modules the export would leave out (one it does not
+    know, a LayerNorm before the normalisation): served vectors would silently differ."""
+    kinds = tuple(module.get("type", "").rsplit(".", 1)[-1] for module in _modules(path))
+    if kinds and not _SERVED_PIPELINE.fullmatch(" ".join(kinds)):
         raise NexusError(f"{path / 'modules.json'} lists the modules {', '.join(kinds)}; the export reproduces "
-                         f"{' or '.join(' -> '.join(p) for p in _SERVED_PIPELINES)} and would leave the others out")
+                         f"{_SERVED_PIPELINE_TEXT} and would leave the others out")
+
+
+def dense_modules(path: Path) -> tuple[list[Dense], list[Dense]]:
+    """The pipeline's Dense modules in ``modules.json`` order: (those on the token states, before the
+    pooling; those on the pooled vector, after it).  Empty where it has none."""
+    _check_pipeline(path)
+    found: dict[bool, list[Dense]] = {False: [], True: []}
+    pooled = False
+    for module in _modules(path):
+        kind = module.get("type", "").rsplit(".", 1)[-1]
+        pooled = pooled or kind == "Pooling"
+        if kind == "Dense":
+            feature = dense.SENTENCE if pooled else dense.TOKENS
+            found[pooled].append(dense.read(path / module.get("path", ""), feature))
+    return found[False], found[True]
 
 
 def pooling_mode(path: Path) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .dense import SENTENCE, TOKENS, Dense
 from .export_report import ExportReport
 from .padding_trim import trimmed_length
 from .report import (
@@ -102,23 +103,47 @@ def parity_cases(input_names: list[str], vocab_size: int, pad_id: int, long_len:
 
 @dataclass
 class Embedder:
-    """How token states become the served embedding (pooling, a layer norm, normalisation)."""
+    """How token states become the served embedding (Dense modules on the token states, pooling, Dense
+    modules on the pooled vector, a layer norm, normalisation: sentence-transformers' order)."""
 
     pooling: str
     normalize: bool
     #: sentence-transformers' LayerNorm module after the pooling ({"weight", "bias", "eps"}), or None
     layer_norm: dict | None = None
+    #: sentence-transformers' Dense modules, in order: on the token states before the pooling, then on
+    #: the pooled vector (:attr:`Dense.input` says which)
+    dense: list[Dense] = field(default_factory=list)
 
     def __call__(self, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        for module in self.on(TOKENS):
+            hidden = module(hidden)
         vectors = pool(hidden, mask, self.pooling)
+        for module in self.on(SENTENCE):
+            vectors = module(vectors)
         if self.layer_norm is not None:
             vectors = _layer_norm(vectors, self.layer_norm)
         return l2_normalize(vectors) if self.normalize else vectors
 
+    def on(self, feature: str) -> list[Dense]:
+        """The Dense modules that read ``feature`` (:data:`dense.TOKENS` or :data:`dense.SENTENCE`), in order."""
+        return [module for module in self.dense if module.input == feature]
+
+    def size(self, hidden_size: int) -> int:
+        """The served vector's size: the last Dense module's ``out_features``, else the hidden size."""
+        return self.dense[-1].out_features if self.dense else hidden_size
+
+    @property
+    def graph_only(self) -> list[str]:
+        """The modules only a graph that pools applies (the python post-processing step pools and
+        normalises only)."""
+        named = ["a LayerNorm module"] if self.layer_norm is not None else []
+        return named + (["Dense modules"] if self.dense else [])
+
     def record(self) -> dict:
         """What validation.json keeps of it (:func:`embedder_from_report` reads it back)."""
         return {"pooling": self.pooling, "normalize": self.normalize,
-                **({"layer_norm": self.layer_norm} if self.layer_norm is not None else {})}
+                **({"layer_norm": self.layer_norm} if self.layer_norm is not None else {}),
+                **({"dense": [module.record() for module in self.dense]} if self.dense else {})}
 
 
 def _layer_norm(vectors: np.ndarray, norm: dict) -> np.ndarray:
@@ -150,7 +175,8 @@ def embedder_from_report(exported: ExportReport) -> Embedder | SparseEmbedder | 
         return SparseEmbedder(exported.splade["strategy"], exported.splade["activation"])
     if not exported.pooling:
         return None
-    return Embedder(exported.pooling, bool(exported.normalize), exported.layer_norm)
+    return Embedder(exported.pooling, bool(exported.normalize), exported.layer_norm,
+                    [Dense.from_record(record) for record in exported.dense or []])
 
 
 @dataclass

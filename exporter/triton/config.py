@@ -130,20 +130,23 @@ class Layout:
         return self.rows(next(t for t in (*self.tokens, *self.encoder_outputs) if t.name == name))
 
 
-def _tensor(tensor: spec.Tensor, hidden_size: int, num_labels: int, vocab_size: int = 0) -> Tensor:
-    resolved = tensor.resolved(hidden_size, num_labels, vocab_size)
+def _tensor(tensor: spec.Tensor, hidden_size: int, num_labels: int, vocab_size: int = 0,
+            embedded_size: int = 0) -> Tensor:
+    resolved = tensor.resolved(hidden_size, num_labels, vocab_size, embedded_size)
     return Tensor(resolved.name, pb.DataType.Value(f"TYPE_{resolved.dtype}"), resolved.dims)
 
 
 def layout(task: str, input_names: list[str], hidden_size: int, num_labels: int, pooled: bool = False,
-           vocab_size: int = 0) -> Layout:
+           vocab_size: int = 0, embedded_size: int = 0) -> Layout:
     """The ensemble's tensors for ``task``, read from its spec (:mod:`nexus_sli.tasks`).
 
     ``pooled``: the encoder graph ends in the pooling and answers the task's results itself
     (``[batch, hidden]`` embeddings, ``[batch, vocab]`` sparse ones), so the ensemble is tokenizer ->
-    encoder; where the task keeps its token states (``token_states``), the encoder answers them too."""
+    encoder; where the task keeps its token states (``token_states``), the encoder answers them too.
+    ``embedded_size``: the embedding's size where the model's Dense modules project it (0: the hidden size)."""
     task_spec = get_task(task)
-    convert = lambda tensors: tuple(_tensor(t, hidden_size, num_labels, vocab_size) for t in tensors)  # noqa: E731
+    convert = lambda tensors: tuple(_tensor(t, hidden_size, num_labels, vocab_size, embedded_size)  # noqa: E731
+                                    for t in tensors)
     ids = tuple(Tensor(n, pb.TYPE_INT64, (-1,)) for n in input_names)
     results = convert(task_spec.results)
     states = convert((task_spec.token_states,))[0] if pooled and task_spec.token_states else None

@@ -83,6 +83,8 @@ class ServingFacts:
     described: dict = field(default_factory=dict)
     #: the masked-LM head's output size (sparse embeddings' dims; 0 where no tensor has it)
     vocab_size: int = 0
+    #: the served embedding's size where the model's Dense modules project it (0: the hidden size)
+    embedded_size: int = 0
 
 
 def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None = None) -> None:
@@ -101,7 +103,8 @@ def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None 
 def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenizer_json: Path) -> list[str]:
     """Write every file of the ensemble(s) except the encoder's model file(s) under ``1/``; return the
     ensembles' names (``NAME``, and ``NAME_tokens`` where the encoder keeps its token states)."""
-    lay = tc.layout(task, facts.input_names, facts.hidden_size, facts.num_labels, facts.pooled, facts.vocab_size)
+    lay = tc.layout(task, facts.input_names, facts.hidden_size, facts.num_labels, facts.pooled, facts.vocab_size,
+                    facts.embedded_size)
     tokenizer, encoder, postprocess = f"{name}_tokenizer", f"{name}_encoder", f"{name}_postprocess"
     steps = (tokenizer, encoder) if lay.encoder_answers else (tokenizer, encoder, postprocess)
     _copy_python_model("tokenizer_model", root / tokenizer, {"tokenizer.json": tokenizer_json})

@@ -110,3 +110,26 @@ def plain_graph(model, task, folder: Path, lengths: tuple[int, ...], width: int,
     feeds = padded_feeds(lengths, width, seed=seed)
     return {"model": model, "names": names, "path": folder / "plain.onnx", "folder": folder,
             "feeds": {n: feeds[n] for n in names}}
+
+
+def with_dense(checkpoint: Path, folder: Path, heads: list, seed: int, normalize: bool = False) -> Path:
+    """A sentence-transformers folder at ``folder``: ``checkpoint`` (a tiny model above), mean pooling and the
+    Dense modules ``heads`` (``sentence_transformers`` Dense instances: those reading ``token_embeddings``
+    before the pooling, the others after it, in order), then a Normalize where asked.  Their weights are
+    drawn again from ``seed``, wide enough that an activation sees values past its linear range."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for head in heads:
+            for parameter in head.parameters():
+                parameter.uniform_(-1.0, 1.0)
+    before = [head for head in heads if head.module_input_name == "token_embeddings"]
+    after = [head for head in heads if head.module_input_name != "token_embeddings"]
+    width = before[-1].out_features if before else COMMON["hidden_size"]
+    transformer = modules.Transformer(str(checkpoint), max_seq_length=64)
+    tail = [modules.Normalize()] if normalize else []
+    SentenceTransformer(modules=[transformer, *before, modules.Pooling(width, "mean"), *after, *tail],
+                        device="cpu").save(str(folder))
+    return folder
