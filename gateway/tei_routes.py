@@ -1,9 +1,12 @@
-"""text-embeddings-inference's routes: ``POST /embed``, ``/embed_sparse``, ``/embed_all``, ``/rerank``, ``/predict``.
+"""text-embeddings-inference's routes: ``POST /embed``, ``/embed_sparse``, ``/embed_all``, ``/rerank``, ``/predict``,
+``/similarity``, ``/tokenize``, ``/decode`` and ``GET /info``.
 
 Request and response shapes are TEI's (its OpenAPI description is kept as test
 data in tests/data/tei/).  TEI serves one model, so its requests name none; here
 the one model serving the route's task answers (or the gateway's ``tei_model``),
-and a request may add ``"model": "<name>"`` where several do.  Where TEI has an option the served model
+and a request may add ``"model": "<name>"`` where several do.  The routes every
+task has (``/info``, ``/tokenize``, ``/decode``) take the one model served, the
+``tei_model``, or the one named (``GET /info``: ``?model=NAME``).  Where TEI has an option the served model
 cannot honour, the answer is a clear 400, never a silently different result.
 """
 
@@ -15,11 +18,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from nexus_sli.client.calls import unit_rows
+from nexus_sli.client.model_info import ModelInfo
 
+from . import tei_info
 from .discovery import MISS_REFRESH_S
 from .embeddings import check_dimensions, check_prompt
 from .errors import GatewayError
-from .limits import check_texts, flag, read_json, text_list
+from .limits import check_count, check_texts, flag, read_json, text_list
 
 
 async def _model(request: Request, body: dict, task: str):
@@ -49,6 +54,24 @@ async def _model(request: Request, body: dict, task: str):
     if not isinstance(name, str):
         raise GatewayError("invalid", "model must be a string", param="model")
     return await catalog.get(name, task)
+
+
+async def _model_of_any_task(request: Request, name) -> ModelInfo:
+    """The model of a route every task has: the one named, else the gateway's ``tei_model``, else the only one."""
+    if name is not None and not isinstance(name, str):
+        raise GatewayError("invalid", "model must be a string", param="model")
+    catalog = request.app.state.backend.catalog
+    chosen = name or request.app.state.config.tei_model
+    return await catalog.only() if chosen is None else await catalog.get(chosen, None)
+
+
+def _check_text_mode(model: ModelInfo, route: str) -> None:
+    """424 where the model's tokenizer step lacks the text mode ``route`` needs (``TokenizerStep``)."""
+    step = model.tokenizer_step
+    if step is None or not (step.decodes if route == "/decode" else step.tokenizes):
+        raise GatewayError("unsupported", f"the tokenizer of model {model.name!r} (task {model.task!r}) does not "
+                           f"answer {route}: the tokenizers of single-text tasks do, in repositories exported since "
+                           "they gained it; export the model again", param="model", code="tokenizer_mode_missing")
 
 
 def _check_truncation(body: dict) -> None:
@@ -186,7 +209,101 @@ async def predict(request: Request) -> JSONResponse:
     return JSONResponse(rows[0] if single else rows)
 
 
+async def similarity(request: Request) -> JSONResponse:
+    """The cosine of ``source_sentence`` with each of ``sentences``, from one embedding call."""
+    state = request.app.state
+    body = await read_json(request, state.config.max_body_bytes)
+    source, sentences = _similarity_inputs(body.get("inputs"))
+    texts = check_texts([source, *sentences], state.config, "inputs")
+    parameters = body.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise GatewayError("invalid", "parameters must be an object", param="parameters")
+    _check_truncation(parameters)
+    model = await _embedding_model(request, body)
+    vectors = unit_rows(await state.backend.embed(model, texts, check_prompt(parameters.get("prompt_name"), model)))
+    state.metrics.texts.labels(request.url.path).inc(len(texts))
+    return JSONResponse((vectors[1:] @ vectors[0]).astype(np.float32).tolist())
+
+
+def _similarity_inputs(value) -> tuple[str, list[str]]:
+    if not isinstance(value, dict) or not isinstance(value.get("source_sentence"), str):
+        raise GatewayError("invalid", "inputs is required: {\"source_sentence\": \"...\", \"sentences\": [...]}",
+                           param="inputs")
+    sentences = text_list(value.get("sentences"), "inputs.sentences", "a list of strings")
+    if not sentences or not isinstance(value["sentences"], list):
+        raise GatewayError("invalid", "inputs.sentences must be a non-empty list of strings", param="inputs")
+    return value["source_sentence"], sentences
+
+
+async def _embedding_model(request: Request, body: dict) -> ModelInfo:
+    """/similarity's model; one that does not embed is TEI's 424."""
+    try:
+        return await _model(request, body, "embedding")
+    except GatewayError as exc:
+        if exc.kind != "wrong_task":
+            raise
+        raise GatewayError("unsupported", f"{exc.message} (/similarity compares embeddings)", param="model",
+                           code="wrong_task") from None
+
+
+async def info(request: Request) -> JSONResponse:
+    model = await _model_of_any_task(request, request.query_params.get("model"))
+    return JSONResponse(tei_info.info(model, request.app.state.config))
+
+
+async def tokenize(request: Request) -> JSONResponse:
+    """Each text's tokens as TEI's SimpleToken, from the served tokenizer (prompted as /embed, untruncated)."""
+    state = request.app.state
+    body = await read_json(request, state.config.max_body_bytes)
+    if "inputs" not in body:
+        raise GatewayError("invalid", "inputs is required: a string or a list of strings", param="inputs")
+    texts = check_texts(text_list(body["inputs"], "inputs"), state.config, "inputs")
+    add_special_tokens = flag(body, "add_special_tokens", True)
+    model = await _model_of_any_task(request, body.get("model"))
+    prompt_name = check_prompt(body.get("prompt_name"), model)
+    _check_text_mode(model, "/tokenize")
+    found = await state.backend.tokenize(model, texts, prompt_name, add_special_tokens)
+    state.metrics.texts.labels(request.url.path).inc(len(texts))
+    return JSONResponse([_simple_tokens(tokens) for tokens in found])
+
+
+def _simple_tokens(tokens: dict) -> list[dict]:
+    """One text's tokens as TEI's SimpleToken: a special token covers no characters of the text."""
+    return [{"id": i, "text": text, "special": special, "start": None if special else start,
+             "stop": None if special else stop}
+            for i, text, special, (start, stop) in zip(tokens["ids"], tokens["text"], tokens["special"],
+                                                        tokens["offsets"])]
+
+
+async def decode(request: Request) -> JSONResponse:
+    """The text of each list of token ids, from the served tokenizer."""
+    state = request.app.state
+    body = await read_json(request, state.config.max_body_bytes)
+    rows = check_count(_id_rows(body.get("ids")), state.config, "ids")
+    skip_special_tokens = flag(body, "skip_special_tokens", True)
+    model = await _model_of_any_task(request, body.get("model"))
+    _check_text_mode(model, "/decode")
+    texts = await state.backend.decode(model, rows, skip_special_tokens)
+    state.metrics.texts.labels(request.url.path).inc(len(rows))
+    return JSONResponse(texts)
+
+
+def _id_rows(value) -> list[list[int]]:
+    """TEI's InputIds: one list of token ids, or a batch of them."""
+    def ids(row) -> bool:
+        return isinstance(row, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in row)
+
+    if ids(value):
+        return [value]
+    if isinstance(value, list) and all(ids(row) for row in value):
+        return value
+    raise GatewayError("invalid", "ids is required: a list of token ids (integers from 0), or a list of such lists",
+                       param="ids")
+
+
 # TEI answers ``POST /`` too (for an embedding model: embed); huggingface_hub's InferenceClient posts there
 ROUTES = [Route("/", embed, methods=["POST"]), Route("/embed", embed, methods=["POST"]),
           Route("/embed_sparse", embed_sparse, methods=["POST"]), Route("/embed_all", embed_all, methods=["POST"]),
-          Route("/rerank", rerank, methods=["POST"]), Route("/predict", predict, methods=["POST"])]
+          Route("/rerank", rerank, methods=["POST"]), Route("/predict", predict, methods=["POST"]),
+          Route("/similarity", similarity, methods=["POST"]), Route("/tokenize", tokenize, methods=["POST"]),
+          Route("/decode", decode, methods=["POST"]), Route("/info", info, methods=["GET"])]
