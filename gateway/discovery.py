@@ -169,7 +169,7 @@ class Catalog:
 
 
 #: The gateway route that serves each task.
-ROUTES = {"embedding": "POST /v1/embeddings, /embed or /embed_all", "sparse-embedding": "POST /embed_sparse",
+ROUTES = {"embedding": "POST /v1/embeddings, /embed, /embed_all or /similarity", "sparse-embedding": "POST /embed_sparse",
           "rerank": "POST /rerank", "classification": "POST /predict"}
 
 
