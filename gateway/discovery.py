@@ -17,6 +17,7 @@ import time
 from nexus_sli.client import ModelNotFoundError, ModelUnavailableError
 from nexus_sli.client.model_info import ModelInfo
 from nexus_sli.client.protocol import translate
+from nexus_sli.tasks.spec import TOKEN_TASK
 
 from .errors import GatewayError
 
@@ -158,8 +159,9 @@ class Catalog:
 
 
     async def only(self) -> ModelInfo:
-        """The routes of every task (TEI's /info, /tokenize, /decode) name no model: the one served, else a 400."""
-        models = await self.models()
+        """The routes of every task (TEI's /info, /tokenize, /decode) name no model: the one served, else a 400.
+        An embedding model's token ensemble (``NAME_tokens``) is part of it, not a second model."""
+        models = {name: model for name, model in (await self.models()).items() if model.task != TOKEN_TASK}
         if len(models) == 1:
             return next(iter(models.values()))
         served = ", ".join(sorted(models)) or "none"

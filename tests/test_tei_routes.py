@@ -8,6 +8,7 @@ against the checkpoint's own ``tokenizers.Tokenizer``, the similarities against 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from importlib.metadata import version
@@ -26,11 +27,57 @@ from nexus_sli.client.error_codes import DECODED_OUTPUT, IDS_INPUT, TOKENS_OUTPU
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.triton import config as triton_config
 from nexus_sli.gateway import GatewayConfig
+from nexus_sli.gateway.discovery import Catalog
 
 PROMPTS = {"query": "query: ", "doc": "passage: "}
 # ASCII, accents the normaliser strips, CJK the pre-tokenizer splits per character, an emoji outside the BMP
 TEXTS = ["Hello world, the tokenizer speaks.", "Grüße aus Köln: naïve café", "日本語のテキスト", "emoji 🙂 then text",
          "unusualwordpieces"]
+
+
+def test_the_schema_checker_reads_maps_by_their_values_schema():
+    """TEI's label maps are objects of any keys (additionalProperties): their values are what is checked."""
+    labels = {"id2label": {"0": "negative"}, "label2id": {"negative": 0}}
+    assert schema_problems(labels, tei_schema("ClassifierModel")) == []
+    assert schema_problems({**labels, "id2label": {"0": 0}}, tei_schema("ClassifierModel")) != []
+    assert schema_problems({**labels, "extra": 1}, tei_schema("ClassifierModel")) != []
+
+
+class _Triton:
+    """The two calls discovery makes, answered from configs as Triton's JSON writes them."""
+
+    def __init__(self, configs: dict):
+        self.configs = configs
+
+    async def get_model_repository_index(self, **_):
+        return {"models": [{"name": name, "state": "READY"} for name in self.configs]}
+
+    async def get_model_config(self, name, **_):
+        return {"config": self.configs[name]}
+
+
+def test_discovery_pairs_each_model_with_its_tokenizer_step_and_one_model_is_one():
+    def params(**values):
+        return {key: {"string_value": value} for key, value in values.items()}
+
+    step = {"model_name": "emb_tokenizer"}
+    configs = {
+        "emb": {"platform": "ensemble", "max_batch_size": 64, "parameters": params(task="embedding"),
+                "ensemble_scheduling": {"step": [step]}},
+        "emb_tokens": {"platform": "ensemble", "parameters": params(task="token-embedding"),
+                       "ensemble_scheduling": {"step": [step]}},
+        "emb_tokenizer": {"backend": "python", "max_batch_size": 64, "instance_group": [{"count": 2}],
+                          "parameters": params(max_length="256", truncate="false"),
+                          "input": [{"name": "TEXT"}, {"name": IDS_INPUT}],
+                          "output": [{"name": "input_ids"}, {"name": TOKENS_OUTPUT}, {"name": DECODED_OUTPUT}]},
+    }
+    model = asyncio.run(Catalog(_Triton(configs), ttl_s=10).only())  # its NAME_tokens is no second model
+    assert model.name == "emb"
+    step = model.tokenizer_step
+    assert (step.max_length, step.truncate, step.instances, step.rows) == (256, False, 2, 64)
+    assert step.tokenizes and step.decodes
+    configs["emb_tokenizer"]["output"] = [{"name": "input_ids"}]  # as exports before the text modes
+    assert not asyncio.run(Catalog(_Triton(configs), ttl_s=10).only()).tokenizer_step.tokenizes
 
 
 def _old_export(repo: Path, name: str, old: str) -> None:
