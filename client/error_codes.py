@@ -6,8 +6,9 @@ client maps the code (:func:`code_of`), never the wording, to its error type,
 so messages can be reworded freely.  Triton's ensemble puts its own text in
 front of a step's message, so the marker is looked for anywhere in it.
 
-It also names the one request parameter the tokenizer model reads
-(:data:`PROMPT_PARAMETER`): the client sends what the model reads, from one place.
+It also names what the tokenizer model reads and answers besides its token
+tensors (the request parameters, its optional inputs and outputs): the client
+and the exporter's configs send and declare what the model reads, from one place.
 
 This file is copied beside those models in every repository, so it imports
 nothing but the standard library.
@@ -18,6 +19,19 @@ import re
 #: The request parameter naming the prompt the tokenizer step puts in front of each text (the
 #: model's ``prompts``, from its sentence-transformers config); absent: the model's default prompt.
 PROMPT_PARAMETER = "prompt_name"
+#: Request parameters (booleans) of the tokenizer model's two text modes: whether ``TOKENS`` adds the
+#: model's special tokens ([CLS], [SEP] ...), and whether ``DECODED`` leaves them out.
+ADD_SPECIAL_TOKENS_PARAMETER = "add_special_tokens"
+SKIP_SPECIAL_TOKENS_PARAMETER = "skip_special_tokens"
+#: The tokenizer model's optional output asked for by name: per text, one JSON object of its tokens,
+#: ``{"ids", "text", "special", "offsets"}`` (offsets: [start, stop) characters of the prompted text;
+#: text: the characters a token covers, a special token's own string), untruncated.
+TOKENS_OUTPUT = "TOKENS"
+#: The tokenizer model's optional input of token ids ([rows, n] int64, each row padded with
+#: :data:`NO_TOKEN`), sent instead of ``TEXT``, and the output that answers it: each row's text.
+IDS_INPUT = "IDS"
+DECODED_OUTPUT = "DECODED"
+NO_TOKEN = -1
 
 #: The request cannot be served as sent: an empty, too long or undecodable text,
 #: tensors that do not fit together.  Sending it again fails again.

@@ -3,8 +3,10 @@
 A nexus-sli model is an ensemble whose string ``parameters`` say what it serves
 (``task``), its named prompts (``prompts``, ``default_prompt_name``), the sizes
 it was trained for (``matryoshka_dims``), whether it normalises (``normalize``)
-and its labels (``id2label``).  The description parses them once, and holds the
-rules about them: which prompt names a request may send, which shorter sizes
+its labels (``id2label``) and the precision of its encoder (``precision``); its
+first step's own config, the tokenizer's, says how long an input may be and
+whether that step answers the text modes (:class:`TokenizerStep`).  The
+description parses them once, and holds the rules about them: which prompt names a request may send, which shorter sizes
 (Matryoshka) it may ask for, and how a vector is cut to one.  Each caller turns
 the typed errors into its own API's shape.
 """
@@ -12,17 +14,60 @@ the typed errors into its own API's shape.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .error_codes import DECODED_OUTPUT, IDS_INPUT, TOKENS_OUTPUT
 from .errors import DimensionsError, UnknownPromptError, WrongTaskError
+
+#: The ensemble parameter naming the precision its encoder was exported in (``fp32``, ``fp16``, ``int8`` ...).
+PRECISION_PARAMETER = "precision"
 
 
 def _string(value: dict) -> str:
     """One parameter's value.  Triton writes ``string_value``; a config turned into JSON by protobuf's
     default (camelCase) names writes ``stringValue``: both are the same field."""
     return value.get("string_value", value.get("stringValue", ""))
+
+
+def _params(config: dict) -> dict[str, str]:
+    return {k: _string(v) for k, v in config.get("parameters", {}).items()}
+
+
+@dataclass(frozen=True)
+class TokenizerStep:
+    """An ensemble's tokenizer model as its own config declares it."""
+
+    #: the most tokens it makes of one input for the encoder
+    max_length: int
+    #: whether a longer input is truncated to ``max_length`` (else refused)
+    truncate: bool
+    #: how many instances of it tokenize at once
+    instances: int
+    #: the most encoder rows one execution of it makes (its batch, or the rows one query may become)
+    rows: int = 0
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, config: dict) -> TokenizerStep:
+        config = config.get("config", config)
+        params = _params(config)
+        instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", []))
+        rows = int(params.get("max_rows", config.get("max_batch_size", 0)))
+        return cls(int(params.get("max_length", 0)), params.get("truncate", "true") == "true", max(instances, 1), rows,
+                   tuple(t["name"] for t in config.get("input", [])), tuple(t["name"] for t in config.get("output", [])))
+
+    @property
+    def tokenizes(self) -> bool:
+        """Whether it answers each text's tokens (``TOKENS``); exports before that mode do not."""
+        return TOKENS_OUTPUT in self.outputs
+
+    @property
+    def decodes(self) -> bool:
+        """Whether it turns token ids (``IDS``) back into text (``DECODED``)."""
+        return IDS_INPUT in self.inputs and DECODED_OUTPUT in self.outputs
 
 
 @dataclass(frozen=True)
@@ -36,17 +81,23 @@ class ModelInfo:
     dimensions: int = 0
     #: the ensemble's first step, its tokenizer model (None: not an ensemble)
     tokenizer: str | None = None
+    #: that step as its own config declares it (None: not read)
+    tokenizer_step: TokenizerStep | None = None
 
     @classmethod
     def from_config(cls, name: str, config: dict) -> "ModelInfo":
         """The model ``name`` as its Triton config (JSON, or gRPC's ``{"config": ...}`` around it) describes it."""
         config = config.get("config", config)
-        params = {k: _string(v) for k, v in config.get("parameters", {}).items()}
+        params = _params(config)
         outputs = config.get("output", [])
         dims = [int(d) for d in outputs[0].get("dims", [])] if outputs else []
         steps = config.get("ensemble_scheduling", {}).get("step", [])
         return cls(name, params.get("task", ""), int(config.get("max_batch_size", 0)), params,
                    dimensions=max(dims[-1], 0) if dims else 0, tokenizer=steps[0]["model_name"] if steps else None)
+
+    def with_tokenizer_step(self, config: dict) -> ModelInfo:
+        """This description with its tokenizer step's, read from that model's Triton config."""
+        return replace(self, tokenizer_step=TokenizerStep.from_config(config))
 
     def expect(self, task: str) -> None:
         if self.task != task:
@@ -71,6 +122,11 @@ class ModelInfo:
     def normalizes(self) -> bool:
         """Whether the served model already normalises its vectors (the export's choice)."""
         return self.params.get("normalize", "false") == "true"
+
+    @property
+    def precision(self) -> str | None:
+        """The precision the encoder was exported in (None: an export that did not record it)."""
+        return self.params.get(PRECISION_PARAMETER)
 
     @property
     def id2label(self) -> dict[int, str]:

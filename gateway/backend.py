@@ -8,18 +8,28 @@ ones are its tokens (special tokens included, after the model's truncation:
 what the encoder saw).  It costs one more python-backend execution per request,
 batched by Triton like the ensemble's own; docs/gateway.md gives its measured
 cost.  The alternative, a tokenizer in the gateway, would need the repository's
-tokenizer.json on the gateway's machine.
+tokenizer.json on the gateway's machine.  TEI's ``/tokenize`` and ``/decode`` ask
+the same step for its text modes (its ``TOKENS`` and ``DECODED`` outputs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import tritonclient.grpc as grpc_types
 
 from nexus_sli.client import AsyncEncoderClient, ServerUnavailableError
-from nexus_sli.client.error_codes import PROMPT_PARAMETER
+from nexus_sli.client.error_codes import (
+    ADD_SPECIAL_TOKENS_PARAMETER,
+    DECODED_OUTPUT,
+    IDS_INPUT,
+    NO_TOKEN,
+    PROMPT_PARAMETER,
+    SKIP_SPECIAL_TOKENS_PARAMETER,
+    TOKENS_OUTPUT,
+)
 from nexus_sli.client.model_info import ModelInfo
 from nexus_sli.client.protocol import chunks, strings, translate
 from nexus_sli.client.replicas import Fleet, Resolve
@@ -97,14 +107,52 @@ class Backend:
 
     async def _tokens(self, tokenizer: str, texts: list[str], parameters: dict | None) -> int:
         """The tokens the tokenizer step makes of ``texts``: it applies the same prompt as the ensemble."""
-        tensor = grpc_types.InferInput("TEXT", [len(texts), 1], "BYTES")
-        tensor.set_data_from_numpy(strings(texts).reshape(-1, 1))
+        mask = await self._tokenizer_call(tokenizer, _text_tensor(texts), "attention_mask", parameters)
+        return int(mask.sum())
+
+    async def tokenize(self, model: ModelInfo, texts: list[str], prompt_name: str | None,
+                       add_special_tokens: bool) -> list[dict]:
+        """Each text's tokens, ``{"ids", "text", "special", "offsets"}`` (error_codes.TOKENS_OUTPUT), from the
+        model's tokenizer step, prompted as the ensemble prompts (None: the model's default prompt, if any)."""
+        parameters = {ADD_SPECIAL_TOKENS_PARAMETER: add_special_tokens,
+                      **({PROMPT_PARAMETER: prompt_name} if prompt_name is not None else {})}
+        found = await asyncio.gather(*(self._tokenizer_call(model.tokenizer, _text_tensor(chunk), TOKENS_OUTPUT,
+                                                            parameters)
+                                       for chunk in chunks(texts, model.max_batch_size)))
+        return [json.loads(item) for part in found for item in part.reshape(-1)]
+
+    async def decode(self, model: ModelInfo, rows: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        """The text of each row of token ids, from the model's tokenizer step."""
+        parameters = {SKIP_SPECIAL_TOKENS_PARAMETER: skip_special_tokens}
+        found = await asyncio.gather(*(self._tokenizer_call(model.tokenizer, _ids_tensor(chunk), DECODED_OUTPUT,
+                                                            parameters)
+                                       for chunk in chunks(rows, model.max_batch_size)))
+        return [item.decode("utf-8") for part in found for item in part.reshape(-1)]
+
+    async def _tokenizer_call(self, tokenizer: str, tensor: grpc_types.InferInput, output: str,
+                              parameters: dict | None) -> np.ndarray:
         try:
             result = await self.triton.infer(tokenizer, [tensor], client_timeout=self.timeout_s, parameters=parameters,
-                                             outputs=[grpc_types.InferRequestedOutput("attention_mask")])
+                                             outputs=[grpc_types.InferRequestedOutput(output)])
         except Exception as exc:  # noqa: BLE001
             raise translate(exc, tokenizer) from None
-        return int(result.as_numpy("attention_mask").sum())
+        return result.as_numpy(output)
 
     async def close(self) -> None:
         await self.client.close()  # its connections are the control calls' too
+
+
+def _text_tensor(texts: list[str]) -> grpc_types.InferInput:
+    tensor = grpc_types.InferInput("TEXT", [len(texts), 1], "BYTES")
+    tensor.set_data_from_numpy(strings(texts).reshape(-1, 1))
+    return tensor
+
+
+def _ids_tensor(rows: list[list[int]]) -> grpc_types.InferInput:
+    """Rows of token ids as one tensor: one request's rows share a width, the shorter padded with NO_TOKEN."""
+    ids = np.full((len(rows), max(1, *map(len, rows))), NO_TOKEN, dtype=np.int64)
+    for row, values in enumerate(rows):
+        ids[row, :len(values)] = values
+    tensor = grpc_types.InferInput(IDS_INPUT, list(ids.shape), "INT64")
+    tensor.set_data_from_numpy(ids)
+    return tensor

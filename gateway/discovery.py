@@ -17,6 +17,7 @@ import time
 from nexus_sli.client import ModelNotFoundError, ModelUnavailableError
 from nexus_sli.client.model_info import ModelInfo
 from nexus_sli.client.protocol import translate
+from nexus_sli.tasks.spec import TOKEN_TASK
 
 from .errors import GatewayError
 
@@ -52,8 +53,9 @@ def _status(exc: Exception) -> str | None:
 
 
 async def discover(triton, timeout_s: float | None = None) -> dict[str, ModelInfo]:
-    """Every nexus-sli task model Triton serves now, by name."""
-    found = {}
+    """Every nexus-sli task model Triton serves now, by name, each with its tokenizer step's config
+    (read in the same pass: the steps are served models too)."""
+    configs = {}
     for name in await model_names(triton, timeout_s):
         try:
             config = await triton.get_model_config(name, as_json=True, client_timeout=timeout_s)
@@ -62,9 +64,12 @@ async def discover(triton, timeout_s: float | None = None) -> dict[str, ModelInf
             if isinstance(error, ModelNotFoundError):  # unloaded since it was listed
                 continue
             raise error from None
-        model = served_model(name, config.get("config", config))
+        configs[name] = config.get("config", config)
+    found = {}
+    for name, config in configs.items():
+        model = served_model(name, config)
         if model is not None:
-            found[name] = model
+            found[name] = model.with_tokenizer_step(configs[model.tokenizer]) if model.tokenizer in configs else model
     return found
 
 
@@ -118,8 +123,9 @@ class Catalog:
         return ModelUnavailableError(f"model {name!r} was served here and is not ready now (being reloaded, or "
                                      "its worker restarted); retry shortly")
 
-    async def get(self, name: str, task: str) -> ModelInfo:
-        """The model ``name``, checked to serve ``task``: 404 if unknown, 400 naming its task if another."""
+    async def get(self, name: str, task: str | None) -> ModelInfo:
+        """The model ``name``, checked to serve ``task`` (None: any): 404 if unknown, 400 naming its task if
+        another."""
         models = await self.models()
         if name not in models:
             models = await self.models(max_age_s=MISS_REFRESH_S)
@@ -129,7 +135,7 @@ class Catalog:
             raise GatewayError("not_found", f"model {name!r} is not served here; served models: {served}",
                                param="model", code="model_not_found")
         model = models[name]
-        if model.task != task:
+        if task is not None and model.task != task:
             raise GatewayError("wrong_task", f"model {name!r} serves task {model.task!r}, not {task!r}; "
                                f"{_route_hint(model.task)}", param="model", code="wrong_task")
         return model
@@ -152,8 +158,20 @@ class Catalog:
                            param="model", code="wrong_task")
 
 
+    async def only(self) -> ModelInfo:
+        """The routes of every task (TEI's /info, /tokenize, /decode) name no model: the one served, else a 400.
+        An embedding model's token ensemble (``NAME_tokens``) is part of it, not a second model."""
+        models = {name: model for name, model in (await self.models()).items() if model.task != TOKEN_TASK}
+        if len(models) == 1:
+            return next(iter(models.values()))
+        served = ", ".join(sorted(models)) or "none"
+        raise GatewayError("invalid", f"this route needs one model and {len(models)} are served ({served}): name "
+                           "one with the request field \"model\" (GET /info: ?model=NAME), or start the gateway "
+                           "with --tei-model", param="model")
+
+
 #: The gateway route that serves each task.
-ROUTES = {"embedding": "POST /v1/embeddings, /embed or /embed_all", "sparse-embedding": "POST /embed_sparse",
+ROUTES = {"embedding": "POST /v1/embeddings, /embed, /embed_all or /similarity", "sparse-embedding": "POST /embed_sparse",
           "rerank": "POST /rerank", "classification": "POST /predict"}
 
 

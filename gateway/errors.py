@@ -26,6 +26,8 @@ KINDS = {
     "invalid": (400, "invalid_request_error", "Validation"),
     "not_found": (404, "invalid_request_error", "Validation"),
     "wrong_task": (400, "invalid_request_error", "Validation"),
+    # the served model cannot do what the route asks (TEI: /similarity on a model that does not embed)
+    "unsupported": (400, "invalid_request_error", "Backend"),
     "too_large": (413, "invalid_request_error", "Validation"),
     "unauthorized": (401, "invalid_request_error", "Validation"),
     "no_route": (404, "invalid_request_error", "Validation"),
@@ -33,8 +35,9 @@ KINDS = {
     "unavailable": (503, "server_error", "Unhealthy"),
     "backend": (500, "server_error", "Backend"),
 }
-#: TEI answers a failed inference with 424 Failed Dependency; OpenAI with a 500.
-TEI_STATUS = {"backend": 424}
+#: TEI answers a failed inference, and a route its model cannot serve, with 424 Failed Dependency;
+#: OpenAI with a 500 and a 400.
+TEI_STATUS = {"backend": 424, "unsupported": 424}
 
 
 class GatewayError(Exception):

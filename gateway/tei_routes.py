@@ -1,9 +1,12 @@
-"""text-embeddings-inference's routes: ``POST /embed``, ``/embed_sparse``, ``/embed_all``, ``/rerank``, ``/predict``.
+"""text-embeddings-inference's routes: ``POST /embed``, ``/embed_sparse``, ``/embed_all``, ``/rerank``, ``/predict``,
+``/similarity`` and ``GET /info`` (``/tokenize`` and ``/decode``: :mod:`.tei_tokens`).
 
 Request and response shapes are TEI's (its OpenAPI description is kept as test
 data in tests/data/tei/).  TEI serves one model, so its requests name none; here
 the one model serving the route's task answers (or the gateway's ``tei_model``),
-and a request may add ``"model": "<name>"`` where several do.  Where TEI has an option the served model
+and a request may add ``"model": "<name>"`` where several do.  The routes every
+task has (``/info``, ``/tokenize``, ``/decode``) take the one model served, the
+``tei_model``, or the one named (``GET /info``: ``?model=NAME``).  Where TEI has an option the served model
 cannot honour, the answer is a clear 400, never a silently different result.
 """
 
@@ -15,11 +18,14 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from nexus_sli.client.calls import unit_rows
+from nexus_sli.client.model_info import ModelInfo
 
+from . import tei_info, tei_tokens
 from .discovery import MISS_REFRESH_S
 from .embeddings import check_dimensions, check_prompt
 from .errors import GatewayError
 from .limits import check_texts, flag, read_json, text_list
+from .tei_tokens import model_of_any_task
 
 
 async def _model(request: Request, body: dict, task: str):
@@ -186,7 +192,51 @@ async def predict(request: Request) -> JSONResponse:
     return JSONResponse(rows[0] if single else rows)
 
 
+async def similarity(request: Request) -> JSONResponse:
+    """The cosine of ``source_sentence`` with each of ``sentences``, from one embedding call."""
+    state = request.app.state
+    body = await read_json(request, state.config.max_body_bytes)
+    source, sentences = _similarity_inputs(body.get("inputs"))
+    texts = check_texts([source, *sentences], state.config, "inputs")
+    parameters = body.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise GatewayError("invalid", "parameters must be an object", param="parameters")
+    _check_truncation(parameters)
+    model = await _embedding_model(request, body)
+    vectors = unit_rows(await state.backend.embed(model, texts, check_prompt(parameters.get("prompt_name"), model)))
+    state.metrics.texts.labels(request.url.path).inc(len(texts))
+    return JSONResponse((vectors[1:] @ vectors[0]).astype(np.float32).tolist())
+
+
+def _similarity_inputs(value) -> tuple[str, list[str]]:
+    if not isinstance(value, dict) or not isinstance(value.get("source_sentence"), str):
+        raise GatewayError("invalid", "inputs is required: {\"source_sentence\": \"...\", \"sentences\": [...]}",
+                           param="inputs")
+    sentences = text_list(value.get("sentences"), "inputs.sentences", "a list of strings")
+    if not sentences or not isinstance(value["sentences"], list):
+        raise GatewayError("invalid", "inputs.sentences must be a non-empty list of strings", param="inputs")
+    return value["source_sentence"], sentences
+
+
+async def _embedding_model(request: Request, body: dict) -> ModelInfo:
+    """/similarity's model; one that does not embed is TEI's 424."""
+    try:
+        return await _model(request, body, "embedding")
+    except GatewayError as exc:
+        if exc.kind != "wrong_task":
+            raise
+        raise GatewayError("unsupported", f"{exc.message} (/similarity compares embeddings)", param="model",
+                           code="wrong_task") from None
+
+
+async def info(request: Request) -> JSONResponse:
+    model = await model_of_any_task(request, request.query_params.get("model"))
+    return JSONResponse(tei_info.info(model, request.app.state.config))
+
+
 # TEI answers ``POST /`` too (for an embedding model: embed); huggingface_hub's InferenceClient posts there
 ROUTES = [Route("/", embed, methods=["POST"]), Route("/embed", embed, methods=["POST"]),
           Route("/embed_sparse", embed_sparse, methods=["POST"]), Route("/embed_all", embed_all, methods=["POST"]),
-          Route("/rerank", rerank, methods=["POST"]), Route("/predict", predict, methods=["POST"])]
+          Route("/rerank", rerank, methods=["POST"]), Route("/predict", predict, methods=["POST"]),
+          Route("/similarity", similarity, methods=["POST"]), Route("/info", info, methods=["GET"]),
+          *tei_tokens.ROUTES]

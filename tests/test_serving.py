@@ -73,7 +73,8 @@ def test_configs_parse_back_through_the_schema(server):
     # a CPU encoder runs at once: waiting for company only delays a lone query (GPU: test_gpu_target)
     assert encoder.dynamic_batching.max_queue_delay_microseconds == triton_config.CPU_QUEUE_DELAY_US == 0
     tokenizer = triton_config.read(server["repo"] / f"{NAME}_tokenizer" / "config.pbtxt")
-    assert [o.name for o in tokenizer.output] == [i.name for i in encoder.input]
+    # the token tensors the encoder reads, then the text modes' outputs (/tokenize, /decode), asked for by name
+    assert [o.name for o in tokenizer.output] == [i.name for i in encoder.input] + ["TOKENS", "DECODED"]
     assert tokenizer.backend == "python" and tokenizer.HasField("dynamic_batching")
     # the python steps batch what queued while they ran, without waiting (a lone query would pay it)
     assert tokenizer.dynamic_batching.max_queue_delay_microseconds == triton_config.TOKENIZER_QUEUE_DELAY_US == 0

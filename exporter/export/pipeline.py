@@ -367,7 +367,8 @@ def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: 
                          report.truncate, task.post_params(config, embedder),
                          configuration.target.serving(configuration.precision), f"model{chosen.path.suffix}",
                          prepared.graph.pooled, *_retrieval(prepared),
-                         vocab_size=prepared.family.vocab_size(config), embedded_size=_embedded_size(prepared))
+                         vocab_size=prepared.family.vocab_size(config), embedded_size=_embedded_size(prepared),
+                         precision=configuration.precision)
     ensembles = write_models(root, name, task.name, facts, prepared.tokenizer_path)
     encoder_dir = root / f"{name}_encoder"
     chosen.install(encoder_dir / "1")

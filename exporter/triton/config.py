@@ -14,6 +14,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
+from nexus_sli.client.error_codes import DECODED_OUTPUT, IDS_INPUT, TOKENS_OUTPUT
 from nexus_sli.tasks import get_task, spec
 
 #: Requests Triton may merge into one execution of each step.
@@ -186,7 +187,20 @@ def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, trunc
     config = _model(name, lay.inputs, [lay.rows(t) for t in lay.tokens], lay.batched, params,
                     TOKENIZER_QUEUE_DELAY_US)
     config.backend = "python"
+    if lay.mode == "single":
+        _text_modes(config)
     return config
+
+
+def _text_modes(config: pb.ModelConfig) -> None:
+    """The tokenizer's text modes (``tokenizer_model.py``): ``TOKENS`` for texts, asked for by name, and
+    ``IDS`` in place of ``TEXT``, answered by ``DECODED``.  Both inputs are optional so that a request sends
+    one; the ensembles send ``TEXT`` and map only the token tensors, as before."""
+    for model_input in config.input:
+        model_input.optional = True
+    config.input.add(name=IDS_INPUT, data_type=pb.TYPE_INT64, dims=[-1], optional=True)
+    config.output.add(name=TOKENS_OUTPUT, data_type=pb.TYPE_STRING, dims=[1])
+    config.output.add(name=DECODED_OUTPUT, data_type=pb.TYPE_STRING, dims=[1])
 
 
 def encoder_config(name: str, lay: Layout, input_names: list[str], serving: EncoderServing,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from nexus_sli.client.model_info import PRECISION_PARAMETER
 from nexus_sli.tasks import get_task
 from nexus_sli.tasks.spec import TOKEN_MODEL_PARAMETER, TOKEN_MODEL_SUFFIX
 
@@ -85,6 +86,8 @@ class ServingFacts:
     vocab_size: int = 0
     #: the served embedding's size where the model's Dense modules project it (0: the hidden size)
     embedded_size: int = 0
+    #: the precision the served encoder was exported in (``fp32``, ``fp16``, ``int8`` ...), for clients
+    precision: str = ""
 
 
 def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None = None) -> None:
@@ -118,7 +121,8 @@ def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenize
         head = {"task": task, "head": get_task(task).head}
         tc.write(tc.postprocess_config(postprocess, lay, {**head, **facts.post_params}), root / postprocess)
     tokens = name + TOKEN_MODEL_SUFFIX if lay.token_states is not None else None
-    described = {**facts.described, **({TOKEN_MODEL_PARAMETER: tokens} if tokens else {})}
+    described = {**facts.described, **({TOKEN_MODEL_PARAMETER: tokens} if tokens else {}),
+                 **({PRECISION_PARAMETER: facts.precision} if facts.precision else {})}
     _write_ensemble(root, tc.ensemble_config(name, task, lay, facts.input_names, steps,
                                              {**facts.post_params, **facts.prompts, **described}))
     if tokens:  # the same prompts: a token request is tokenised as an embedding request is

@@ -55,12 +55,13 @@ def schema_problems(value, schema: dict, where: str = "$") -> list[str]:
         for i, item in enumerate(value):
             problems += schema_problems(item, schema.get("items", {}), f"{where}[{i}]")
     if kind == "object":
-        properties = schema.get("properties", {})
+        properties, extra = schema.get("properties", {}), schema.get("additionalProperties")
         problems += [f"{where}: missing {k}" for k in schema.get("required", []) if k not in value]
-        problems += [f"{where}: {k} is no field of TEI's schema" for k in value if k not in properties]
+        # a map (additionalProperties: its values' schema) takes any key; any other object only its fields
+        problems += [f"{where}: {k} is no field of TEI's schema" for k in value if k not in properties and not extra]
         for k, v in value.items():
-            if k in properties:
-                problems += schema_problems(v, properties[k], f"{where}.{k}")
+            if k in properties or extra:
+                problems += schema_problems(v, properties.get(k, extra), f"{where}.{k}")
     return problems
 
 

@@ -18,6 +18,17 @@ sentence-transformers applies them: the prompt of the request parameter
 front of each text before tokenising, so truncation counts it and every
 client, whatever it sends through, gets the model's prompt.
 
+A ``single``-mode tokenizer answers two more kinds of request, for the gateway's
+``/tokenize`` and ``/decode`` (every export before them lacks these, and
+answers Triton's own error about the unknown tensor):
+- ``TEXT`` with the output ``TOKENS`` asked for by name: each text's tokens,
+  prompted as above and untruncated, as one JSON object (``error_codes.TOKENS_OUTPUT``),
+  the special tokens added unless the request parameter ``add_special_tokens`` is false;
+- ``IDS`` instead of ``TEXT``: each row's text, ``DECODED``, the special tokens
+  left out unless ``skip_special_tokens`` is false.
+The tokenizer is the one the model uses (its tokenizer.json), without the
+truncation, which only the encoder's input needs.
+
 Every request gets its own answer: a request that cannot be tokenized gets an
 error naming the input, the item and the reason, and the other requests of the
 same execution are unaffected.
@@ -29,7 +40,20 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from encoding import TOKENIZER_MODES, TextTooLongError, check_lengths, load_tokenizer, padded_length, to_arrays, windows
-from error_codes import INVALID_INPUT, PROMPT_PARAMETER, mark
+from error_codes import (
+    ADD_SPECIAL_TOKENS_PARAMETER,
+    DECODED_OUTPUT,
+    IDS_INPUT,
+    INVALID_INPUT,
+    NO_TOKEN,
+    PROMPT_PARAMETER,
+    SKIP_SPECIAL_TOKENS_PARAMETER,
+    TOKENS_OUTPUT,
+    mark,
+)
+
+#: The outputs of the text modes, computed only for the requests that ask for them.
+TEXT_OUTPUTS = (TOKENS_OUTPUT, DECODED_OUTPUT)
 
 
 def _strings(request, name):
@@ -43,6 +67,45 @@ def _strings(request, name):
         except UnicodeDecodeError as exc:
             raise ValueError(f"{name} item {index} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     return texts
+
+
+def _flag(request, name, default):
+    value = json.loads(request.parameters() or "{}").get(name, default)
+    if not isinstance(value, bool):
+        # a request's mistake: answered as invalid input, as every ValueError here is
+        raise ValueError(f"request parameter {name} must be true or false, got {value!r}")  # noqa: TRY004
+    return value
+
+
+def _described(encoding, text):
+    """One text's tokens as ``TOKENS`` answers them: the characters each covers, a special token its own string."""
+    special = [bool(flag) for flag in encoding.special_tokens_mask]
+    offsets = [[0, 0] if flag else [int(start), int(stop)] for flag, (start, stop) in zip(special, encoding.offsets)]
+    pieces = [token if flag else text[start:stop]
+              for token, flag, (start, stop) in zip(encoding.tokens, special, offsets)]
+    return {"ids": list(encoding.ids), "text": pieces, "special": special, "offsets": offsets}
+
+
+def _strings_out(values):
+    return np.array([[value.encode("utf-8")] for value in values], dtype=object)
+
+
+def _guarded(step, request):
+    """(step(request), None), or (None, the error message for this request alone)."""
+    try:
+        return step(request), None
+    except (ValueError, TextTooLongError) as exc:
+        return None, mark(INVALID_INPUT, str(exc))
+    except BaseException as exc:  # noqa: BLE001 - tokenizers' Rust panics are BaseExceptions
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        return None, mark(INVALID_INPUT, f"the input could not be tokenized: {type(exc).__name__}: {exc}")
+
+
+def _answer(tensors, error):
+    if error is not None:
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(error))
+    return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
 class TritonPythonModel:
@@ -64,9 +127,9 @@ class TritonPythonModel:
         path = str(here / "tokenizer.json")
         self.tokenizer = load_tokenizer(path, self.max_length, self.truncate or self.mode == "qa", self.stride,
                                         strategy)
-        if self.mode == "qa":  # counts a question's tokens, however long it is
-            self.counter = load_tokenizer(path, self.max_length, truncate=False)
-        self.output_names = [output["name"] for output in config["output"]]
+        # the question's tokens (qa), and /tokenize's, are counted however many there are
+        self.untruncated = load_tokenizer(path, self.max_length, truncate=False)
+        self.output_names = [output["name"] for output in config["output"] if output["name"] not in TEXT_OUTPUTS]
         self.prompts = json.loads(params.get("prompts", "{}"))
         self.default_prompt = params.get("default_prompt_name")
 
@@ -91,7 +154,7 @@ class TritonPythonModel:
             raise ValueError("CONTEXT is empty: there is nothing to find an answer in")
         # A window holds the question, the special tokens and more than `stride` context tokens.
         room = self.max_length - self.tokenizer.num_special_tokens_to_add(True) - self.stride - 1
-        length = len(self.counter.encode(question[0], add_special_tokens=False).ids)
+        length = len(self.untruncated.encode(question[0], add_special_tokens=False).ids)
         if length > room:
             raise ValueError(f"QUESTION has {length} tokens; the model takes {self.max_length} per window, "
                              f"so a question may have at most {room}")
@@ -124,33 +187,54 @@ class TritonPythonModel:
             check_lengths(encodings, self.max_length)
         return encodings
 
-    def _try_encodings(self, request):
-        """(encodings, None) or (None, the error message for this request alone)."""
-        try:
-            return self._encodings(request), None
-        except (ValueError, TextTooLongError) as exc:
-            return None, mark(INVALID_INPUT, str(exc))
-        except BaseException as exc:  # noqa: BLE001 - tokenizers' Rust panics are BaseExceptions
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            return None, mark(INVALID_INPUT, f"the input could not be tokenized: {type(exc).__name__}: {exc}")
+    def _tokens(self, request):
+        prompt = self._prompt(request)
+        texts = [prompt + text for text in _strings(request, "TEXT")]
+        add = _flag(request, ADD_SPECIAL_TOKENS_PARAMETER, True)
+        encodings = self.untruncated.encode_batch(texts, add_special_tokens=add)
+        return [pb_utils.Tensor(TOKENS_OUTPUT, _strings_out(json.dumps(_described(e, t), ensure_ascii=False)
+                                                            for e, t in zip(encodings, texts)))]
+
+    def _decoded(self, request):
+        ids = pb_utils.get_input_tensor_by_name(request, IDS_INPUT).as_numpy()
+        rows = [[int(i) for i in row if i != NO_TOKEN] for row in ids.reshape(ids.shape[0], -1)]
+        size = self.untruncated.get_vocab_size(with_added_tokens=True)
+        outside = sorted({i for row in rows for i in row if not 0 <= i < size})
+        if outside:  # an error naming them, not a text silently shorter than asked
+            raise ValueError(f"token ids {outside[:5]} are outside this model's vocabulary (0 to {size - 1})")
+        texts = self.untruncated.decode_batch(rows, skip_special_tokens=_flag(request, SKIP_SPECIAL_TOKENS_PARAMETER,
+                                                                               True))
+        return [pb_utils.Tensor(DECODED_OUTPUT, _strings_out(texts))]
+
+    def _text_step(self, request):
+        """The text mode ``request`` asks for (None: the encoder's tensors)."""
+        if pb_utils.get_input_tensor_by_name(request, IDS_INPUT) is not None:
+            return self._decoded
+        return self._tokens if TOKENS_OUTPUT in request.requested_output_names() else None
 
     def execute(self, requests):
-        encoded, errors = {}, {}
+        answers = {}
         for number, request in enumerate(requests):
-            encodings, error = self._try_encodings(request)
+            step = self._text_step(request)
+            if step is not None:
+                answers[number] = _answer(*_guarded(step, request))
+        answers.update(self._token_tensors({n: r for n, r in enumerate(requests) if n not in answers}))
+        return [answers[number] for number in range(len(requests))]
+
+    def _token_tensors(self, requests):
+        """The encoder's token tensors for each request, all padded to one width."""
+        encoded, errors = {}, {}
+        for number, request in requests.items():
+            encodings, error = _guarded(self._encodings, request)
             if error is None:
                 encoded[number] = encodings
             else:
                 errors[number] = error
         longest = max((len(e.ids) for encs in encoded.values() for e in encs), default=1)
         length = padded_length(longest, self.pad_widths, self.max_length)
-        responses = []
-        for number in range(len(requests)):
-            if number in errors:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(errors[number])))
-                continue
-            arrays = to_arrays(encoded[number], self.output_names, self.pad_id, length)
-            tensors = [pb_utils.Tensor(name, arrays[name].astype(np.int64)) for name in self.output_names]
-            responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
-        return responses
+        answers = {number: _answer(None, error) for number, error in errors.items()}
+        for number, encodings in encoded.items():
+            arrays = to_arrays(encodings, self.output_names, self.pad_id, length)
+            answers[number] = _answer([pb_utils.Tensor(name, arrays[name].astype(np.int64))
+                                       for name in self.output_names], None)
+        return answers

@@ -1,0 +1,57 @@
+"""TEI's ``GET /info``: the served model and this gateway's limits, in TEI's ``Info`` shape.
+
+Every figure is what the gateway or the model's own configs say (the model's
+:class:`~nexus_sli.client.model_info.ModelInfo`), none is assumed: a client
+sizes its batches by them.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from nexus_sli.client.model_info import ModelInfo
+
+from .config import GatewayConfig
+
+#: The export's precision names as TEI names a model's dtype.
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "int8"}
+#: The gateway refuses no request for how many run at once (Triton queues them); TEI's field has no
+#: "unbounded", so it says int32's largest value.
+UNBOUNDED = 2**31 - 1
+
+
+def package_version() -> str:
+    try:
+        return version("nexus-sli")
+    except PackageNotFoundError:  # run from a source tree without an install
+        return "unknown"
+
+
+def model_type(model: ModelInfo) -> dict:
+    """TEI's ModelType: an embedding model with its pooling, a reranker, else a classifier, with its labels."""
+    if model.task in ("embedding", "sparse-embedding"):
+        pooling = "splade" if model.task == "sparse-embedding" else model.params.get("pooling", "mean")
+        return {"embedding": {"pooling": pooling}}
+    id2label = {str(index): label for index, label in sorted(model.id2label.items())}
+    labels = {"id2label": id2label, "label2id": {label: int(index) for index, label in id2label.items()}}
+    return {"reranker" if model.task == "rerank" else "classifier": labels}
+
+
+def info(model: ModelInfo, config: GatewayConfig) -> dict:
+    """``model``'s Info: its longest input and batch from its tokenizer step's config, the request limits
+    from ``config``."""
+    step = model.tokenizer_step
+    max_length, rows = (step.max_length, step.rows) if step else (0, model.max_batch_size)
+    return {
+        "model_id": model.name, "model_sha": None, "served_model_name": model.name,
+        "model_dtype": DTYPES.get(model.precision or "", model.precision or "unknown"),
+        "model_type": model_type(model),
+        "max_concurrent_requests": UNBOUNDED,
+        "max_input_length": max_length,
+        "max_batch_tokens": max_length * max(rows, 1),
+        "max_batch_requests": model.max_batch_size or None,
+        "max_client_batch_size": config.max_inputs,
+        "auto_truncate": step.truncate if step else True,
+        "tokenization_workers": step.instances if step else 1,
+        "version": package_version(), "sha": None, "docker_label": None,
+    }

@@ -1,0 +1,248 @@
+"""TEI's ``GET /info``, ``POST /tokenize``, ``/decode`` and ``/similarity`` through the gateway.
+
+One Triton server (a seeded tiny embedder with named prompts, a tiny classifier, and a copy of the
+embedder whose tokenizer config is as exports made before the text modes wrote it) and one gateway
+pinned to the embedder.  Every answer is checked against TEI's OpenAPI description, the tokens
+against the checkpoint's own ``tokenizers.Tokenizer``, the similarities against the client's vectors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from helpers import task_models
+from helpers.http_api import call, schema_problems, tei_schema
+from helpers.servers import serving
+from nexus_sli.bench.served import Gateway
+from nexus_sli.client import EncoderClient
+from nexus_sli.client.error_codes import DECODED_OUTPUT, IDS_INPUT, TOKENS_OUTPUT
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.triton import config as triton_config
+from nexus_sli.gateway import GatewayConfig
+from nexus_sli.gateway.discovery import Catalog
+
+PROMPTS = {"query": "query: ", "doc": "passage: "}
+# ASCII, accents the normaliser strips, CJK the pre-tokenizer splits per character, an emoji outside the BMP
+TEXTS = ["Hello world, the tokenizer speaks.", "Grüße aus Köln: naïve café", "日本語のテキスト", "emoji 🙂 then text",
+         "unusualwordpieces"]
+
+
+def test_the_schema_checker_reads_maps_by_their_values_schema():
+    """TEI's label maps are objects of any keys (additionalProperties): their values are what is checked."""
+    labels = {"id2label": {"0": "negative"}, "label2id": {"negative": 0}}
+    assert schema_problems(labels, tei_schema("ClassifierModel")) == []
+    assert schema_problems({**labels, "id2label": {"0": 0}}, tei_schema("ClassifierModel")) != []
+    assert schema_problems({**labels, "extra": 1}, tei_schema("ClassifierModel")) != []
+
+
+class _Triton:
+    """The two calls discovery makes, answered from configs as Triton's JSON writes them."""
+
+    def __init__(self, configs: dict):
+        self.configs = configs
+
+    async def get_model_repository_index(self, **_):
+        return {"models": [{"name": name, "state": "READY"} for name in self.configs]}
+
+    async def get_model_config(self, name, **_):
+        return {"config": self.configs[name]}
+
+
+def test_discovery_pairs_each_model_with_its_tokenizer_step_and_one_model_is_one():
+    def params(**values):
+        return {key: {"string_value": value} for key, value in values.items()}
+
+    step = {"model_name": "emb_tokenizer"}
+    configs = {
+        "emb": {"platform": "ensemble", "max_batch_size": 64, "parameters": params(task="embedding"),
+                "ensemble_scheduling": {"step": [step]}},
+        "emb_tokens": {"platform": "ensemble", "parameters": params(task="token-embedding"),
+                       "ensemble_scheduling": {"step": [step]}},
+        "emb_tokenizer": {"backend": "python", "max_batch_size": 64, "instance_group": [{"count": 2}],
+                          "parameters": params(max_length="256", truncate="false"),
+                          "input": [{"name": "TEXT"}, {"name": IDS_INPUT}],
+                          "output": [{"name": "input_ids"}, {"name": TOKENS_OUTPUT}, {"name": DECODED_OUTPUT}]},
+    }
+    model = asyncio.run(Catalog(_Triton(configs), ttl_s=10).only())  # its NAME_tokens is no second model
+    assert model.name == "emb"
+    step = model.tokenizer_step
+    assert (step.max_length, step.truncate, step.instances, step.rows) == (256, False, 2, 64)
+    assert step.tokenizes and step.decodes
+    configs["emb_tokenizer"]["output"] = [{"name": "input_ids"}]  # as exports before the text modes
+    assert not asyncio.run(Catalog(_Triton(configs), ttl_s=10).only()).tokenizer_step.tokenizes
+
+
+def _old_export(repo: Path, name: str, old: str) -> None:
+    """A copy of ``name`` as exports before the text modes wrote it: its tokenizer lacks them."""
+    for folder in [f for f in repo.iterdir() if f.name == name or f.name.startswith(f"{name}_")]:
+        copy = shutil.copytree(folder, repo / folder.name.replace(name, old, 1))
+        config = copy / "config.pbtxt"
+        config.write_text(config.read_text().replace(f'"{name}', f'"{old}'))
+    path = repo / f"{old}_tokenizer"
+    tokenizer = triton_config.read(path / "config.pbtxt")
+    kept_inputs = [t for t in tokenizer.input if t.name != IDS_INPUT]
+    kept_outputs = [t for t in tokenizer.output if t.name not in (TOKENS_OUTPUT, DECODED_OUTPUT)]
+    del tokenizer.input[:], tokenizer.output[:]
+    tokenizer.input.extend(kept_inputs)
+    tokenizer.output.extend(kept_outputs)
+    for model_input in tokenizer.input:
+        model_input.optional = False
+    triton_config.write(tokenizer, path)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint):
+    root = tmp_path_factory.mktemp("tei-routes")
+    embedder = shutil.copytree(tiny_checkpoint("bert"), root / "embedder")
+    (embedder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": PROMPTS}))
+    repo = root / "repo"
+    run_export(ExportOptions(model=str(embedder), name="embedder", out=repo, precision="fp32"))
+    run_export(ExportOptions(model=str(task_models.classifier(tiny_tokenizer, root / "classifier")),
+                             name="classifier", out=repo, precision="fp32"))
+    _old_export(repo, "embedder", "older")
+    with serving(repo) as server:
+        yield {**server, "checkpoint": embedder}
+
+
+@pytest.fixture(scope="module")
+def gateway(served, tmp_path_factory):
+    started = Gateway(served["grpc"], "--tei-model", "embedder", timeout_s=120,
+                      log=tmp_path_factory.mktemp("gw") / "gateway.log").start()
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(served):
+    """The checkpoint's own tokenizer, as it ships (no truncation: /tokenize shows every token)."""
+    found = Tokenizer.from_file(str(served["checkpoint"] / "tokenizer.json"))
+    found.no_truncation()
+    found.no_padding()
+    return found
+
+
+def tei(gateway: Gateway, route: str, body: dict, request_schema: str, response_schema: str):
+    """The route's answer, both ways checked against TEI's schemas ("model" is ours: TEI serves one)."""
+    theirs = {k: v for k, v in body.items() if k != "model"}
+    assert schema_problems(theirs, tei_schema(request_schema)) == [], "the test sends what TEI defines"
+    status, _, answer = call(f"{gateway.url}{route}", body)
+    assert status == 200, answer
+    assert schema_problems(answer, tei_schema(response_schema)) == []
+    return answer
+
+
+def test_info_describes_the_export_and_the_gateways_limits(gateway, served):
+    status, _, info = call(f"{gateway.url}/info")
+    assert status == 200 and schema_problems(info, tei_schema("Info")) == []
+    tokenizer = triton_config.read(served["repo"] / "embedder_tokenizer" / "config.pbtxt")
+    ensemble = triton_config.read(served["repo"] / "embedder" / "config.pbtxt")
+    max_length = int(tokenizer.parameters["max_length"].string_value)
+    assert info["model_id"] == info["served_model_name"] == "embedder"
+    assert info["model_type"] == {"embedding": {"pooling": ensemble.parameters["pooling"].string_value}}
+    assert info["model_dtype"] == "float32" and info["auto_truncate"] is True
+    assert info["max_input_length"] == max_length == 128
+    assert info["max_batch_requests"] == ensemble.max_batch_size == 64
+    assert info["max_batch_tokens"] == 64 * max_length
+    assert info["max_client_batch_size"] == GatewayConfig().max_inputs
+    assert info["tokenization_workers"] == tokenizer.instance_group[0].count
+    assert info["version"] == version("nexus-sli")
+
+
+def test_info_of_a_named_classifier_lists_its_labels(gateway):
+    status, _, info = call(f"{gateway.url}/info?model=classifier")
+    assert status == 200 and schema_problems(info, tei_schema("Info")) == []
+    labels = {"0": "negative", "1": "neutral", "2": "positive"}
+    assert info["model_type"] == {"classifier": {"id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}}}
+
+
+def _expected(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[dict]:
+    """TEI's SimpleTokens of ``text`` from the tokenizer itself: a special token has its own string and no span."""
+    encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return [{"id": i, "text": token if special else text[start:stop], "special": bool(special),
+             "start": None if special else start, "stop": None if special else stop}
+            for i, token, special, (start, stop) in zip(encoding.ids, encoding.tokens, encoding.special_tokens_mask,
+                                                        encoding.offsets)]
+
+
+@pytest.mark.parametrize("prompt_name", [None, "query"])
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_tokenize_is_the_models_own_tokenizer(gateway, tokenizer, prompt_name, add_special_tokens):
+    body = {"inputs": TEXTS, "add_special_tokens": add_special_tokens,
+            **({"prompt_name": prompt_name} if prompt_name else {})}
+    found = tei(gateway, "/tokenize", body, "TokenizeRequest", "TokenizeResponse")
+    prompt = PROMPTS.get(prompt_name, "")
+    assert found == [_expected(tokenizer, prompt + text, add_special_tokens) for text in TEXTS]
+    # the offsets are characters of the prompted text, whatever UTF-8 makes of them
+    spans = [(t["start"], t["stop"]) for t in found[1] if not t["special"]]
+    assert all(t["text"] == (prompt + TEXTS[1])[a:b] for t, (a, b) in zip(
+        [t for t in found[1] if not t["special"]], spans))
+
+
+def test_tokenize_one_string_and_a_long_text_untruncated(gateway, tokenizer):
+    long = " ".join(TEXTS * 20)
+    found = tei(gateway, "/tokenize", {"inputs": long}, "TokenizeRequest", "TokenizeResponse")
+    assert len(found) == 1 and found[0] == _expected(tokenizer, long, True) and len(found[0]) > 128
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_round_trips_the_tokenized_ids(gateway, tokenizer, skip_special_tokens):
+    tokens = tei(gateway, "/tokenize", {"inputs": TEXTS}, "TokenizeRequest", "TokenizeResponse")
+    ids = [[t["id"] for t in row] for row in tokens]
+    texts = tei(gateway, "/decode", {"ids": ids, "skip_special_tokens": skip_special_tokens}, "DecodeRequest",
+                "DecodeResponse")
+    assert texts == [tokenizer.decode(row, skip_special_tokens=skip_special_tokens) for row in ids]
+    single = tei(gateway, "/decode", {"ids": ids[0]}, "DecodeRequest", "DecodeResponse")  # skips by default
+    assert single == [tokenizer.decode(ids[0], skip_special_tokens=True)]
+
+
+def test_similarity_is_the_cosine_of_the_served_embeddings(gateway, served):
+    body = {"inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]}, "parameters": {"prompt_name": "doc"}}
+    found = tei(gateway, "/similarity", body, "SimilarityRequest", "SimilarityResponse")
+    with EncoderClient(served["grpc"]) as client:
+        vectors = client.embed(TEXTS, model="embedder", prompt_name="doc")
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    assert np.allclose(found, unit[1:] @ unit[0], atol=1e-5)
+    plain = tei(gateway, "/similarity", {"inputs": body["inputs"]}, "SimilarityRequest", "SimilarityResponse")
+    assert not np.allclose(plain, found, atol=1e-5)  # the prompt was applied
+
+
+MANY = GatewayConfig().max_inputs + 1
+
+
+@pytest.mark.parametrize("route, body, status, words", [
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "model": "classifier"}, 424,
+     "serves task 'classification'"),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": []}}, 400, "inputs.sentences"),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"] * MANY}}, 413, "at most"),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]},
+                     "parameters": {"truncation_direction": "Left"}}, 400, "truncation_direction"),
+    ("/tokenize", {"inputs": []}, 400, "empty"),
+    ("/tokenize", {"inputs": ["a"] * MANY}, 413, "at most"),
+    ("/tokenize", {"inputs": "x", "prompt_name": "nope"}, 400, "unknown prompt_name"),
+    ("/tokenize", {"inputs": "x", "model": "older"}, 424, "export the model again"),
+    ("/decode", {"ids": [[1, 2]], "model": "older"}, 424, "export the model again"),
+    ("/decode", {"ids": [[1]] * MANY}, 413, "at most"),
+    ("/decode", {"ids": [[-1]]}, 400, "integers from 0"),
+    ("/decode", {"ids": [[10**6]]}, 400, "outside this model's vocabulary"),
+    ("/tokenize", {"inputs": "x", "model": "nope"}, 404, "'nope' is not served"),
+])
+def test_errors_in_teis_shape_and_status(gateway, route, body, status, words):
+    got, _, answer = call(f"{gateway.url}{route}", body)
+    assert schema_problems(answer, tei_schema("ErrorResponse")) == [], answer
+    assert got == status and words in answer["error"], answer
+
+
+def test_the_older_export_still_embeds_and_its_info_answers(gateway, served):
+    """The text modes are optional: an export without them serves every other route as before."""
+    status, _, info = call(f"{gateway.url}/info?model=older")
+    assert status == 200 and schema_problems(info, tei_schema("Info")) == []
+    with EncoderClient(served["grpc"]) as client:
+        assert np.allclose(client.embed(TEXTS, model="older"), client.embed(TEXTS, model="embedder"), atol=1e-6)
