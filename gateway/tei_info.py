@@ -37,12 +37,18 @@ def model_type(model: ModelInfo) -> dict:
     return {"reranker" if model.task == "rerank" else "classifier": labels}
 
 
+#: Info's fields beyond TEI's: the size of the vectors an embedding model serves (the Dense-projected
+#: size where its pipeline has Dense modules), which TEI's clients otherwise learn from a first /embed.
+EXTENSIONS = ("dimensions",)
+
+
 def info(model: ModelInfo, config: GatewayConfig) -> dict:
     """``model``'s Info: its longest input and batch from its tokenizer step's config, the request limits
-    from ``config``."""
+    from ``config``, and (:data:`EXTENSIONS`) an embedding model's dimensions."""
     step = model.tokenizer_step
     max_length, rows = (step.max_length, step.rows) if step else (0, model.max_batch_size)
-    return {
+    extensions = {"dimensions": model.dimensions} if model.task == "embedding" else {}
+    return {**extensions,
         "model_id": model.name, "model_sha": None, "served_model_name": model.name,
         "model_dtype": DTYPES.get(model.precision or "", model.precision or "unknown"),
         "model_type": model_type(model),

@@ -21,7 +21,8 @@ client, whatever it sends through, gets the model's prompt.
 A ``single``-mode tokenizer answers two more kinds of request, for the gateway's
 ``/tokenize`` and ``/decode`` (every export before them lacks these, and
 answers Triton's own error about the unknown tensor):
-- ``TEXT`` with the output ``TOKENS`` asked for by name: each text's tokens,
+- ``TEXT`` with the output ``TOKENS`` asked for by name (and none of the
+  encoder's tensors): each text's tokens,
   prompted as above and untruncated, as one JSON object (``error_codes.TOKENS_OUTPUT``),
   the special tokens added unless the request parameter ``add_special_tokens`` is false;
 - ``IDS`` instead of ``TEXT``: each row's text, ``DECODED``, the special tokens
@@ -210,7 +211,9 @@ class TritonPythonModel:
         """The text mode ``request`` asks for (None: the encoder's tensors)."""
         if pb_utils.get_input_tensor_by_name(request, IDS_INPUT) is not None:
             return self._decoded
-        return self._tokens if TOKENS_OUTPUT in request.requested_output_names() else None
+        # a request that names no outputs is asked for all of them: it gets the encoder's tensors, as before
+        asked = set(request.requested_output_names())
+        return self._tokens if TOKENS_OUTPUT in asked and not asked & set(self.output_names) else None
 
     def execute(self, requests):
         answers = {}
