@@ -122,11 +122,12 @@ def test_openai_sdk_vectors_sizes_and_the_model_list(gateway, folders, reference
     assert listed[name]["dimensions"] == size
 
 
-def test_tei_embed(gateway, references):
-    status, _, got = call(f"{gateway.url}/embed", {"inputs": TEXTS})
+@pytest.mark.parametrize("name", ["dense_tanh", "dense_identity"])
+def test_tei_embed(gateway, references, name):
+    status, _, got = call(f"{gateway.url}/embed", {"inputs": TEXTS, "model": name})
     assert status == 200, got
-    assert np.array(got).shape == (len(TEXTS), 16)
-    assert cosines(np.array(got), references["dense_tanh"]).min() >= COSINE
+    assert np.array(got).shape == (len(TEXTS), MODELS[name][2])
+    assert cosines(np.array(got), references[name]).min() >= COSINE
 
 
 def test_the_export_records_the_modules_and_revalidates_with_them(served):
