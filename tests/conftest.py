@@ -42,6 +42,17 @@ def cores_shared_between_workers():
     torch.set_num_threads(previous)
 
 
+#: The modules that take longest, longest first (make test's durations).  pytest-xdist hands modules to its
+#: workers in collection order: one of these started last would run alone while the other workers wait.
+LONGEST_FIRST = ("test_serving.py", "test_reliability.py", "test_gateway.py", "test_bench.py", "test_tasks.py")
+
+
+def pytest_collection_modifyitems(items):
+    """Modules in :data:`LONGEST_FIRST` collected first, the rest in their own order (a stable sort)."""
+    rank = {name: number for number, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 #: The exporter's own timing (warm-up runs, then rounds of every candidate side by side), and the one round
 #: the other tests time with.
 EXPORT_TIMING = {"WARMUP": timing.WARMUP, "ROUNDS": timing.ROUNDS}
