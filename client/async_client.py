@@ -121,6 +121,11 @@ class AsyncEncoderClient:
                     dimensions: int | None = None) -> np.ndarray:
         return await self._call(model, lambda info: calls.embed(texts, info, prompt_name, dimensions))
 
+    async def embed_counted(self, texts, model: str | None = None,
+                            prompt_name: str | None = None) -> tuple[np.ndarray, int]:
+        """As :meth:`EncoderClient.embed_counted`: the vectors and the tokens the model read, from one call."""
+        return await self._call(model, lambda info: calls.embed_counted(texts, info, prompt_name))
+
     async def embed_sparse(self, texts, model: str | None = None, prompt_name: str | None = None,
                            top_k: int | None = None, threshold: float = 0.0):
         return await self._call(model, lambda info: calls.embed_sparse(texts, info, prompt_name, top_k, threshold))

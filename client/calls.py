@@ -16,7 +16,7 @@ from nexus_sli.tasks.results import SparseEmbedding
 from nexus_sli.tasks.spec import TOKEN_MASK, TOKEN_MODEL_PARAMETER, TOKEN_TASK
 
 from . import protocol as p
-from .error_codes import PROMPT_PARAMETER
+from .error_codes import PROMPT_PARAMETER, TOKEN_COUNT_OUTPUT
 from .errors import InvalidInputError, WrongTaskError
 from .model_info import ModelInfo
 
@@ -77,6 +77,22 @@ def embed(texts, info: ModelInfo, prompt_name: str | None = None, dimensions: in
         vectors = parse(outs)
         return vectors if dimensions is None else unit_rows(info.cut(vectors, dimensions))
     return _texts_call("embedding", texts, info, read, _prompt(prompt_name, info))
+
+
+def embed_counted(texts, info: ModelInfo, prompt_name: str | None = None) -> Call:
+    """(embeddings ``[n, dims]``, the tokens the model read) from the same requests: the model's
+    ``TOKEN_COUNT`` output, each text's tokens as the encoder reads them (special tokens and the prompt
+    included, after truncation), summed, as OpenAI's ``usage`` counts them."""
+    if not info.counts_tokens:
+        raise WrongTaskError(f"model {info.name!r} answers no token counts: it is not an embedding model, or it "
+                             "was exported before they were served (export it again)")
+    spec = get_task("embedding")
+
+    def read(answers) -> tuple[np.ndarray, int]:
+        return spec.parse([vectors for vectors, _ in answers]), int(sum(counts.sum() for _, counts in answers))
+    items, _ = p.as_list(texts)  # a single string too: the result is always the pair
+    outputs = (spec.client_output, TOKEN_COUNT_OUTPUT)
+    return _texts_call(spec.name, items, info, read, _prompt(prompt_name, info), outputs)
 
 
 def sparsify(rows: np.ndarray, top_k: int | None, threshold: float) -> list[SparseEmbedding]:

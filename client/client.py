@@ -173,6 +173,12 @@ class EncoderClient:
         shorter (Matryoshka) size from 1 to the model's, each vector cut to it and L2-normalised."""
         return self._call(model, lambda info: calls.embed(texts, info, prompt_name, dimensions))
 
+    def embed_counted(self, texts, model: str | None = None,
+                      prompt_name: str | None = None) -> tuple[np.ndarray, int]:
+        """(embeddings ``[n, hidden]``, the tokens the model read: special tokens and the prompt included, after
+        truncation), from the same requests; a model exported before it served the count is a WrongTaskError."""
+        return self._call(model, lambda info: calls.embed_counted(texts, info, prompt_name))
+
     def embed_sparse(self, texts, model: str | None = None, prompt_name: str | None = None,
                      top_k: int | None = None, threshold: float = 0.0):
         """Sparse (SPLADE) embeddings of a ``sparse-embedding`` model: a :class:`SparseEmbedding` (term

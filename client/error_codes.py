@@ -7,8 +7,9 @@ so messages can be reworded freely.  Triton's ensemble puts its own text in
 front of a step's message, so the marker is looked for anywhere in it.
 
 It also names what the tokenizer model reads and answers besides its token
-tensors (the request parameters, its optional inputs and outputs): the client
-and the exporter's configs send and declare what the model reads, from one place.
+tensors (the request parameters, its optional inputs and outputs, the token
+counts): the client and the exporter's configs send and declare what the model
+reads, from one place.
 
 This file is copied beside those models in every repository, so it imports
 nothing but the standard library.
@@ -32,6 +33,11 @@ TOKENS_OUTPUT = "TOKENS"
 IDS_INPUT = "IDS"
 DECODED_OUTPUT = "DECODED"
 NO_TOKEN = -1
+#: Each row's token count ([1] int64 per text): the tokens the encoder reads, special tokens and the
+#: prompt included, after truncation.  The tokenizer step of a task that reports usage (``TaskSpec.usage``)
+#: answers it beside its token tensors, and that task's ensemble maps it to an output of the same name,
+#: so one call answers the vectors and OpenAI's ``usage``.
+TOKEN_COUNT_OUTPUT = "TOKEN_COUNT"
 
 #: The request cannot be served as sent: an empty, too long or undecodable text,
 #: tensors that do not fit together.  Sending it again fails again.

@@ -4,6 +4,7 @@ A nexus-sli model is an ensemble whose string ``parameters`` say what it serves
 (``task``), its named prompts (``prompts``, ``default_prompt_name``), the sizes
 it was trained for (``matryoshka_dims``), whether it normalises (``normalize``)
 its labels (``id2label``) and the precision of its encoder (``precision``); its
+outputs say whether it answers each text's token count beside its results; its
 first step's own config, the tokenizer's, says how long an input may be and
 whether that step answers the text modes (:class:`TokenizerStep`).  The
 description parses them once, and holds the rules about them: which prompt names a request may send, which shorter sizes
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .error_codes import DECODED_OUTPUT, IDS_INPUT, TOKENS_OUTPUT
+from .error_codes import DECODED_OUTPUT, IDS_INPUT, TOKEN_COUNT_OUTPUT, TOKENS_OUTPUT
 from .errors import DimensionsError, UnknownPromptError, WrongTaskError
 
 #: The ensemble parameter naming the precision its encoder was exported in (``fp32``, ``fp16``, ``int8`` ...).
@@ -83,6 +84,8 @@ class ModelInfo:
     tokenizer: str | None = None
     #: that step as its own config declares it (None: not read)
     tokenizer_step: TokenizerStep | None = None
+    #: the names of the model's outputs, as its config declares them
+    outputs: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, name: str, config: dict) -> "ModelInfo":
@@ -93,7 +96,8 @@ class ModelInfo:
         dims = [int(d) for d in outputs[0].get("dims", [])] if outputs else []
         steps = config.get("ensemble_scheduling", {}).get("step", [])
         return cls(name, params.get("task", ""), int(config.get("max_batch_size", 0)), params,
-                   dimensions=max(dims[-1], 0) if dims else 0, tokenizer=steps[0]["model_name"] if steps else None)
+                   dimensions=max(dims[-1], 0) if dims else 0, tokenizer=steps[0]["model_name"] if steps else None,
+                   outputs=tuple(output.get("name", "") for output in outputs))
 
     def with_tokenizer_step(self, config: dict) -> ModelInfo:
         """This description with its tokenizer step's, read from that model's Triton config."""
@@ -102,6 +106,12 @@ class ModelInfo:
     def expect(self, task: str) -> None:
         if self.task != task:
             raise WrongTaskError(f"model {self.name!r} serves task {self.task or 'unknown'!r}, not {task!r}")
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether the model answers each text's token count (``TOKEN_COUNT``) with its results, in the same
+        call; exports before it do not, and their tokenizer step is asked again instead."""
+        return TOKEN_COUNT_OUTPUT in self.outputs
 
     @property
     def prompts(self) -> dict[str, str]:

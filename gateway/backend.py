@@ -1,15 +1,18 @@
 """The gateway's connection to Triton: task calls through ``AsyncEncoderClient``, and the
-few server calls that client does not make (discovery, readiness, token counts).
+few server calls that client does not make (discovery, readiness, older exports' token counts).
 
-Token counts (OpenAI's ``usage``) come from the served tokenizer: the ensemble's
-first step, ``<name>_tokenizer``, is a normal Triton model, so it is called with
-the same texts at the same time as the ensemble, and each row's attention-mask
-ones are its tokens (special tokens included, after the model's truncation:
-what the encoder saw).  It costs one more python-backend execution per request,
-batched by Triton like the ensemble's own; docs/gateway.md gives its measured
-cost.  The alternative, a tokenizer in the gateway, would need the repository's
-tokenizer.json on the gateway's machine.  TEI's ``/tokenize`` and ``/decode`` ask
-the same step for its text modes (its ``TOKENS`` and ``DECODED`` outputs).
+Token counts (OpenAI's ``usage``) come from the served tokenizer, the ensemble's
+first step: it answers each text's token count beside its token tensors, and an
+embedding ensemble maps it to an output (``TOKEN_COUNT``), so one call answers
+the vectors and their count (special tokens and the prompt included, after the
+model's truncation: what the encoder saw).  An ensemble exported before that
+output (``ModelInfo.counts_tokens`` false) is counted as before: its tokenizer
+step, ``<name>_tokenizer``, a normal Triton model, is called with the same texts
+at the same time as the ensemble, and each row's attention-mask ones are its
+tokens, at the cost of one more python-backend execution per request.  A
+tokenizer in the gateway would need the repository's tokenizer.json on the
+gateway's machine.  TEI's ``/tokenize`` and ``/decode`` ask the same step for
+its text modes (its ``TOKENS`` and ``DECODED`` outputs).
 """
 
 from __future__ import annotations
@@ -92,12 +95,16 @@ class Backend:
 
     async def embed_counted(self, model: ModelInfo, texts: list[str],
                             prompt_name: str | None = None) -> tuple[np.ndarray, int]:
-        """(embeddings [n, dims], tokens the model read, the prompt's included), the two calls made at once."""
+        """(embeddings [n, dims], tokens the model read, the prompt's included): one call where the ensemble
+        answers the count, else the ensemble and its tokenizer step asked at once."""
+        if model.counts_tokens:
+            return await self.client.embed_counted(texts, model=model.name, prompt_name=prompt_name)
         vectors, tokens = await asyncio.gather(self.embed(model, texts, prompt_name),
                                                self.count_tokens(model, texts, prompt_name))
         return vectors, tokens
 
     async def count_tokens(self, model: ModelInfo, texts: list[str], prompt_name: str | None = None) -> int:
+        """The tokens the tokenizer step makes of ``texts``, asked of it directly (an ensemble without the count)."""
         if model.tokenizer is None:
             return 0
         parameters = {PROMPT_PARAMETER: prompt_name} if prompt_name is not None else None

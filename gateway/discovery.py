@@ -5,7 +5,8 @@ the repository API to its supervisor (exporter/serving/server.py), so where the
 index is refused the names come from the statistics API instead, which lists
 every loaded model and is not restricted.  Each model's config then says what
 it is: a nexus-sli model is an ensemble with a ``task`` parameter; its first
-step is its tokenizer (used to count tokens), and its output's last dimension
+step is its tokenizer (asked for token counts where the ensemble answers none),
+its outputs say whether it answers them, and its first output's last dimension
 is the embedding size (or the number of labels).
 """
 

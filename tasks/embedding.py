@@ -33,4 +33,5 @@ SPEC = register(TaskSpec(
     pooled_by="sentence",
     # beside the pooled embedding, each token's state: served as NAME_tokens (TEI's /embed_all)
     token_states=Tensor("TOKEN_EMBEDDINGS", "FP32", (-1, HIDDEN)),
+    usage=True,  # OpenAI's /v1/embeddings
 ))

@@ -96,6 +96,9 @@ class TaskSpec:
     #: where the graph pools: its token states kept as a second graph output (fp32, before pooling),
     #: which a second ensemble, ``NAME_tokens``, serves beside the pooled one (None: not kept)
     token_states: Tensor | None = None
+    #: the ensemble answers each text's token count too (the tokenizer step's ``TOKEN_COUNT``,
+    #: ``client/error_codes.py``), so an API that reports usage (OpenAI's) reads it from the same call
+    usage: bool = False
 
     def build(self, config: Any):
         import transformers

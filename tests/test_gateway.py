@@ -182,13 +182,18 @@ def test_openai_sdk_embeds_like_the_client_and_sentence_transformers(gateway, di
     assert got.shape == (len(TEXTS), 384)
     assert cosines(got, direct.embed(TEXTS, model="minilm")).min() >= 0.9999
     assert cosines(got, reference.encode(TEXTS, normalize_embeddings=True)).min() >= 0.9999
-    # usage counts the served tokenizer's tokens, special tokens included, after truncation
-    # to the model's length (sentence-transformers' max_seq_length; tokenizer.json says 128)
+    expected = _model_tokens(TEXTS, reference.max_seq_length)
+    assert response.usage.prompt_tokens == response.usage.total_tokens == expected
+
+
+def _model_tokens(texts: list[str], max_length: int) -> int:
+    """The tokens the packaged model's own tokenizer makes of ``texts``, as usage counts them: special tokens
+    included, after truncation to the model's length (sentence-transformers' max_seq_length; tokenizer.json
+    says 128)."""
     tokenizer = Tokenizer.from_file(str(resolve_model(None).path / "tokenizer.json"))
     tokenizer.no_padding()
-    tokenizer.enable_truncation(reference.max_seq_length)
-    expected = sum(len(e.ids) for e in tokenizer.encode_batch(TEXTS))
-    assert response.usage.prompt_tokens == response.usage.total_tokens == expected
+    tokenizer.enable_truncation(max_length)
+    return sum(len(e.ids) for e in tokenizer.encode_batch(texts))
 
 
 def test_base64_is_little_endian_float32_of_the_same_vector(gateway):
@@ -307,9 +312,9 @@ def test_tei_embed(gateway, direct):
     assert np.allclose(single[0], body[0], atol=1e-6)
 
 
-def test_only_openais_route_runs_the_tokenizer_again_for_the_token_count(gateway, served):
-    """/embed reports no usage: its texts go through the tokenizer once (the ensemble's own step);
-    /v1/embeddings counts tokens with one more call to the same tokenizer model."""
+def test_each_route_tokenizes_its_texts_once_and_usage_comes_from_the_same_call(gateway, served, reference):
+    """/embed reports no usage and /v1/embeddings does: both send their texts through the tokenizer once
+    (the ensemble's own step), the ensemble answering the token count with the vectors."""
     stats = httpclient.InferenceServerClient(served["http"])
 
     def tokenized() -> int:
@@ -319,11 +324,19 @@ def test_only_openais_route_runs_the_tokenizer_again_for_the_token_count(gateway
         wait_until(lambda: tokenized() >= at_least, f"the tokenizer to count {at_least} texts", timeout=30)
         return tokenized()
 
+    def embed() -> None:
+        assert tei(gateway, "/embed", {"inputs": TEXTS[:5], "model": "minilm"}, "EmbedRequest")[0] == 200
+
     before = tokenized()
-    assert tei(gateway, "/embed", {"inputs": TEXTS[:5], "model": "minilm"}, "EmbedRequest")[0] == 200
+    embed()
     after_embed = counted(before + 5)
-    assert call(f"{gateway.url}/v1/embeddings", {"model": "minilm", "input": TEXTS[:5]})[0] == 200
-    assert (after_embed - before, counted(after_embed + 10) - after_embed) == (5, 10)
+    status, _, body = call(f"{gateway.url}/v1/embeddings", {"model": "minilm", "input": TEXTS[:5]})
+    assert status == 200
+    after_openai = counted(after_embed + 5)
+    embed()  # once its texts are counted, so is any call the OpenAI request made before it
+    assert (after_embed - before, after_openai - after_embed, counted(after_openai + 5) - after_openai) == (5, 5, 5)
+    expected = _model_tokens(TEXTS[:5], reference.max_seq_length)
+    assert body["usage"] == {"prompt_tokens": expected, "total_tokens": expected}
 
 
 def test_tei_routes_need_a_model_only_where_several_serve_the_task(gateway, strict):

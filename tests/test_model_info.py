@@ -9,6 +9,7 @@ import pytest
 
 from nexus_sli.client import InvalidInputError, WrongTaskError
 from nexus_sli.client import calls
+from nexus_sli.client.error_codes import TOKEN_COUNT_OUTPUT
 from nexus_sli.client.errors import DimensionsError, UnknownPromptError
 from nexus_sli.client.model_info import ModelInfo
 
@@ -97,6 +98,24 @@ def test_the_clients_embed_call_cuts_then_normalises():
     assert calls.embed("a", info).read([(vectors[:1],)]).shape == (32,)
     with pytest.raises(UnknownPromptError):
         calls.embed("a", info, prompt_name="instruction")
+
+
+def test_the_counted_call_asks_for_the_token_count_only_where_the_ensemble_answers_it():
+    """An ensemble that declares TOKEN_COUNT answers the vectors and their tokens in one call; one exported
+    before it does not say so, and the counted call is refused before anything is sent."""
+    config = _config()
+    config["output"].append({"name": TOKEN_COUNT_OUTPUT, "data_type": "TYPE_INT64", "dims": ["1"]})
+    info = ModelInfo.from_config("retriever", config)
+    assert info.counts_tokens and info.dimensions == 32  # the count comes after the embedding
+    vectors = np.ones((3, 32), dtype=np.float32)
+    call = calls.embed_counted("a", info, prompt_name="passage")
+    assert call.outputs == ("EMBEDDING", TOKEN_COUNT_OUTPUT) and call.parameters == {"prompt_name": "passage"}
+    got, tokens = call.read([(vectors[:2], np.array([[5], [7]])), (vectors[2:], np.array([[4]]))])
+    assert got.shape == (3, 32) and tokens == 16
+    older = ModelInfo.from_config("retriever", _config())
+    assert not older.counts_tokens
+    with pytest.raises(WrongTaskError, match="exported before they were served"):
+        calls.embed_counted(["a"], older)
 
 
 def test_the_gateway_keeps_its_own_error_shape():

@@ -65,16 +65,19 @@ def test_configs_parse_back_through_the_schema(server):
     assert not (server["repo"] / f"{NAME}_postprocess").exists()
     encoder = triton_config.read(server["repo"] / f"{NAME}_encoder" / "config.pbtxt")
     assert encoder.platform == "onnxruntime_onnx" and encoder.max_batch_size > 0
-    # the encoder keeps the token states beside the embedding for NAME_tokens; NAME maps the embedding only
+    # the encoder keeps the token states beside the embedding for NAME_tokens; NAME maps the embedding only,
+    # and the tokenizer's count of each text's tokens (OpenAI's usage, from the same call)
     assert [(o.name, list(o.dims)) for o in encoder.output] == [("EMBEDDING", [384]), ("TOKEN_EMBEDDINGS", [-1, 384])]
-    assert [(o.name, list(o.dims)) for o in ensemble.output] == [("EMBEDDING", [384])]
+    assert [(o.name, list(o.dims)) for o in ensemble.output] == [("EMBEDDING", [384]), ("TOKEN_COUNT", [1])]
+    assert ensemble.ensemble_scheduling.step[0].output_map["TOKEN_COUNT"] == "TOKEN_COUNT"
     assert [i.name for i in encoder.input] == ["input_ids", "attention_mask", "token_type_ids"]
     assert encoder.model_warmup and encoder.HasField("dynamic_batching")
     # a CPU encoder runs at once: waiting for company only delays a lone query (GPU: test_gpu_target)
     assert encoder.dynamic_batching.max_queue_delay_microseconds == triton_config.CPU_QUEUE_DELAY_US == 0
     tokenizer = triton_config.read(server["repo"] / f"{NAME}_tokenizer" / "config.pbtxt")
-    # the token tensors the encoder reads, then the text modes' outputs (/tokenize, /decode), asked for by name
-    assert [o.name for o in tokenizer.output] == [i.name for i in encoder.input] + ["TOKENS", "DECODED"]
+    # the token tensors the encoder reads, each text's token count, then the text modes' outputs (/tokenize,
+    # /decode), asked for by name
+    assert [o.name for o in tokenizer.output] == [i.name for i in encoder.input] + ["TOKEN_COUNT", "TOKENS", "DECODED"]
     assert tokenizer.backend == "python" and tokenizer.HasField("dynamic_batching")
     # the python steps batch what queued while they ran, without waiting (a lone query would pay it)
     assert tokenizer.dynamic_batching.max_queue_delay_microseconds == triton_config.TOKENIZER_QUEUE_DELAY_US == 0

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from nexus_sli.client.error_codes import TOKEN_COUNT_OUTPUT
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton.python_models.encoding import TOKENIZER_MODES
 from nexus_sli.exporter.triton.python_models.heads import HEADS
@@ -44,7 +45,12 @@ def test_the_ensemble_config_carries_the_spec_tensors(name):
     steps = ("t", "e", "p")
     ensemble = tc.ensemble_config("m", name, lay, ["input_ids", "attention_mask"], steps, {})
     assert [i.name for i in ensemble.input] == [t.name for t in spec.inputs]
-    assert [o.name for o in ensemble.output] == [t.name for t in spec.results]
+    # a task that reports usage answers each text's token count after its results, from the tokenizer step
+    counted = [TOKEN_COUNT_OUTPUT] if spec.usage else []
+    assert [o.name for o in ensemble.output] == [t.name for t in spec.results] + counted
+    assert [n for n in ensemble.ensemble_scheduling.step[0].output_map if n == TOKEN_COUNT_OUTPUT] == counted
+    tokenizer = tc.tokenizer_config("t", lay, 128, 0, True)
+    assert [o.name for o in tokenizer.output if o.name == TOKEN_COUNT_OUTPUT] == counted
     assert ensemble.parameters["task"].string_value == name
     assert (ensemble.max_batch_size > 0) == spec.batched
     encoder = tc.encoder_config("e", lay, ["input_ids", "attention_mask"], tc.EncoderServing(platform="onnxruntime_onnx"))

@@ -1,8 +1,8 @@
 """TEI's ``GET /info``, ``POST /tokenize``, ``/decode`` and ``/similarity`` through the gateway.
 
 One Triton server (a seeded tiny embedder with named prompts, a tiny classifier, and a copy of the
-embedder whose tokenizer config is as exports made before the text modes wrote it) and one gateway
-pinned to the embedder.  Every answer is checked against TEI's OpenAPI description, the tokens
+embedder whose configs are as exports made before the text modes and the token count wrote them) and
+one gateway pinned to the embedder.  Every answer is checked against TEI's OpenAPI description, the tokens
 against the checkpoint's own ``tokenizers.Tokenizer``, the similarities against the client's vectors.
 """
 
@@ -16,14 +16,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.http as httpclient
 from tokenizers import Tokenizer
 
 from helpers import task_models
 from helpers.http_api import call, schema_problems, tei_schema
 from helpers.servers import serving
+from helpers.waiting import wait_until
 from nexus_sli.bench.served import Gateway
 from nexus_sli.client import EncoderClient
-from nexus_sli.client.error_codes import DECODED_OUTPUT, IDS_INPUT, TOKENS_OUTPUT
+from nexus_sli.client.error_codes import DECODED_OUTPUT, IDS_INPUT, TOKEN_COUNT_OUTPUT, TOKENS_OUTPUT
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.triton import config as triton_config
 from nexus_sli.gateway import GatewayConfig
@@ -81,7 +83,8 @@ def test_discovery_pairs_each_model_with_its_tokenizer_step_and_one_model_is_one
 
 
 def _old_export(repo: Path, name: str, old: str) -> None:
-    """A copy of ``name`` as exports before the text modes wrote it: its tokenizer lacks them."""
+    """A copy of ``name`` as exports before the text modes and the token count wrote it: its tokenizer lacks
+    them, and its ensemble answers no ``TOKEN_COUNT``."""
     for folder in [f for f in repo.iterdir() if f.name == name or f.name.startswith(f"{name}_")]:
         copy = shutil.copytree(folder, repo / folder.name.replace(name, old, 1))
         config = copy / "config.pbtxt"
@@ -89,13 +92,19 @@ def _old_export(repo: Path, name: str, old: str) -> None:
     path = repo / f"{old}_tokenizer"
     tokenizer = triton_config.read(path / "config.pbtxt")
     kept_inputs = [t for t in tokenizer.input if t.name != IDS_INPUT]
-    kept_outputs = [t for t in tokenizer.output if t.name not in (TOKENS_OUTPUT, DECODED_OUTPUT)]
+    kept_outputs = [t for t in tokenizer.output if t.name not in (TOKENS_OUTPUT, DECODED_OUTPUT, TOKEN_COUNT_OUTPUT)]
     del tokenizer.input[:], tokenizer.output[:]
     tokenizer.input.extend(kept_inputs)
     tokenizer.output.extend(kept_outputs)
     for model_input in tokenizer.input:
         model_input.optional = False
     triton_config.write(tokenizer, path)
+    ensemble = triton_config.read(repo / old / "config.pbtxt")
+    kept_outputs = [t for t in ensemble.output if t.name != TOKEN_COUNT_OUTPUT]
+    del ensemble.output[:]
+    ensemble.output.extend(kept_outputs)
+    del ensemble.ensemble_scheduling.step[0].output_map[TOKEN_COUNT_OUTPUT]
+    triton_config.write(ensemble, repo / old)
 
 
 @pytest.fixture(scope="module")
@@ -246,6 +255,27 @@ def test_errors_in_teis_shape_and_status(gateway, route, body, status, words):
     got, _, answer = call(f"{gateway.url}{route}", body)
     assert schema_problems(answer, tei_schema("ErrorResponse")) == [], answer
     assert got == status and words in answer["error"], answer
+
+
+@pytest.mark.parametrize("prompt_name", [None, "query"])
+def test_openai_usage_is_the_models_tokens_from_the_ensemble_and_from_an_older_exports_second_call(
+        gateway, served, tokenizer, prompt_name):
+    """The embedder's ensemble answers the count with the vectors; the older copy, without that output, is
+    counted by its tokenizer step asked again (twice its texts): both are the model's own tokens, prompt included."""
+    stats = httpclient.InferenceServerClient(served["http"])
+
+    def tokenized() -> int:
+        return stats.get_inference_statistics("older_tokenizer")["model_stats"][0]["inference_count"]
+
+    body = {"input": TEXTS, **({"prompt_name": prompt_name} if prompt_name else {})}
+    expected = sum(len(tokenizer.encode(PROMPTS.get(prompt_name, "") + text).ids) for text in TEXTS)
+    before = tokenized()
+    for model in ("embedder", "older"):
+        status, _, answer = call(f"{gateway.url}/v1/embeddings", {**body, "model": model})
+        assert status == 200 and answer["usage"] == {"prompt_tokens": expected, "total_tokens": expected}, answer
+    # Triton may answer before a step has counted its execution
+    wait_until(lambda: tokenized() >= before + 2 * len(TEXTS), "the older tokenizer to count both calls", timeout=30)
+    assert tokenized() == before + 2 * len(TEXTS)
 
 
 def test_the_older_export_still_embeds_and_its_info_answers(gateway, served):

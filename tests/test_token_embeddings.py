@@ -131,7 +131,7 @@ def test_the_repository_describes_the_token_ensemble(served):
     repo = served["repo"]
     ensemble = tc.read(repo / NAME / "config.pbtxt")
     assert ensemble.parameters["token_model"].string_value == NAME + "_tokens"
-    assert [(o.name, list(o.dims)) for o in ensemble.output] == [("EMBEDDING", [HIDDEN])]
+    assert [(o.name, list(o.dims)) for o in ensemble.output] == [("EMBEDDING", [HIDDEN]), ("TOKEN_COUNT", [1])]
     tokens = tc.read(repo / f"{NAME}_tokens" / "config.pbtxt")
     assert tokens.platform == "ensemble" and tokens.parameters["task"].string_value == "token-embedding"
     assert tokens.parameters["embedding_model"].string_value == NAME

@@ -14,7 +14,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
-from nexus_sli.client.error_codes import DECODED_OUTPUT, IDS_INPUT, TOKENS_OUTPUT
+from nexus_sli.client.error_codes import DECODED_OUTPUT, IDS_INPUT, TOKEN_COUNT_OUTPUT, TOKENS_OUTPUT
 from nexus_sli.tasks import get_task, spec
 
 #: Requests Triton may merge into one execution of each step.
@@ -119,10 +119,18 @@ class Layout:
     #: the token states a graph that pools keeps beside its answer (an encoder output the task's
     #: ensemble does not map; the second ensemble, :func:`token_ensemble_config`, does)
     token_states: Tensor | None = None
+    #: each row's token count, which the tokenizer step answers and the ensemble maps beside the results
+    #: where the task reports usage (``TaskSpec.usage``; None: not answered)
+    token_count: Tensor | None = None
 
     def rows(self, tensor: Tensor) -> Tensor:
         """``tensor`` as a step of this layout sees it (an explicit row dim when unbatched)."""
         return tensor if self.batched else Tensor(tensor.name, tensor.data_type, (-1, *tensor.dims))
+
+    @property
+    def counts(self) -> tuple[Tensor, ...]:
+        """The token count as the tokenizer step and the ensemble declare it; empty where not answered."""
+        return (self.rows(self.token_count),) if self.token_count else ()
 
     def tensor(self, name: str) -> Tensor:
         for t in self.inputs:
@@ -152,9 +160,11 @@ def layout(task: str, input_names: list[str], hidden_size: int, num_labels: int,
     results = convert(task_spec.results)
     states = convert((task_spec.token_states,))[0] if pooled and task_spec.token_states else None
     encoder_outputs = (*results, *([states] if states else [])) if pooled else convert(task_spec.encoder_outputs)
+    count = Tensor(TOKEN_COUNT_OUTPUT, pb.TYPE_INT64, (1,)) if task_spec.usage else None
     return Layout(task_spec.batched, task_spec.tokenizer_mode, convert(task_spec.inputs),
                   (*ids, *convert(task_spec.token_extras)), encoder_outputs,
-                  () if pooled else task_spec.post_inputs, results, encoder_answers=pooled, token_states=states)
+                  () if pooled else task_spec.post_inputs, results, encoder_answers=pooled, token_states=states,
+                  token_count=count)
 
 
 def _io(cls, tensor: Tensor):
@@ -184,7 +194,7 @@ def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, trunc
         params["stride"] = QA_STRIDE
     if not lay.batched:  # one request becomes many encoder rows: the tokenizer refuses more than it takes
         params["max_rows"] = MAX_BATCH_SIZE
-    config = _model(name, lay.inputs, [lay.rows(t) for t in lay.tokens], lay.batched, params,
+    config = _model(name, lay.inputs, [*(lay.rows(t) for t in lay.tokens), *lay.counts], lay.batched, params,
                     TOKENIZER_QUEUE_DELAY_US)
     config.backend = "python"
     if lay.mode == "single":
@@ -258,10 +268,11 @@ def postprocess_config(name: str, lay: Layout, params: dict[str, str]) -> pb.Mod
 def ensemble_config(name: str, task: str, lay: Layout, input_names: list[str], steps: tuple[str, ...],
                     params: dict[str, str]) -> pb.ModelConfig:
     """Raw strings in, the task's output out: tokenizer -> encoder -> postprocess, or
-    tokenizer -> encoder where the encoder answers (``lay.encoder_answers``; ``steps`` has two)."""
+    tokenizer -> encoder where the encoder answers (``lay.encoder_answers``; ``steps`` has two).
+    The tokenizer's token count, where it answers one (``lay.counts``), is an output too, after the task's."""
     config = pb.ModelConfig(name=name, max_batch_size=MAX_BATCH_SIZE if lay.batched else 0, platform="ensemble")
     config.input.extend(_io(pb.ModelInput, t) for t in lay.inputs)
-    config.output.extend(_io(pb.ModelOutput, t) for t in lay.outputs)
+    config.output.extend(_io(pb.ModelOutput, t) for t in (*lay.outputs, *lay.counts))
     for key, value in {"task": task, **params}.items():
         config.parameters[key].string_value = str(value)
     internal = {t.name: f"_{t.name}" for t in (*lay.tokens, *lay.encoder_outputs)}
@@ -271,7 +282,7 @@ def ensemble_config(name: str, task: str, lay: Layout, input_names: list[str], s
     tokenizer, encoder, *postprocess = steps
     step = config.ensemble_scheduling.step
     step.add(model_name=tokenizer, model_version=-1, input_map=external,
-             output_map={t.name: internal[t.name] for t in lay.tokens})
+             output_map={**{t.name: internal[t.name] for t in lay.tokens}, **{t.name: t.name for t in lay.counts}})
     if lay.encoder_answers:  # the encoder's outputs are the ensemble's
         step.add(model_name=encoder, model_version=-1, input_map={n: internal[n] for n in input_names},
                  output_map={t.name: t.name for t in lay.outputs})

@@ -31,7 +31,8 @@ It chains `NAME_tokenizer` (python backend, `tokenizers`), `NAME_encoder`
 (`onnxruntime_onnx`, or the `openvino` backend where exported with
 `--backend openvino`) and `NAME_postprocess` (python backend, numpy). An
 embedding model has no `NAME_postprocess`: its encoder graph ends in the
-pooling and normalisation and answers `EMBEDDING` itself; beside it, the
+pooling and normalisation and answers `EMBEDDING` itself (the ensemble answers
+`TOKEN_COUNT` too, each text's tokens, from `NAME_tokenizer`); beside it, the
 ensemble `NAME_tokens` (`NAME_tokenizer` -> the same `NAME_encoder`) answers
 each token's vector, `TOKEN_EMBEDDINGS`, with the tokenizer's `ATTENTION_MASK`.
 A sparse-embedding model's encoder answers `SPARSE_EMBEDDING` ([vocab]) itself.

@@ -30,6 +30,12 @@ answers Triton's own error about the unknown tensor):
 The tokenizer is the one the model uses (its tokenizer.json), without the
 truncation, which only the encoder's input needs.
 
+Where its config declares ``TOKEN_COUNT`` (``error_codes.TOKEN_COUNT_OUTPUT``:
+an embedding model's tokenizer, for OpenAI's ``usage``), every request for the
+encoder's tensors also gets each row's token count, the tokens the encoder
+reads (prompt and special tokens included, after truncation), so the ensemble
+answers the vectors and their count in one call.
+
 Every request gets its own answer: a request that cannot be tokenized gets an
 error naming the input, the item and the reason, and the other requests of the
 same execution are unaffected.
@@ -49,6 +55,7 @@ from error_codes import (
     NO_TOKEN,
     PROMPT_PARAMETER,
     SKIP_SPECIAL_TOKENS_PARAMETER,
+    TOKEN_COUNT_OUTPUT,
     TOKENS_OUTPUT,
     mark,
 )
@@ -130,7 +137,9 @@ class TritonPythonModel:
                                         strategy)
         # the question's tokens (qa), and /tokenize's, are counted however many there are
         self.untruncated = load_tokenizer(path, self.max_length, truncate=False)
-        self.output_names = [output["name"] for output in config["output"] if output["name"] not in TEXT_OUTPUTS]
+        declared = [output["name"] for output in config["output"]]
+        self.output_names = [name for name in declared if name not in (*TEXT_OUTPUTS, TOKEN_COUNT_OUTPUT)]
+        self.counts = TOKEN_COUNT_OUTPUT in declared
         self.prompts = json.loads(params.get("prompts", "{}"))
         self.default_prompt = params.get("default_prompt_name")
 
@@ -237,7 +246,15 @@ class TritonPythonModel:
         length = padded_length(longest, self.pad_widths, self.max_length)
         answers = {number: _answer(None, error) for number, error in errors.items()}
         for number, encodings in encoded.items():
-            arrays = to_arrays(encodings, self.output_names, self.pad_id, length)
-            answers[number] = _answer([pb_utils.Tensor(name, arrays[name].astype(np.int64))
-                                       for name in self.output_names], None)
+            answers[number] = _answer(self._tensors(encodings, length), None)
         return answers
+
+    def _tensors(self, encodings, length):
+        """One request's encoder tensors, padded to ``length``, and where this step counts, each row's tokens
+        (its attention mask's ones)."""
+        arrays = to_arrays(encodings, self.output_names, self.pad_id, length)
+        tensors = [pb_utils.Tensor(name, arrays[name].astype(np.int64)) for name in self.output_names]
+        if self.counts:
+            counts = np.array([len(e.ids) for e in encodings], dtype=np.int64).reshape(-1, 1)
+            tensors.append(pb_utils.Tensor(TOKEN_COUNT_OUTPUT, counts))
+        return tensors
