@@ -31,6 +31,9 @@ def add_parser(commands) -> None:
                          help="characters per text")
     gateway.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
                          help="bytes per request body")
+    gateway.add_argument("--max-concurrent-requests", type=_at_least_0, default=defaults.max_concurrent_requests,
+                         help="inference requests answered at once; past it a request is refused at once with 429 "
+                              "and Retry-After, as TEI's flag of that name (default %(default)s; 0: no bound)")
     gateway.add_argument("--triton-timeout", type=float, default=defaults.triton_timeout_s,
                          help="seconds a call to Triton may take before the answer is a 503 (default %(default)s)")
     gateway.add_argument("--triton-retry", type=float, default=defaults.triton_retry_s,
@@ -48,6 +51,16 @@ def _one_triton(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _at_least_0(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"takes an integer >= 0 (0: no bound), got {value!r}")
+    return number
+
+
 def config_from(args: argparse.Namespace):
     from nexus_sli.gateway.config import API_KEY_ENV, GatewayConfig
 
@@ -55,7 +68,7 @@ def config_from(args: argparse.Namespace):
                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, tei_model=args.tei_model,
                          max_inputs=args.max_inputs, max_input_chars=args.max_input_chars,
                          max_body_bytes=args.max_body_bytes, triton_timeout_s=args.triton_timeout,
-                         triton_retry_s=args.triton_retry)
+                         triton_retry_s=args.triton_retry, max_concurrent_requests=args.max_concurrent_requests)
 
 
 def run(args: argparse.Namespace) -> int:

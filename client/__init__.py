@@ -11,6 +11,7 @@ from .errors import (
     NoModelError,
     ReplicasFailedError,
     RetryableError,
+    ServerBusyError,
     ServerUnavailableError,
     WrongTaskError,
 )
@@ -18,5 +19,5 @@ from .results import Answer, Entity, Label, Ranked, SparseEmbedding
 
 __all__ = ["AsyncEncoderClient", "EncoderClient", "ClientError", "InferenceError", "InvalidInputError",
            "ModelNotFoundError", "ModelUnavailableError", "NoModelError", "ReplicasFailedError", "RetryableError",
-           "ServerUnavailableError", "WrongTaskError",
+           "ServerBusyError", "ServerUnavailableError", "WrongTaskError",
            "Answer", "Entity", "Label", "Ranked", "SparseEmbedding"]

@@ -13,6 +13,12 @@ class ServerUnavailableError(RetryableError, ConnectionError):
     """The server could not be reached. Retryable: the same client works once it is back."""
 
 
+class ServerBusyError(RetryableError):
+    """The server refused the request because its queue was full, or dropped it from its queue when
+    the queue's timeout passed (the model's queue policy): the request was not run.  Retryable, best
+    after a pause: the server is overloaded, not down."""
+
+
 class ModelUnavailableError(RetryableError):
     """The model exists but cannot serve right now: one of its workers died and is
     being restarted, or it is being loaded again. Retryable."""

@@ -19,6 +19,7 @@ from .errors import (
     ModelNotFoundError,
     ModelUnavailableError,
     NoModelError,
+    ServerBusyError,
     ServerUnavailableError,
 )
 
@@ -76,6 +77,21 @@ _TRITON_MODEL_RESTARTING = re.compile(
     r"Stub process .* is not healthy|stub process has exited|has no available versions", re.IGNORECASE)
 
 
+#: A model's queue policy refusing a request: its queue full, or the request's time in it past the
+#: policy's timeout.  Triton's words with an UNAVAILABLE status, which alone would read as a server down.
+_TRITON_QUEUE_REFUSED = re.compile(r"Exceeds maximum queue size|Request timeout expired", re.IGNORECASE)
+
+
+def _status(exc: Exception) -> str | None:
+    return str(exc.status()) if callable(getattr(exc, "status", None)) else None
+
+
+def timed_out(exc: Exception) -> bool:
+    """Whether ``exc`` is the client's own deadline passing: the server may still hold the request
+    (queued, or running), so sending it again would add a second copy to an overloaded server."""
+    return isinstance(exc, TimeoutError) or _status(exc) == "StatusCode.DEADLINE_EXCEEDED"
+
+
 def translate(exc: Exception, model: str) -> Exception:
     """A tritonclient / transport exception as one of ours."""
     text = str(exc)
@@ -85,12 +101,15 @@ def translate(exc: Exception, model: str) -> Exception:
     if _TRITON_MODEL_RESTARTING.search(text):
         return ModelUnavailableError(f"model {model!r} cannot serve right now (a worker is being restarted or the "
                                      f"model reloaded); retry in a few seconds. Server said: {text}")
-    status = exc.status() if callable(getattr(exc, "status", None)) else None
+    if _TRITON_QUEUE_REFUSED.search(text):
+        return ServerBusyError(f"model {model!r} is overloaded: the server's queue refused the request or dropped "
+                               f"it unrun; retry after a pause. Server said: {text}")
+    status = _status(exc)
     # OSError: refused or reset; HTTPException: the HTTP connection closed mid-response (a server
     # that died while answering: geventhttpclient's HTTPConnectionClosed), both retryable
     transport = isinstance(exc, (OSError, http.client.HTTPException))
     kind = ServerUnavailableError if transport else _BY_STATUS.get(str(status), InferenceError)
-    if isinstance(exc, TimeoutError) or str(status) == "StatusCode.DEADLINE_EXCEEDED":
+    if timed_out(exc):
         said = text.splitlines()[0] if text else type(exc).__name__
         return ServerUnavailableError(f"Triton server did not answer within the client's timeout ({said}); "
                                       "check that it is not stuck or overloaded, then retry")

@@ -9,7 +9,8 @@ costs one failed attempt, not one per request, and comes back by itself.
 A call that every replica failed with retryable errors (one replica as well as
 several: a worker restarting, a model reloading, a replica gone) is tried
 again, with growing pauses, until its retry budget is spent (:class:`Retries`):
-a fault then costs the call latency, not a failure.
+a fault then costs the call latency, not a failure.  A call whose own deadline
+passed is the exception: it is not sent again (:func:`retryable`).
 
 A URL ``dns:///NAME:PORT`` (gRPC's syntax; a Kubernetes headless Service's
 name) stands for every address the name resolves to, each a replica.  The
@@ -184,11 +185,18 @@ def retry_budget(retry_s: float, attempts: int | None) -> float:
 
 def retryable(exc: Exception, model: str, replicas: Replicas, url: str) -> RetryableError:
     """The failure of one attempt on ``url``: the client's error when the request may be tried
-    again, raised at once otherwise.  A retryable failure sets the replica aside."""
+    again, raised at once otherwise.  A retryable failure sets the replica aside.
+
+    A call whose own deadline passed is not sent again, though its error is retryable for the
+    caller: its first copy may still wait in an overloaded server's queue, and a second copy would
+    only lengthen that queue.  A refusal for a full queue (:class:`~nexus_sli.client.ServerBusyError`) is retried:
+    the server did not keep that request."""
     error = exc if isinstance(exc, ClientError) else p.translate(exc, model)
     if not isinstance(error, RetryableError):
         raise error from None
     replicas.failed_on(url)
+    if p.timed_out(exc):
+        raise error from None
     return error
 
 

@@ -15,6 +15,7 @@ from nexus_sli.client import ClientError
 from nexus_sli.client.replicas import Resolve
 
 from . import openai_routes, tei_routes
+from .admission import AdmissionMiddleware, inference_paths
 from .auth import ApiKeyMiddleware
 from .backend import Backend
 from .config import GatewayConfig
@@ -68,10 +69,14 @@ def create_app(config: GatewayConfig, resolve: Resolve | None = None) -> Starlet
                              code="internal_error")
         return render(error, api_of(request.url.path))
 
-    # metrics outermost: a request refused for its API key is counted too
+    # metrics outermost: a request refused for its API key or for load is counted too; the key is
+    # checked before admission, so a caller without one never takes an admitted request's place
     middleware = [Middleware(MetricsMiddleware, metrics=counters)]
     if config.api_key:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key))
+    if config.max_concurrent_requests:
+        middleware.append(Middleware(AdmissionMiddleware, limit=config.max_concurrent_requests,
+                                     paths=inference_paths(routes), metrics=counters))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={GatewayError: gateway_error, ClientError: client_error,
                                         HTTPException: http_error, Exception: unexpected})

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 #: Environment variable read for the API key when ``--api-key`` is not given.
 API_KEY_ENV = "NEXUS_SLI_API_KEY"
+#: Inference requests one gateway admits at once by default: about where single-text throughput stops
+#: growing with concurrency on a CPU, while an admitted batch's wait stays well under a client's
+#: timeout (bench/data/tried.md, "The gateway's concurrency limit").
+MAX_CONCURRENT_REQUESTS = 32
 
 
 @dataclass(frozen=True)
@@ -30,8 +34,11 @@ class GatewayConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     #: how long the list of served models is trusted before it is read again
     discovery_ttl_s: float = 10.0
-    #: the ``Retry-After`` seconds sent with a 503
+    #: the ``Retry-After`` seconds sent with a 503, and with a 429 for Triton's full queue
     retry_after_s: int = 5
+    #: inference requests in flight at once (TEI's ``--max-concurrent-requests``); past it a request
+    #: is refused at once with a 429 (:mod:`.admission`); 0: no bound.  Sized in docs/gateway.md.
+    max_concurrent_requests: int = MAX_CONCURRENT_REQUESTS
     #: seconds any call to Triton may take (inference, discovery, readiness); past it the answer
     #: is a 503, as for a Triton that is down.  A batch of 2048 texts on a CPU takes tens of seconds.
     triton_timeout_s: float = 60.0
@@ -41,6 +48,9 @@ class GatewayConfig:
 
     def __post_init__(self):
         check_triton(self.triton)
+        limit = self.max_concurrent_requests
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"max_concurrent_requests must be an integer >= 0 (0: no bound), got {limit!r}")
         if not self.triton_timeout_s > 0:
             raise ValueError(f"triton_timeout_s must be positive, got {self.triton_timeout_s!r}")
         if not self.triton_retry_s >= 0:

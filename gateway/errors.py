@@ -17,6 +17,7 @@ from nexus_sli.client import (
     ModelNotFoundError,
     NoModelError,
     RetryableError,
+    ServerBusyError,
     WrongTaskError,
 )
 
@@ -32,6 +33,9 @@ KINDS = {
     "unauthorized": (401, "invalid_request_error", "Validation"),
     "no_route": (404, "invalid_request_error", "Validation"),
     "method_not_allowed": (405, "invalid_request_error", "Validation"),
+    # more requests at once than the gateway admits, or than Triton's queue holds: OpenAI's rate-limit
+    # answer, which its SDK retries after Retry-After; TEI's "Model is overloaded"
+    "overloaded": (429, "rate_limit_error", "Overloaded"),
     "unavailable": (503, "server_error", "Unhealthy"),
     "backend": (500, "server_error", "Backend"),
 }
@@ -65,7 +69,10 @@ def from_client(exc: ClientError, retry_after: int) -> GatewayError:
         return GatewayError("wrong_task", message, param="model", code="wrong_task")
     if isinstance(exc, InvalidInputError):
         return GatewayError("invalid", message, param="input", code="invalid_input")
-    # every retryable error (server down or too slow, model reloading, all replicas failed) is a 503
+    # Triton refused the request for its full queue: overloaded, not down
+    if isinstance(exc, ServerBusyError):
+        return GatewayError("overloaded", message, code="rate_limit_exceeded", retry_after=retry_after)
+    # every other retryable error (server down or too slow, model reloading, all replicas failed) is a 503
     if isinstance(exc, RetryableError):
         return GatewayError("unavailable", message, code="server_unavailable", retry_after=retry_after)
     return GatewayError("backend", message, code="inference_failed")

@@ -32,6 +32,10 @@ class Metrics:
                                  buckets=BUCKETS, registry=self.registry)
         self.texts = Counter("nexus_sli_gateway_texts", "Texts sent to Triton, by route", ["route"],
                              registry=self.registry)
+        # a load signal of its own: refusals are also in the requests' 429s, mixed with Triton's full queue
+        self.refused = Counter("nexus_sli_gateway_requests_refused",
+                               "Requests refused at once (429) because the gateway had --max-concurrent-requests "
+                               "in flight, by route", ["route"], registry=self.registry)
         # No labels: one series per gateway from its start, 0 when idle, which the autoscaler's
         # metric (deploy/k8s/monitoring/prometheus-adapter-values.yaml) needs to exist
         self.in_flight = Gauge("nexus_sli_gateway_requests_in_flight",

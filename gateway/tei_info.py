@@ -15,8 +15,8 @@ from .config import GatewayConfig
 
 #: The export's precision names as TEI names a model's dtype.
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "int8"}
-#: The gateway refuses no request for how many run at once (Triton queues them); TEI's field has no
-#: "unbounded", so it says int32's largest value.
+#: ``max_concurrent_requests`` of a gateway run without a bound (``--max-concurrent-requests 0``):
+#: TEI's field has no "unbounded", so it says int32's largest value.
 UNBOUNDED = 2**31 - 1
 
 
@@ -52,7 +52,7 @@ def info(model: ModelInfo, config: GatewayConfig) -> dict:
         "model_id": model.name, "model_sha": None, "served_model_name": model.name,
         "model_dtype": DTYPES.get(model.precision or "", model.precision or "unknown"),
         "model_type": model_type(model),
-        "max_concurrent_requests": UNBOUNDED,
+        "max_concurrent_requests": config.max_concurrent_requests or UNBOUNDED,
         "max_input_length": max_length,
         "max_batch_tokens": max_length * max(rows, 1),
         "max_batch_requests": model.max_batch_size or None,

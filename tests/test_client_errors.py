@@ -11,6 +11,8 @@ from nexus_sli.client import (
     InvalidInputError,
     ModelNotFoundError,
     NoModelError,
+    RetryableError,
+    ServerBusyError,
     ServerUnavailableError,
 )
 from nexus_sli.client import error_codes
@@ -51,6 +53,45 @@ def test_tritons_own_errors_are_sorted_by_transport_status():
     for slow in (server_error("Deadline Exceeded", "StatusCode.DEADLINE_EXCEEDED"), TimeoutError()):
         error = translate(slow, "m")
         assert type(error) is ServerUnavailableError and "did not answer within" in str(error)
+
+
+#: Triton's words for a request its model's queue policy refused (the queue full) or dropped unrun (its
+#: timeout in the queue passed), as each protocol reports them, and inside an ensemble's message
+QUEUE_REFUSALS = [("[request id: <id_unknown>] Exceeds maximum queue size", "StatusCode.UNAVAILABLE"),
+                  ("Request timeout expired", "StatusCode.UNAVAILABLE"),
+                  ("Exceeds maximum queue size", "503"),
+                  ("in ensemble 'm', Request timeout expired", "503")]
+
+
+@pytest.mark.parametrize("message, status", QUEUE_REFUSALS)
+def test_a_full_queue_is_its_own_retryable_error_not_an_unreachable_server(message, status):
+    error = translate(server_error(message, status), "m")
+    assert type(error) is ServerBusyError and isinstance(error, RetryableError)
+    assert "overloaded" in str(error) and "unreachable" not in str(error) and message in str(error)
+
+
+class _Refusing:
+    """A tritonclient stand-in whose server's queue is full: every call is refused."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def is_model_ready(self, *args, **kwargs):
+        self.calls += 1
+        raise server_error("Exceeds maximum queue size", "StatusCode.UNAVAILABLE")
+
+    def close(self):
+        pass
+
+
+def test_a_refusal_for_a_full_queue_is_sent_again_until_the_retry_budget_is_spent():
+    """The server kept no copy of a refused request, so sending it again adds no work (unlike a call
+    whose deadline passed, which is not sent again: test_failover.py)."""
+    with EncoderClient("127.0.0.1:1", retry_s=0.3) as client:
+        refusing = client.fleet.clients["127.0.0.1:1"] = _Refusing()
+        with pytest.raises(ServerBusyError):
+            client.embed("a text", model="m")
+    assert refusing.calls > 1
 
 
 def test_marking_refuses_unknown_codes_and_finds_none_in_plain_text():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import threading
 import time
 import urllib.request
@@ -88,6 +89,34 @@ def test_attempts_caps_the_tries_and_one_attempt_raises_the_error_itself():
             EncoderClient(dead, retry_s=bad)
     assert EncoderClient(dead, attempts=1).retry_s == 0 and EncoderClient(dead).retry_s == RETRY_S
     assert EncoderClient(dead, attempts=5).attempts == 2 and EncoderClient(dead).attempts == 2
+
+
+def test_a_call_whose_deadline_passed_is_not_sent_again():
+    """A server that takes requests and never answers (one overloaded past the client's timeout): the
+    call fails after one deadline with its retryable error, not after a retry budget of copies sent
+    to a server that may still hold the first one queued."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.listen(16)
+    url = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    async def async_call(protocol):
+        async with AsyncEncoderClient(url, protocol=protocol, model="embedder", timeout_s=0.5, retry_s=30) as client:
+            await client.embed("text")
+        return client
+
+    try:
+        for protocol in ("grpc", "http"):
+            started = time.monotonic()
+            with pytest.raises(ServerUnavailableError, match="did not answer within"):
+                asyncio.run(async_call(protocol))
+            assert time.monotonic() - started < 5, protocol
+        with EncoderClient(url, model="embedder", timeout_s=0.5, retry_s=30) as client:
+            started = time.monotonic()
+            with pytest.raises(ServerUnavailableError, match="did not answer within"):
+                client.embed("text")
+        assert time.monotonic() - started < 5 and client.replicas.failed[url] == 1
+    finally:
+        listener.close()
 
 
 def test_a_connection_closed_mid_response_is_retryable():

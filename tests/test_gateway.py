@@ -17,8 +17,10 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +53,10 @@ from nexus_sli.gateway.server import exposure_warning
 
 TEXTS = validation_texts()[:24]
 READY_LINE = "gateway is ready"
+#: the ``admitting`` gateway's --max-concurrent-requests, and the burst sent to it: several times as many
+#: requests, each of enough texts that the admitted ones are still computing when the last ones arrive
+ADMITTED, BURST, BURST_TEXTS = 2, 12, 256
+REFUSED = "nexus_sli_gateway_requests_refused"
 MODELS = ["classifier", "minilm", "reranker", "tiny_embedder"]
 
 
@@ -121,6 +127,15 @@ def keyed(served, tmp_path_factory):
                                 log=tmp_path_factory.mktemp("gw") / "keyed.log")
     finally:
         del os.environ["NEXUS_SLI_API_KEY"]
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def admitting(served, tmp_path_factory):
+    """A gateway that admits two inference requests at once."""
+    started = start_gateway(served["grpc"], "--tei-model", "minilm", "--max-concurrent-requests", str(ADMITTED),
+                            log=tmp_path_factory.mktemp("gw") / "admitting.log")
     yield started
     started.stop()
 
@@ -552,6 +567,87 @@ def test_a_triton_that_hangs_is_503_with_retry_after_and_the_gateway_stops_with_
     assert hung.stop() == 0, hung.output()
 
 
+def _timed_call(url: str, body: dict):
+    started = time.monotonic()
+    return (*call(url, body), time.monotonic() - started)
+
+
+def _metric(gateway: Gateway, name: str) -> float:
+    """A gauge's value, or a counter's total over its labels, from the gateway's /metrics."""
+    with urllib.request.urlopen(f"{gateway.url}/metrics") as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    return sum(s.value for s in families[name].samples if not s.name.endswith("_created"))
+
+
+def test_a_burst_past_the_limit_is_refused_at_once_and_what_was_admitted_is_answered(admitting):
+    """TEI's --max-concurrent-requests: 12 requests at once to a gateway that admits 2, half on OpenAI's
+    route, half on TEI's: the 10 past the bound refused within a second (429, Retry-After, each API's
+    shape), the 2 admitted answered, and a query right after the burst answered at once."""
+    texts = (validation_texts() * 2)[:BURST_TEXTS]
+    requests = [(f"{admitting.url}/v1/embeddings", {"model": "minilm", "input": texts}),
+                (f"{admitting.url}/embed", {"inputs": texts})] * (BURST // 2)
+    before = _metric(admitting, REFUSED)
+    with ThreadPoolExecutor(BURST) as pool:
+        results = list(pool.map(lambda request: _timed_call(*request), requests))
+    statuses = [status for status, *_ in results]
+    assert statuses.count(200) == ADMITTED and statuses.count(429) == BURST - ADMITTED, statuses
+    for (url, _), (status, head, body, elapsed) in zip(requests, results):
+        if status == 200:
+            assert len(body["data"] if isinstance(body, dict) else body) == BURST_TEXTS
+            continue
+        assert elapsed < 1.0 and int(head["Retry-After"]) >= 1, (url, elapsed, dict(head))
+        assert "--max-concurrent-requests" in str(body)
+        if url.endswith("/embed"):
+            assert tei_error(body)["error_type"] == "Overloaded"
+        else:
+            error = openai_error(status, body)
+            assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+    assert _metric(admitting, REFUSED) - before == BURST - ADMITTED
+    # nothing abandoned is left computing: a query right after the burst is answered at once
+    status, _, _, elapsed = _timed_call(f"{admitting.url}/v1/embeddings", {"model": "minilm", "input": "next"})
+    assert status == 200 and elapsed < 1.0, elapsed
+
+
+def _held_request(gateway: Gateway, route: str, body: dict) -> tuple[http.client.HTTPConnection, bytes]:
+    """A POST sent up to half its body: the gateway holds it in flight until the rest comes.
+    (the connection, the rest of the body)."""
+    data = json.dumps(body).encode()
+    connection = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=120)
+    connection.putrequest("POST", route)
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Content-Length", str(len(data)))
+    connection.endheaders(data[:len(data) // 2])
+    return connection, data[len(data) // 2:]
+
+
+def test_requests_in_flight_hold_their_places_and_the_sdk_reads_a_refusal_as_rate_limiting(admitting):
+    """Two requests held mid-body fill the bound: the openai SDK's next call is its RateLimitError, while
+    the routes that do not call Triton for inference still answer; once the two are answered, the
+    SDK's calls are served again."""
+    held = [_held_request(admitting, "/v1/embeddings", {"model": "minilm", "input": ["held"]}),
+            _held_request(admitting, "/embed", {"inputs": ["held"]})]
+    try:
+        wait_until(lambda: _metric(admitting, "nexus_sli_gateway_requests_in_flight") == ADMITTED,
+                   "the gateway to hold both requests", timeout=30)
+        with pytest.raises(openai.RateLimitError) as refused:
+            sdk(admitting).embeddings.create(model="minilm", input="x")
+        assert refused.value.response.headers["retry-after"] == "1"
+        assert refused.value.body["code"] == "rate_limit_exceeded"
+        assert call(f"{admitting.url}/v1/models")[0] == 200 and call(f"{admitting.url}/health")[0] == 200
+        got, _, info = call(f"{admitting.url}/info")
+        assert got == 200 and info["max_concurrent_requests"] == ADMITTED
+        answers = []
+        for connection, rest in held:
+            connection.send(rest)
+            response = connection.getresponse()
+            answers.append((response.status, json.loads(response.read())))
+    finally:
+        for connection, _ in held:
+            connection.close()
+    assert [status for status, _ in answers] == [200, 200], answers
+    assert len(sdk(admitting).embeddings.create(model="minilm", input="x").data) == 1
+
+
 def test_triton_unavailable_is_503_with_retry_after(orphan):
     got, head, body = call(f"{orphan.url}/v1/embeddings", {"model": "minilm", "input": "x"})
     assert got == 503 and int(head["Retry-After"]) > 0
@@ -674,6 +770,20 @@ def test_one_triton_per_gateway():
         build_parser().parse_args(["gateway", "--triton", "a:8001,b:8001"])
     with pytest.raises(ValueError, match="one Triton"):
         GatewayConfig(triton="a:8001,b:8001")
+
+
+def test_the_concurrency_bound_is_a_count_or_0_for_none():
+    assert build_parser().parse_args(["gateway"]).max_concurrent_requests == GatewayConfig().max_concurrent_requests
+    assert build_parser().parse_args(["gateway", "--max-concurrent-requests", "0"]).max_concurrent_requests == 0
+    for bad in ("-1", "many"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["gateway", "--max-concurrent-requests", bad])
+    with pytest.raises(ValueError, match="max_concurrent_requests must be an integer >= 0"):
+        GatewayConfig(max_concurrent_requests=-1)
+    bounded = [m.cls.__name__ for m in create_app(GatewayConfig()).user_middleware]
+    assert "AdmissionMiddleware" in bounded
+    assert "AdmissionMiddleware" not in [m.cls.__name__ for m in
+                                         create_app(GatewayConfig(max_concurrent_requests=0)).user_middleware]
 
 
 def test_binding_beyond_loopback_without_a_key_is_warned():
