@@ -2,13 +2,14 @@
 
 A nexus-sli model is an ensemble whose string ``parameters`` say what it serves
 (``task``), its named prompts (``prompts``, ``default_prompt_name``), the sizes
-it was trained for (``matryoshka_dims``), whether it normalises (``normalize``)
+it was trained for (``matryoshka_dims``), whether it normalises (``normalize``),
 its labels (``id2label``) and the precision of its encoder (``precision``); its
 outputs say whether it answers each text's token count beside its results; its
 first step's own config, the tokenizer's, says how long an input may be and
 whether that step answers the text modes (:class:`TokenizerStep`).  The
-description parses them once, and holds the rules about them: which prompt names a request may send, which shorter sizes
-(Matryoshka) it may ask for, and how a vector is cut to one.  Each caller turns
+description parses them once, and holds the rules about them: which prompt
+names a request may send, which shorter sizes (Matryoshka) it may ask for, and
+how a vector is cut to one.  Each caller turns
 the typed errors into its own API's shape.
 """
 
@@ -57,8 +58,9 @@ class TokenizerStep:
         params = _params(config)
         instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", []))
         rows = int(params.get("max_rows", config.get("max_batch_size", 0)))
+        names = {side: tuple(tensor["name"] for tensor in config.get(side, [])) for side in ("input", "output")}
         return cls(int(params.get("max_length", 0)), params.get("truncate", "true") == "true", max(instances, 1), rows,
-                   tuple(t["name"] for t in config.get("input", [])), tuple(t["name"] for t in config.get("output", [])))
+                   names["input"], names["output"])
 
     @property
     def tokenizes(self) -> bool:

@@ -1,8 +1,9 @@
 """nexus-sli gateway: the HTTP APIs embedding users already code against, in front of Triton.
 
 OpenAI's ``/v1/embeddings`` and ``/v1/models``, and text-embeddings-inference's
-``/embed``, ``/rerank``, ``/predict``, ``/similarity``, ``/tokenize``, ``/decode`` and ``/info``, answered by forwarding to Triton over
-gRPC with :class:`nexus_sli.client.AsyncEncoderClient`.  The models and their
+``/embed``, ``/rerank``, ``/predict``, ``/similarity``, ``/tokenize``,
+``/decode`` and ``/info``, answered by forwarding to Triton over gRPC with
+:class:`nexus_sli.client.AsyncEncoderClient`.  The models and their
 tasks are read from the server (:mod:`.discovery`); nothing in the model
 repository changes.  docs/gateway.md describes the routes, limits and errors.
 """

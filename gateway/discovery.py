@@ -172,8 +172,8 @@ class Catalog:
 
 
 #: The gateway route that serves each task.
-ROUTES = {"embedding": "POST /v1/embeddings, /embed, /embed_all or /similarity", "sparse-embedding": "POST /embed_sparse",
-          "rerank": "POST /rerank", "classification": "POST /predict"}
+ROUTES = {"embedding": "POST /v1/embeddings, /embed, /embed_all or /similarity",
+          "sparse-embedding": "POST /embed_sparse", "rerank": "POST /rerank", "classification": "POST /predict"}
 
 
 def _route_hint(task: str) -> str:

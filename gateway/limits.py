@@ -43,10 +43,10 @@ def _body_too_large(max_bytes: int) -> GatewayError:
                         "send fewer texts per request", code="body_too_large")
 
 
-def check_count(items: list, config: GatewayConfig, param: str) -> list:
-    """``items`` if there are some and at most ``config.max_inputs`` (else 413)."""
+def check_count(items: list, config: GatewayConfig, param: str, item: str = "item") -> list:
+    """``items`` if there are some (else 400) and at most ``config.max_inputs`` (else 413)."""
     if not items:
-        raise GatewayError("invalid", f"{param} is empty: send at least one item", param=param)
+        raise GatewayError("invalid", f"{param} is empty: send at least one {item}", param=param)
     if len(items) > config.max_inputs:
         raise GatewayError("too_large", f"{param} has {len(items)} items; this gateway takes at most "
                            f"{config.max_inputs} per request: split them into several requests",
@@ -57,9 +57,7 @@ def check_count(items: list, config: GatewayConfig, param: str) -> list:
 def check_texts(texts: list[str], config: GatewayConfig, param: str) -> list[str]:
     """``texts`` if they are within the gateway's limits (count, characters per text), else 413;
     a text UTF-8 cannot carry (a lone surrogate such as ``"\\ud800"``, valid JSON) is a 400."""
-    if not texts:
-        raise GatewayError("invalid", f"{param} is empty: send at least one text", param=param)
-    check_count(texts, config, param)
+    check_count(texts, config, param, "text")
     for index, text in enumerate(texts):
         if len(text) > config.max_input_chars:
             raise GatewayError("too_large", f"{param}[{index}] has {len(text)} characters; this gateway takes at "

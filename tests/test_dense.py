@@ -28,7 +28,7 @@ from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.revalidate import revalidate
 from nexus_sli.exporter.export.validate import validation_texts
 from helpers.http_api import call
-from helpers.servers import serving
+from helpers.servers import gateway_to, serving
 from helpers.tiny_models import with_dense
 from helpers.vectors import cosines
 
@@ -73,10 +73,8 @@ def served(tmp_path_factory, folders):
 
 @pytest.fixture(scope="module")
 def gateway(served, tmp_path_factory):
-    started = Gateway(served["grpc"], "--tei-model", "dense_tanh", timeout_s=120,
-                      log=tmp_path_factory.mktemp("gw") / "dense.log").start()
-    yield started
-    started.stop()
+    with gateway_to(served["grpc"], "--tei-model", "dense_tanh", log=tmp_path_factory.mktemp("gw") / "dense.log") as started:
+        yield started
 
 
 @pytest.fixture(scope="module", params=["grpc", "http"])

@@ -34,11 +34,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 
-from helpers.servers import serving
+from helpers.servers import serving, start_gateway
 from helpers.waiting import wait_until
 from helpers import task_models
 from helpers.exports import MINILM
-from helpers.http_api import call, schema_problems, tei_schema
+from helpers.http_api import call, schema_problems, tei, tei_schema
 from helpers.vectors import cosines
 from nexus_sli.bench.served import Gateway, free_ports
 from nexus_sli.cli.main import build_parser
@@ -85,11 +85,6 @@ def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint, exports):
                              name="reranker", out=repo))
     with serving(repo) as server:
         yield server
-
-
-def start_gateway(triton: str, *args: str, log: Path) -> Gateway:
-    """``nexus-sli gateway`` as a user starts it, on a free port (the bench's launcher); output in ``log``."""
-    return Gateway(triton, *args, timeout_s=120, log=log).start()
 
 
 def wait_for_line(process: subprocess.Popen, log: Path, line: str, timeout: float = 120.0) -> str:
@@ -309,13 +304,6 @@ def test_discovery_reads_the_repository_index_where_triton_allows_it(served, tmp
 
 
 # --- TEI's API ----------------------------------------------------------------------------------
-
-def tei(gateway: Gateway, route: str, body: dict, request_schema: str):
-    # "model" is ours: TEI serves one model, the gateway may serve several of a task
-    theirs = {k: v for k, v in body.items() if k != "model"}
-    assert schema_problems(theirs, tei_schema(request_schema)) == [], "the test sends what TEI defines"
-    return call(f"{gateway.url}{route}", body)
-
 
 def test_tei_embed(gateway, direct):
     status, _, body = tei(gateway, "/embed", {"inputs": TEXTS[:4], "normalize": True, "truncate": True,

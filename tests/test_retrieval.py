@@ -26,7 +26,7 @@ from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.source import matryoshka_dims, prompts
 from nexus_sli.exporter.export.validate import validation_texts
-from helpers.servers import serving
+from helpers.servers import gateway_to, serving
 from helpers import task_models
 from helpers.http_api import call, schema_problems, tei_schema
 from helpers.vectors import cosines
@@ -119,10 +119,8 @@ def reference(retriever):
 @pytest.fixture(scope="module")
 def gateway(served, tmp_path_factory):
     # two models serve embeddings: TEI's routes (which name none) use the retriever
-    started = Gateway(served["grpc"], "--tei-model", NAME, timeout_s=120,
-                      log=tmp_path_factory.mktemp("gw") / "retrieval.log").start()
-    yield started
-    started.stop()
+    with gateway_to(served["grpc"], "--tei-model", NAME, log=tmp_path_factory.mktemp("gw") / "retrieval.log") as started:
+        yield started
 
 
 @pytest.fixture(scope="module", params=["grpc", "http"])

@@ -20,8 +20,8 @@ import tritonclient.http as httpclient
 from tokenizers import Tokenizer
 
 from helpers import task_models
-from helpers.http_api import call, schema_problems, tei_schema
-from helpers.servers import serving
+from helpers.http_api import call, schema_problems, tei, tei_schema
+from helpers.servers import gateway_to, serving
 from helpers.waiting import wait_until
 from nexus_sli.bench.served import Gateway
 from nexus_sli.client import EncoderClient
@@ -123,10 +123,8 @@ def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def gateway(served, tmp_path_factory):
-    started = Gateway(served["grpc"], "--tei-model", "embedder", timeout_s=120,
-                      log=tmp_path_factory.mktemp("gw") / "gateway.log").start()
-    yield started
-    started.stop()
+    with gateway_to(served["grpc"], "--tei-model", "embedder", log=tmp_path_factory.mktemp("gw") / "gateway.log") as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
@@ -138,11 +136,9 @@ def tokenizer(served):
     return found
 
 
-def tei(gateway: Gateway, route: str, body: dict, request_schema: str, response_schema: str):
-    """The route's answer, both ways checked against TEI's schemas ("model" is ours: TEI serves one)."""
-    theirs = {k: v for k, v in body.items() if k != "model"}
-    assert schema_problems(theirs, tei_schema(request_schema)) == [], "the test sends what TEI defines"
-    status, _, answer = call(f"{gateway.url}{route}", body)
+def tei_answer(gateway: Gateway, route: str, body: dict, request_schema: str, response_schema: str):
+    """The route's answer, both ways checked against TEI's schemas."""
+    status, _, answer = tei(gateway, route, body, request_schema)
     assert status == 200, answer
     assert schema_problems(answer, tei_schema(response_schema)) == []
     return answer
@@ -194,7 +190,7 @@ def _expected(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list
 def test_tokenize_is_the_models_own_tokenizer(gateway, tokenizer, prompt_name, add_special_tokens):
     body = {"inputs": TEXTS, "add_special_tokens": add_special_tokens,
             **({"prompt_name": prompt_name} if prompt_name else {})}
-    found = tei(gateway, "/tokenize", body, "TokenizeRequest", "TokenizeResponse")
+    found = tei_answer(gateway, "/tokenize", body, "TokenizeRequest", "TokenizeResponse")
     prompt = PROMPTS.get(prompt_name, "")
     assert found == [_expected(tokenizer, prompt + text, add_special_tokens) for text in TEXTS]
     # the offsets are characters of the prompted text, whatever UTF-8 makes of them
@@ -205,29 +201,29 @@ def test_tokenize_is_the_models_own_tokenizer(gateway, tokenizer, prompt_name, a
 
 def test_tokenize_one_string_and_a_long_text_untruncated(gateway, tokenizer):
     long = " ".join(TEXTS * 20)
-    found = tei(gateway, "/tokenize", {"inputs": long}, "TokenizeRequest", "TokenizeResponse")
+    found = tei_answer(gateway, "/tokenize", {"inputs": long}, "TokenizeRequest", "TokenizeResponse")
     assert len(found) == 1 and found[0] == _expected(tokenizer, long, True) and len(found[0]) > 128
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_decode_round_trips_the_tokenized_ids(gateway, tokenizer, skip_special_tokens):
-    tokens = tei(gateway, "/tokenize", {"inputs": TEXTS}, "TokenizeRequest", "TokenizeResponse")
+    tokens = tei_answer(gateway, "/tokenize", {"inputs": TEXTS}, "TokenizeRequest", "TokenizeResponse")
     ids = [[t["id"] for t in row] for row in tokens]
-    texts = tei(gateway, "/decode", {"ids": ids, "skip_special_tokens": skip_special_tokens}, "DecodeRequest",
+    texts = tei_answer(gateway, "/decode", {"ids": ids, "skip_special_tokens": skip_special_tokens}, "DecodeRequest",
                 "DecodeResponse")
     assert texts == [tokenizer.decode(row, skip_special_tokens=skip_special_tokens) for row in ids]
-    single = tei(gateway, "/decode", {"ids": ids[0]}, "DecodeRequest", "DecodeResponse")  # skips by default
+    single = tei_answer(gateway, "/decode", {"ids": ids[0]}, "DecodeRequest", "DecodeResponse")  # skips by default
     assert single == [tokenizer.decode(ids[0], skip_special_tokens=True)]
 
 
 def test_similarity_is_the_cosine_of_the_served_embeddings(gateway, served):
     body = {"inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]}, "parameters": {"prompt_name": "doc"}}
-    found = tei(gateway, "/similarity", body, "SimilarityRequest", "SimilarityResponse")
+    found = tei_answer(gateway, "/similarity", body, "SimilarityRequest", "SimilarityResponse")
     with EncoderClient(served["grpc"]) as client:
         vectors = client.embed(TEXTS, model="embedder", prompt_name="doc")
     unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
     assert np.allclose(found, unit[1:] @ unit[0], atol=1e-5)
-    plain = tei(gateway, "/similarity", {"inputs": body["inputs"]}, "SimilarityRequest", "SimilarityResponse")
+    plain = tei_answer(gateway, "/similarity", {"inputs": body["inputs"]}, "SimilarityRequest", "SimilarityResponse")
     assert not np.allclose(plain, found, atol=1e-5)  # the prompt was applied
 
 

@@ -67,3 +67,11 @@ def schema_problems(value, schema: dict, where: str = "$") -> list[str]:
 
 def tei_schema(name: str) -> dict:
     return TEI["components"]["schemas"][name]
+
+
+def tei(gateway, route: str, body: dict, request_schema: str):
+    """``call`` of the gateway's TEI ``route``, the body first checked against TEI's ``request_schema``
+    ("model" is ours: TEI serves one model, the gateway may serve several of a task)."""
+    theirs = {k: v for k, v in body.items() if k != "model"}
+    assert schema_problems(theirs, tei_schema(request_schema)) == [], "the test sends what TEI defines"
+    return call(f"{gateway.url}{route}", body)

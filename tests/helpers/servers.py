@@ -10,7 +10,7 @@ from typing import Iterator
 
 import psutil
 
-from nexus_sli.bench.served import free_ports
+from nexus_sli.bench.served import Gateway, free_ports
 from nexus_sli.exporter.serving import server as serve
 
 
@@ -26,6 +26,21 @@ def serving(repository: Path | str, **options) -> Iterator[dict]:
                "metrics": f"127.0.0.1:{metrics}"}
     finally:
         end_now(process)
+
+
+def start_gateway(triton: str, *args: str, log: Path) -> Gateway:
+    """``nexus-sli gateway`` as a user starts it, on a free port (the bench's launcher); output in ``log``."""
+    return Gateway(triton, *args, timeout_s=120, log=log).start()
+
+
+@contextlib.contextmanager
+def gateway_to(triton: str, *args: str, log: Path) -> Iterator[Gateway]:
+    """:func:`start_gateway`'s gateway for the tests of a module, stopped after."""
+    started = start_gateway(triton, *args, log=log)
+    try:
+        yield started
+    finally:
+        started.stop()
 
 
 def end_now(process) -> None:
