@@ -99,3 +99,31 @@ def test_cpu_onnxruntime_opens_a_gpu_model_on_the_cpu_provider(tiny_graph):
     ids = np.arange(6, dtype=np.int64).reshape(2, 3)
     assert np.array_equal(session.run(None, {"input_ids": ids})[0], ids.astype(np.float32))
     assert session.get_providers() == [CPU]
+
+
+class _OnnxRuntimeGPU:
+    """What ``load_gpu_libraries`` reads of onnxruntime-gpu: its providers and ``preload_dlls``, which
+    reports a library it cannot load on stdout (as onnxruntime-gpu does where CUDA is missing)."""
+
+    def __init__(self, providers: list[str]):
+        self.providers, self.preloaded = providers, 0
+
+    def get_available_providers(self) -> list[str]:
+        return self.providers
+
+    def preload_dlls(self) -> None:
+        self.preloaded += 1
+        print("Failed to load libcublasLt.so.13: cannot open shared object file")
+
+
+def test_cuda_libraries_are_preloaded_for_gpu_providers_and_failures_are_said():
+    gpu = _OnnxRuntimeGPU([TRT, CUDA, CPU])
+    assert providers.load_gpu_libraries(gpu) == [
+        "loading CUDA libraries: Failed to load libcublasLt.so.13: cannot open shared object file"]
+    assert gpu.preloaded == 1
+
+
+def test_nothing_is_preloaded_without_a_gpu_provider():
+    cpu_only = _OnnxRuntimeGPU([CPU])
+    assert providers.load_gpu_libraries(cpu_only) == [] and cpu_only.preloaded == 0
+    assert providers.load_gpu_libraries(ort) == []  # this machine's onnxruntime: the CPU build

@@ -8,6 +8,7 @@ The installed package is never modified.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shutil
@@ -30,13 +31,13 @@ def system_binary() -> str | None:
 
 
 def pytriton_root() -> Path:
-    """The folder of the Triton build inside the ``nvidia-pytriton`` wheel."""
-    try:
-        import pytriton
-    except ImportError as exc:
+    """The folder of the Triton build inside the ``nvidia-pytriton`` wheel.  Found without importing
+    ``pytriton``: its Python API (and that API's own dependencies) is not what runs the binary."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
         raise ServerError("no tritonserver on PATH and nvidia-pytriton is not installed "
-                          "(pip install 'nexus-sli[serve]')") from exc
-    return Path(pytriton.__file__).parent / "tritonserver"
+                          "(pip install 'nexus-sli[serve]')")
+    return Path(spec.submodule_search_locations[0]) / "tritonserver"
 
 
 def wheel_binary() -> Path:

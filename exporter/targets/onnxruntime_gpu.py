@@ -25,7 +25,7 @@ import logging
 from pathlib import Path
 
 from nexus_sli.exporter.export.fp16 import convert_fp16
-from nexus_sli.exporter.serving.backends.onnxruntime_providers import choose_providers
+from nexus_sli.exporter.serving.backends.onnxruntime_providers import choose_providers, load_gpu_libraries
 from nexus_sli.exporter.triton.config import Accelerator, EncoderServing
 
 from .base import Candidate, ExportedGraph, Target
@@ -67,8 +67,9 @@ class OnnxRuntimeGPU(Target):
             config = {"instance_group": [{"kind": "KIND_GPU"}], "optimization": {"execution_accelerators": {
                 "gpu_execution_accelerator": [{"name": self.accelerator.name,
                                                "parameters": dict(self.accelerator.parameters)}]}}}
-        providers, notes = choose_providers(config, ort.get_available_providers())
-        log.info("%s on this machine: %s", self.name, "; ".join(notes))
+        notes = load_gpu_libraries(ort)
+        providers, chosen = choose_providers(config, ort.get_available_providers())
+        log.info("%s on this machine: %s", self.name, "; ".join([*notes, *chosen]))
         options = ort.SessionOptions()
         options.log_severity_level = 3
         return ort.InferenceSession(str(path), options, providers=providers)

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the shared modules beside this
 
 import onnxruntime as ort  # noqa: E402
 from encoder_backend import EncoderBackend  # noqa: E402
-from onnxruntime_providers import choose_providers  # noqa: E402
+from onnxruntime_providers import choose_providers, instance_kind, load_gpu_libraries  # noqa: E402
 
 
 def _log(message: str) -> None:
@@ -53,8 +53,9 @@ class TritonPythonModel(EncoderBackend):
         if spinning not in ("0", "1"):  # ONNX Runtime would read anything else as 0
             raise ValueError(f"NEXUS_ORT_SPINNING must be 0 or 1, not {spinning!r}")
         options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
+        loaded = load_gpu_libraries(ort) if instance_kind(self.model_config) == "KIND_GPU" else []
         providers, notes = choose_providers(self.model_config, ort.get_available_providers(), self.device_id)
-        for note in notes:
+        for note in [*loaded, *notes]:
             _log(f"nexus-sli onnxruntime backend, {self.model_name}: {note}")
         self.session = ort.InferenceSession(str(path), options, providers=providers)
         _log(f"nexus-sli onnxruntime backend, {self.model_name}: session providers {self.session.get_providers()}")

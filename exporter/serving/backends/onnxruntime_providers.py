@@ -10,6 +10,9 @@ ends up on the CPU is never silent.  Copied beside the shim: imports nothing
 but the standard library.
 """
 
+import contextlib
+import io
+
 TENSORRT = "TensorrtExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -35,6 +38,22 @@ TENSORRT_SAME = frozenset({
 PRECISION_MODES = {"FP32": None, "FP16": "trt_fp16_enable", "INT8": "trt_int8_enable"}
 #: Triton's CUDA accelerator keys, passed under the same name.
 CUDA_SAME = frozenset({"cudnn_conv_use_max_workspace", "use_ep_level_unified_stream"})
+
+
+def load_gpu_libraries(ort) -> list[str]:
+    """Make CUDA and cuDNN loadable before a GPU session opens, and say what could not be loaded.
+
+    The GPU providers open CUDA's libraries by name, so those of pip's ``nvidia-*`` packages
+    (onnxruntime-gpu's ``cuda`` and ``cudnn`` extras) are found only once ``preload_dlls`` has
+    loaded them; without them the session silently runs on the CPU.  ``ort`` is the onnxruntime
+    module; nothing happens where it has no GPU provider or no ``preload_dlls``."""
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is None or not {CUDA, TENSORRT} & set(ort.get_available_providers()):
+        return []
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # it reports each library it could not load on stdout
+        preload()
+    return [f"loading CUDA libraries: {line.strip()}" for line in printed.getvalue().splitlines() if line.strip()]
 
 
 def instance_kind(config: dict) -> str:
