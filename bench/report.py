@@ -224,6 +224,10 @@ REQUEST_PATH = (
 )
 
 
+#: the section of bench/data/tried.md on the request path
+REQUEST_PATH_TRIED = "A short query, layer by layer, and the gateway's HTTP stack"
+
+
 def request_path_section(results: dict) -> list[str]:
     """A short query through each layer in front of the default graph, side by side (the same
     queries, interleaved), with target (f)'s bounds beside the figures they judge."""
@@ -247,7 +251,8 @@ def request_path_section(results: dict) -> list[str]:
         ratios = paired_ratios(row["p50_ms_reps"], graph["p50_ms_reps"]) if graph else []
         ratio = f"{float(np.median(ratios)):.2f}x" if ratios else "-"
         lines.append(f"| {what} | {_num(row['p50_ms'], 2)} | {_num(row['p99_ms'], 2)} | {ratio} |")
-    return [*lines, ""]
+    return [*lines, "", f"Where a short query's time goes on each layer, and what was tried to cut it: "
+            f"[bench/data/tried.md](bench/data/{TRIED.name}), \"{REQUEST_PATH_TRIED}\".", ""]
 
 
 def compute_limit_section(limit: dict | None) -> list[str]:

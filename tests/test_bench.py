@@ -187,6 +187,9 @@ def test_markdown_and_plot_are_written(quick):
     layers = page.split("## A short query, layer by layer")[1].split("\n## ")[0]
     assert all(f"| {what} |" in layers for what in ("the exported graph in process (tokenizers + the runtime)",
                                                     "Triton over gRPC, `EncoderClient`", "gateway, TEI `/embed`"))
+    from nexus_sli.bench.report import REQUEST_PATH_TRIED, TRIED
+
+    assert REQUEST_PATH_TRIED in layers and f"\n## {REQUEST_PATH_TRIED}\n" in TRIED.read_text()
     assert (out / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
