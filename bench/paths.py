@@ -191,18 +191,9 @@ def _served_rows(embedder, common: dict, texts: dict, latency_budget_s: float, s
 
 
 def warm_up(measurements: list[Measurement], run_size: RunSize) -> None:
-    """Every path warmed on a few texts; and each served configuration's batches once over all their
-    texts, by the first of its rows to send them: a runtime that compiles for each new input shape
-    (OpenVINO: bench/data/tried.md, "OpenVINO's first run at a new input shape") would otherwise charge
-    each repetition's new slice to whichever path sends it first, and the paths compared side by side
-    (gRPC, HTTP, the gateway) do not go first alike."""
-    shapes_warmed = set()
     for m in measurements:
         count = 4 if m.mode == LATENCY1 else run_size.warmup_texts if m.mode != SEQ_LEN else 32
         m.warm_up(m.texts[:count])
-        if m.served and m.mode in (BATCH32, SHORT32) and (m.precision, m.mode) not in shapes_warmed:
-            shapes_warmed.add((m.precision, m.mode))
-            m.warm_up(m.texts)
 
 
 def peer_processes(setup: Setup, run_size: RunSize):
