@@ -235,8 +235,9 @@ def request_path_section(results: dict) -> list[str]:
     if not default:
         return []
     rows = Rows(results["rows"], default)
-    found = {"in-process": rows.in_process_graph(LATENCY1), GATEWAY_PROTOCOL: rows.gateway(LATENCY1, GATEWAY_PROTOCOL),
-             TEI_PROTOCOL: rows.gateway(LATENCY1, TEI_PROTOCOL), **{p: rows.served(LATENCY1, p) for p in ("grpc", "http")}}
+    found = {"in-process": rows.in_process_graph(LATENCY1),
+             **{p: rows.served(LATENCY1, p) for p in ("grpc", "http")},
+             **{p: rows.gateway(LATENCY1, p) for p in (GATEWAY_PROTOCOL, TEI_PROTOCOL)}}
     graph = found["in-process"]
     lines = ["## A short query, layer by layer", "",
              f"The default configuration ({default['label']}), the same single short queries on every path, "
