@@ -35,6 +35,8 @@ COLUMNS = (
     ("16 clients", "(b) 16 concurrent single-text clients", "vs sentence-transformers"),
     ("single query p99 / p50", "(c) single short query", "p99 vs its own p50"),
     ("share of peak", "(e) share of the compute peak", "served batches of 32"),
+    ("gRPC query / in process", "(f) the request path", "gRPC p50 vs"),
+    ("OpenAI query - gRPC", "(f) the request path", "OpenAI route p50 minus"),
 )
 
 
@@ -103,7 +105,8 @@ def rows(results_dir: Path, notes_file: Path = NOTES) -> list[dict]:
             row = summary(json.loads(kept.read_text()))
             row["source"] = _run_source(row, note)
         elif note.get("reported"):
-            row = {"class": name, **note["reported"]}
+            reported = note["reported"]["figures"]  # reported before later columns existed: "-" in those
+            row = {"class": name, **note["reported"], "figures": [*reported, *["-"] * (len(COLUMNS) - len(reported))]}
         else:
             row = {"class": name, "cpu": "-", "date": "-", "default": "-", "figures": ["not run"] * len(COLUMNS),
                    "met": "-", "source": "no run on this class yet"}

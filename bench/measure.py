@@ -21,8 +21,9 @@ def in_process_precision(label: str) -> str:
     return label.removeprefix("openvino-")
 
 
-#: the rows of the HTTP gateway: OpenAI's API over HTTP, in front of the served fp32 model
-GATEWAY_PATH, GATEWAY_PROTOCOL = "gateway", "openai-http"
+#: the rows of the HTTP gateway, in front of the served default configuration: OpenAI's API over HTTP,
+#: and TEI's (its ``/embed``)
+GATEWAY_PATH, GATEWAY_PROTOCOL, TEI_PROTOCOL = "gateway", "openai-http", "tei-http"
 
 
 @dataclass

@@ -17,6 +17,7 @@ from .measure import (
     LATENCY1,
     SEQ_LEN,
     SHORT32,
+    TEI_PROTOCOL,
     Measurement,
     in_process_precision,
     one_by_one,
@@ -129,19 +130,32 @@ def in_process_measurements(setup: Setup, run_size: RunSize, encoders: list[InPr
     return measurements
 
 
-def gateway_measurements(setup: Setup, run_size: RunSize, gateway, clients: list) -> list[Measurement]:
-    """The fp32 model through the HTTP gateway (OpenAI's API, the ``openai`` SDK): beside the
-    direct gRPC rows, its overhead is measured, not guessed."""
-    from .served import GatewayEmbedder
+#: the modes each gateway route is timed in: OpenAI's in every mode, beside the direct gRPC rows (its
+#: batches of 32 against the direct ones are a target); TEI's on single queries, the layer a query
+#: pays for beside the client's own protocols
+GATEWAY_MODES = {GATEWAY_PROTOCOL: (BATCH32, CONCURRENT16, LATENCY1), TEI_PROTOCOL: (LATENCY1,)}
 
-    texts = groups(setup)
-    embedder = GatewayEmbedder(gateway.url, GATEWAY_PROTOCOL, setup.names["fp32"])
-    clients.append(embedder)
-    common = dict(path=GATEWAY_PATH, precision="fp32", protocol=GATEWAY_PROTOCOL, served=True)
-    single = functools.partial(embedder.sequential, budget_s=run_size.latency_budget_s)
-    return [Measurement(mode=BATCH32, run=embedder.batches, **texts["set"], **common),
-            Measurement(mode=CONCURRENT16, run=embedder.concurrent, **texts["set"], **common),
-            Measurement(mode=LATENCY1, run=single, **texts["latency"], **common)]
+
+def gateway_label(setup: Setup) -> str:
+    """The configuration the gateway serves: the default, which the targets judge (fp32 when unknown)."""
+    return setup.default["label"] if setup.default and setup.default["label"] in setup.names else "fp32"
+
+
+def gateway_measurements(setup: Setup, run_size: RunSize, gateway, clients: list) -> list[Measurement]:
+    """The default configuration through the HTTP gateway, each route with its own client
+    (:data:`served.GATEWAY_EMBEDDERS`): beside the direct rows, its overhead is measured, not guessed."""
+    from .served import GATEWAY_EMBEDDERS
+
+    texts, label, measurements = groups(setup), gateway_label(setup), []
+    for protocol, modes in GATEWAY_MODES.items():
+        embedder = GATEWAY_EMBEDDERS[protocol](gateway.url, protocol, setup.names[label])
+        clients.append(embedder)
+        common = dict(path=GATEWAY_PATH, precision=label, protocol=protocol, served=True)
+        runs = {BATCH32: embedder.batches, CONCURRENT16: embedder.concurrent,
+                LATENCY1: functools.partial(embedder.sequential, budget_s=run_size.latency_budget_s)}
+        measurements += [Measurement(mode=mode, run=runs[mode], **texts["latency" if mode == LATENCY1 else "set"],
+                                     **common) for mode in modes]
+    return measurements
 
 
 def served_measurements(setup: Setup, run_size: RunSize, server, clients: list) -> list[Measurement]:

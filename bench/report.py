@@ -6,9 +6,11 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
+
 from . import cpu_classes
-from .measure import BATCH32, CONCURRENT16, GATEWAY_PATH, GATEWAY_PROTOCOL, LATENCY1, SEQ_LEN, SHORT32
-from .targets import judge, median_text
+from .measure import BATCH32, CONCURRENT16, GATEWAY_PATH, GATEWAY_PROTOCOL, LATENCY1, SEQ_LEN, SHORT32, TEI_PROTOCOL
+from .targets import Rows, judge, median_text, paired_ratios
 
 MODE_TEXT = {BATCH32: "batches of 32", CONCURRENT16: "16 concurrent clients, 1 text each",
              LATENCY1: "sequential single short queries",
@@ -190,9 +192,11 @@ def observations(results: dict) -> str:
 
 def gateway_overhead(rows: list[dict]) -> str:
     """The HTTP gateway's rows against the direct gRPC rows of the same model, mode by mode."""
+    served = next((r["precision"] for r in rows if r["path"] == GATEWAY_PATH), None)
+
     def row(path: str, protocol: str, mode: str) -> dict | None:
         return next((r for r in rows if (r["path"], r["precision"], r["protocol"], r["mode"])
-                     == (path, "fp32", protocol, mode)), None)
+                     == (path, served, protocol, mode)), None)
 
     parts = []
     for mode in (BATCH32, CONCURRENT16, LATENCY1):
@@ -207,7 +211,49 @@ def gateway_overhead(rows: list[dict]) -> str:
     if not parts:
         return ""
     return (" Through the HTTP gateway (OpenAI's API with the openai SDK, base64 vectors, token counts included) "
-            "against the client over gRPC direct, fp32: " + "; ".join(parts) + ".")
+            f"against the client over gRPC direct, {served}: " + "; ".join(parts) + ".")
+
+
+#: the layers of the request path, from the graph alone to the gateway's routes: (protocol, what it is)
+REQUEST_PATH = (
+    ("in-process", "the exported graph in process (tokenizers + the runtime)"),
+    ("grpc", "Triton over gRPC, `EncoderClient`"),
+    ("http", "Triton over HTTP, `EncoderClient`"),
+    (GATEWAY_PROTOCOL, "gateway, OpenAI `/v1/embeddings` (the `openai` SDK)"),
+    (TEI_PROTOCOL, "gateway, TEI `/embed`"),
+)
+
+
+#: the section of bench/data/tried.md on the request path
+REQUEST_PATH_TRIED = "A short query, layer by layer, and the gateway's HTTP stack"
+
+
+def request_path_section(results: dict) -> list[str]:
+    """A short query through each layer in front of the default graph, side by side (the same
+    queries, interleaved), with target (f)'s bounds beside the figures they judge."""
+    default = results.get("default_configuration")
+    if not default:
+        return []
+    rows = Rows(results["rows"], default)
+    found = {"in-process": rows.in_process_graph(LATENCY1),
+             **{p: rows.served(LATENCY1, p) for p in ("grpc", "http")},
+             **{p: rows.gateway(LATENCY1, p) for p in (GATEWAY_PROTOCOL, TEI_PROTOCOL)}}
+    graph = found["in-process"]
+    lines = ["## A short query, layer by layer", "",
+             f"The default configuration ({default['label']}), the same single short queries on every path, "
+             "interleaved; `vs in process`: the median over repetitions of this path's p50 over the graph's "
+             "in the same repetition. Target (f) (below) bounds gRPC at 1.8x the graph in process and the "
+             "OpenAI route at gRPC + 1.5 ms; its batches of 32 at 0.95x the client's over gRPC.", "",
+             "| path (single short query) | p50 ms | p99 ms | vs in process |", "|---|---:|---:|---:|"]
+    for protocol, what in REQUEST_PATH:
+        row = found[protocol]
+        if row is None:
+            continue
+        ratios = paired_ratios(row["p50_ms_reps"], graph["p50_ms_reps"]) if graph else []
+        ratio = f"{float(np.median(ratios)):.2f}x" if ratios else "-"
+        lines.append(f"| {what} | {_num(row['p50_ms'], 2)} | {_num(row['p99_ms'], 2)} | {ratio} |")
+    return [*lines, "", f"Where a short query's time goes on each layer, and what was tried to cut it: "
+            f"[bench/data/tried.md](bench/data/{TRIED.name}), \"{REQUEST_PATH_TRIED}\".", ""]
 
 
 def compute_limit_section(limit: dict | None) -> list[str]:
@@ -269,6 +315,7 @@ def markdown(results: dict) -> str:
         f"Of the tokens the served encoder computes for client batches of 32 sent in set order, "
         f"{text['served_batch32_real_token_share']:.0%} are real (each batch runs in length groups).", "",
         *compute_limit_section(results.get("compute_limit")),
+        *request_path_section(results),
         *targets_section(results),
         observations(results), "",
     ]

@@ -5,6 +5,8 @@ and through the HTTP gateway with the official ``openai`` SDK (OpenAI's API)."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import socket
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from nexus_sli.client import EncoderClient
 from nexus_sli.exporter.serving import server as serve
 
 from .machine import tree_rss_bytes
-from .measure import Sample, one_at_a_time
+from .measure import GATEWAY_PROTOCOL, TEI_PROTOCOL, Sample, one_at_a_time
 
 BATCH_SIZE = 32
 CONCURRENT_CLIENTS = 16
@@ -253,3 +255,42 @@ class GatewayEmbedder(ServedEmbedder):
     def embed_with(self, client, texts: list[str]) -> np.ndarray:
         response = client.embeddings.create(model=self.model, input=texts)
         return np.array([item.embedding for item in response.data], dtype=np.float32)
+
+
+class TeiEmbedder(ServedEmbedder):
+    """The same calls through the gateway's TEI route, ``POST /embed``, JSON in and out, over one kept
+    connection (the standard library's, so that the figures are the gateway's more than a client
+    library's); the request names the model, as the route allows."""
+
+    def connect(self):
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        client = http.client.HTTPConnection(host, int(port), timeout=60.0)
+        client.request("GET", "/health")  # connected, outside any timing
+        _answer(client)
+        return client
+
+    def embed_with(self, client, texts: list[str]) -> np.ndarray:
+        body = json.dumps({"inputs": texts, "model": self.model})
+        try:
+            client.request("POST", "/embed", body, {"Content-Type": "application/json"})
+            answer = _answer(client)
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            # the server closes a connection left idle past its keep-alive (while the other paths ran):
+            # sent again on a new one, as a pooling client does
+            client.close()
+            client.request("POST", "/embed", body, {"Content-Type": "application/json"})
+            answer = _answer(client)
+        return np.array(json.loads(answer), dtype=np.float32)
+
+
+def _answer(connection: http.client.HTTPConnection) -> bytes:
+    """The body of the connection's answer; an error status raised with it."""
+    response = connection.getresponse()
+    body = response.read()
+    if response.status != 200:
+        raise RuntimeError(f"the gateway answered {response.status}: {body[:500]!r}")
+    return body
+
+
+#: the embedder of each gateway route the bench times, by its rows' protocol
+GATEWAY_EMBEDDERS = {GATEWAY_PROTOCOL: GatewayEmbedder, TEI_PROTOCOL: TeiEmbedder}

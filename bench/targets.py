@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .compute_limit import fraction_of_peak, number_format
-from .measure import BATCH32, CONCURRENT16, LATENCY1, SHORT32, in_process_precision
+from .measure import BATCH32, CONCURRENT16, GATEWAY_PATH, GATEWAY_PROTOCOL, LATENCY1, SHORT32, in_process_precision
 
 #: fidelity the default configuration needs before its speed counts (cosine to the reference)
 QUALIFYING = {"cosine_mean": 0.995, "cosine_min": 0.98}
@@ -33,6 +33,7 @@ SPREAD_LIMIT = 0.10
 FP32_SERVED_COSINE_MIN = 0.99999
 
 SERVED = "triton"
+GATEWAY = GATEWAY_PATH
 IN_PROCESS = "in-process"
 PEER_KINDS = ("in-process", "server")
 
@@ -147,6 +148,13 @@ class Rows:
         if self.default is None:
             return None
         return next((r for r in self.rows if r["path"] == SERVED and r.get("peer") is None and r["mode"] == mode
+                     and r["precision"] == self.default["label"] and r["protocol"] == protocol), None)
+
+    def gateway(self, mode: str, protocol: str) -> dict | None:
+        """The default configuration through the HTTP gateway's route ``protocol`` (bench/paths.py)."""
+        if self.default is None:
+            return None
+        return next((r for r in self.rows if r["path"] == GATEWAY and r["mode"] == mode
                      and r["precision"] == self.default["label"] and r["protocol"] == protocol), None)
 
     def protocols(self) -> list[str]:
@@ -288,6 +296,30 @@ def _share_of_peak(rows: Rows, limit: dict | None) -> list[dict]:
                     Bound(">=", 0.35, "%"), shares, config, rows.unqualified())]
 
 
+def _request_path(rows: Rows) -> list[dict]:
+    """(f): what each layer in front of the default graph adds to a short query, on the served default:
+    Triton over gRPC against the same graph in process, the gateway's OpenAI route against gRPC
+    direct, and the OpenAI route's batches of 32 against the client's over gRPC."""
+    target = "(f) the request path"
+    graph, grpc = rows.in_process_graph(LATENCY1), rows.served(LATENCY1, "grpc")
+    openai_single, openai_batches = rows.gateway(LATENCY1, GATEWAY_PROTOCOL), rows.gateway(BATCH32, GATEWAY_PROTOCOL)
+    direct_batches = rows.served(BATCH32, "grpc")
+    config, unqualified = _config(rows, "grpc"), rows.unqualified() if grpc else ""
+    comparisons = [
+        ("gRPC p50 vs the same graph's in-process p50", Bound("<=", 1.8), grpc, graph, paired_ratios, _p50s),
+        ("OpenAI route p50 minus gRPC p50", Bound("<=", 1.5, "ms"), openai_single, grpc, paired_differences, _p50s),
+        ("OpenAI route batches of 32 vs gRPC's", Bound(">=", 0.95), openai_batches, direct_batches, paired_ratios,
+         _rates),
+    ]
+    results = []
+    for comparison, bound, measured, reference, pair, figures in comparisons:
+        values = pair(figures(measured), figures(reference)) if measured and reference else []
+        missing = ("the default configuration is unknown (no auto export to read it from)" if rows.default is None
+                   else "a row of this comparison was not measured in this run")
+        results.append(_result(target, comparison, bound, values, config, unqualified, missing))
+    return results
+
+
 def _fp32_fidelity(rows: list[dict]) -> list[dict]:
     fp32 = [r for r in rows if r["path"] == SERVED and r["precision"] == "fp32" and r["cosine_min"] is not None]
     if not fp32:
@@ -303,7 +335,7 @@ def _fp32_fidelity(rows: list[dict]) -> list[dict]:
 
 
 def evaluate(rows: list[dict], default: dict | None, limit: dict | None = None) -> list[dict]:
-    """Every comparison of targets (a)-(e) and the fp32 fidelity row: required, median and spread of
+    """Every comparison of targets (a)-(f) and the fp32 fidelity row: required, median and spread of
     the per-repetition values, status, the configuration and the gap.
 
     ``default``: the configuration ``auto`` exports on this machine, ``{"label", "backend",
@@ -319,6 +351,7 @@ def evaluate(rows: list[dict], default: dict | None, limit: dict | None = None) 
         *_throughput(found, "(d) client batches of 32 short texts (<= 16 tokens, in arrival order)", SHORT32, 2.5,
                      None, (), "", reference_mode=SHORT32),
         *_share_of_peak(found, limit),
+        *_request_path(found),
         *_fp32_fidelity(rows),
     ]
 

@@ -89,11 +89,13 @@ def test_every_path_and_mode_was_measured(quick):
     assert short and all(r["cosine_min"] > 0.9 for r in short if r["precision"] == "fp32")
     assert all(r["ratio_vs_baseline"] == 1.0 for r in rows if r["baseline"])
     assert sorted({r["seq_len"] for r in rows if r["mode"] == "seq_len"}) == results["settings"]["seq_lens"]
-    # the HTTP gateway (OpenAI's API through the openai SDK) beside the direct gRPC rows, same vectors
+    # the HTTP gateway in front of the default (OpenAI's API through the openai SDK in every mode, TEI's
+    # /embed on single queries) beside the direct gRPC rows, same vectors
+    label = results["default_configuration"]["label"]
     gateway = [r for r in rows if r["path"] == "gateway"]
     assert {(r["precision"], r["protocol"], r["mode"]) for r in gateway} == {
-        ("fp32", "openai-http", m) for m in ("batch32", "concurrent16", "latency1")}
-    direct = {r["mode"]: r for r in rows if (r["path"], r["precision"], r["protocol"]) == ("triton", "fp32", "grpc")}
+        *((label, "openai-http", m) for m in ("batch32", "concurrent16", "latency1")), (label, "tei-http", "latency1")}
+    direct = {r["mode"]: r for r in rows if (r["path"], r["precision"], r["protocol"]) == ("triton", label, "grpc")}
     assert all(abs(r["cosine_min"] - direct[r["mode"]]["cosine_min"]) < 1e-4 for r in gateway)
 
 
@@ -135,7 +137,7 @@ def test_machine_memory_text_set_and_targets_are_recorded(quick):
     assert results["settings"]["repetitions"] == 1
     assert all(len(r["texts_per_s_reps"]) == 1 for r in rows)
     speed = [t for t in results["targets"] if "fidelity" not in t["target"]]
-    assert len(speed) == 10 and not any(t["met"] for t in speed)
+    assert len(speed) == 13 and not any(t["met"] for t in speed)
     assert {t["status"] for t in speed} <= {"not settled", "not met", "not measured"}
     assert results["command"].startswith("nexus-sli bench") and "--quick" in results["command"]
 
@@ -181,6 +183,13 @@ def test_markdown_and_plot_are_written(quick):
     _, out = quick
     page = (out / "latest.md").read_text()
     assert "| path | precision | protocol | mode | texts/s" in page and "## Targets" in page
+    # a short query through each layer, side by side (a quick run serves over gRPC only)
+    layers = page.split("## A short query, layer by layer")[1].split("\n## ")[0]
+    assert all(f"| {what} |" in layers for what in ("the exported graph in process (tokenizers + the runtime)",
+                                                    "Triton over gRPC, `EncoderClient`", "gateway, TEI `/embed`"))
+    from nexus_sli.bench.report import REQUEST_PATH_TRIED, TRIED
+
+    assert REQUEST_PATH_TRIED in layers and f"\n## {REQUEST_PATH_TRIED}\n" in TRIED.read_text()
     assert (out / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -232,11 +241,33 @@ def test_targets_met_on_paired_ratios():
     assert overhead["required"] == "<= 2.00 ms"
     share = found[("(e)", "served batches of 32 over the precision's estimated peak")]
     assert share["per_repetition"] == [0.5, 0.55, pytest.approx(305 / 600)] and share["required"] == ">= 35%"
+    # (f): gRPC p50 over the graph's in process, the OpenAI route's p50 minus gRPC's, its batches over gRPC's
+    assert found[("(f)", "gRPC p50 vs the same graph's in-process p50")]["per_repetition"] == [
+        pytest.approx(5.0 / 3.6), pytest.approx(5.2 / 3.7), pytest.approx(5.1 / 3.6)]
+    assert found[("(f)", "OpenAI route p50 minus gRPC p50")]["median"] == pytest.approx(1.2)
+    assert found[("(f)", "OpenAI route batches of 32 vs gRPC's")]["median"] == pytest.approx(295 / 305)
     speed = [t for t in results if "fidelity" not in t["target"]]
-    assert len(speed) == 10 and all(t["status"] == "met" and t["met"] for t in speed), speed
+    assert len(speed) == 13 and all(t["status"] == "met" and t["met"] for t in speed), speed
     assert bench_targets.unsettled(results) == []
     fidelity = [t for t in results if "fidelity" in t["target"]]
     assert len(fidelity) == 1 and not fidelity[0]["met"] and "0.999" in fidelity[0]["gap"]
+
+
+def test_the_request_paths_misses_report_their_gaps():
+    # gRPC 5.0-5.2 ms over the graph's 2.5 ms; the OpenAI route 3 ms above gRPC; its batches 0.8x gRPC's
+    results = bench_targets.evaluate(run_rows(graph_p50=(2.5, 2.5, 2.5), gateway_p50=(8.0, 8.2, 8.1),
+                                               gateway_batch=(240, 264, 244)), DEFAULT)
+    found = by_comparison(results)
+    grpc = found[("(f)", "gRPC p50 vs the same graph's in-process p50")]
+    assert grpc["status"] == "not met" and grpc["median"] == pytest.approx(5.1 / 2.5) and "allowed" in grpc["gap"]
+    openai = found[("(f)", "OpenAI route p50 minus gRPC p50")]
+    assert openai["required"] == "<= 1.50 ms" and "1.50 ms over" in openai["gap"]
+    batches = found[("(f)", "OpenAI route batches of 32 vs gRPC's")]
+    assert batches["status"] == "not met" and batches["median"] == pytest.approx(0.8)
+    # without the gateway's rows (a run that did not measure them) they are not measured, never met
+    rows = [r for r in run_rows() if r["path"] != "gateway"]
+    missing = [t for t in bench_targets.evaluate(rows, DEFAULT) if t["target"].startswith("(f)")]
+    assert [t["status"] for t in missing] == ["met", "not measured", "not measured"]
 
 
 def test_target_not_met_reports_the_gap():

@@ -20,7 +20,8 @@ def synthetic(path, mode, *, rates=None, p50=None, p99=None, precision="fp32", p
 
 def run_rows(served_batch=(300, 330, 305), served_concurrent=(240, 250, 245), served_p50=(5.0, 5.2, 5.1),
               served_p99=(6.0, 6.1, 6.0), graph_p50=(3.6, 3.7, 3.6), graph_p99=(), cosine=(0.9999, 0.999),
-              peers=True, served_short=(900, 990, 910)):
+              peers=True, served_short=(900, 990, 910), gateway_p50=(6.2, 6.5, 6.3),
+              gateway_batch=(290, 320, 295)):
     """A run on three repetitions: the baseline slows down in the second (a noisy neighbour), the
     served default slows with it, so the paired ratios agree where medians of each alone would not."""
     rows = [
@@ -32,6 +33,10 @@ def run_rows(served_batch=(300, 330, 305), served_concurrent=(240, 250, 245), se
         synthetic("triton", "batch32", rates=list(served_batch), protocol="grpc", cosine=cosine),
         synthetic("triton", "concurrent16", rates=list(served_concurrent), protocol="grpc", cosine=cosine),
         synthetic("triton", "latency1", p50=list(served_p50), p99=list(served_p99), protocol="grpc", cosine=cosine),
+        # the default through the gateway's routes (target (f))
+        synthetic("gateway", "latency1", p50=list(gateway_p50), protocol="openai-http", cosine=cosine),
+        synthetic("gateway", "latency1", p50=[6.0, 6.2, 6.1], protocol="tei-http", cosine=cosine),
+        synthetic("gateway", "batch32", rates=list(gateway_batch), protocol="openai-http", cosine=cosine),
         # another configuration, faster but not the default: never judged
         synthetic("triton", "batch32", rates=[900, 990, 910], precision="int8", protocol="grpc"),
     ]
