@@ -104,7 +104,8 @@ class AsyncEncoderClient:
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         outputs = [self._types.InferRequestedOutput(output) for output in call.outputs]
-        kwargs = {**self._deadline, **({"parameters": call.parameters} if call.parameters else {})}
+        kwargs = {**self._deadline, **p.queue_timeout(self.timeout_s),
+                  **({"parameters": call.parameters} if call.parameters else {})}
         try:
             result = await self._on_replicas(model, lambda client: client.infer(model, inputs, outputs=outputs,
                                                                               **kwargs))

@@ -149,6 +149,7 @@ class EncoderClient:
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         kwargs = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
+        kwargs.update(p.queue_timeout(self.timeout_s))
         if call.parameters:
             kwargs["parameters"] = call.parameters
         outputs = [self._triton.InferRequestedOutput(output) for output in call.outputs]

@@ -82,6 +82,15 @@ _TRITON_MODEL_RESTARTING = re.compile(
 _TRITON_QUEUE_REFUSED = re.compile(r"Exceeds maximum queue size|Request timeout expired", re.IGNORECASE)
 
 
+def queue_timeout(timeout_s: float | None) -> dict:
+    """The call's deadline as Triton's per-request ``timeout`` (microseconds), for ``infer``.  A batching
+    step whose queue policy lets a request shorten its timeout drops the request unrun once it has
+    waited that long in the step's queue (an ensemble passes it to its steps); other models ignore it.
+    Without it, work the caller stopped waiting for is still computed: a cancelled gRPC call is not
+    taken out of a step's queue."""
+    return {"timeout": int(timeout_s * 1_000_000)} if timeout_s else {}
+
+
 def _status(exc: Exception) -> str | None:
     return str(exc.status()) if callable(getattr(exc, "status", None)) else None
 

@@ -83,6 +83,9 @@ def test_configs_parse_back_through_the_schema(server):
     assert tokenizer.dynamic_batching.max_queue_delay_microseconds == triton_config.TOKENIZER_QUEUE_DELAY_US == 0
     post = triton_config.read(server["repo"] / "minilm_strict_postprocess" / "config.pbtxt")
     assert post.HasField("dynamic_batching") and post.dynamic_batching.max_queue_delay_microseconds == 0
+    # every batching step's queue is bounded and drops what waited past its timeout (test_queue_policy)
+    for step in (tokenizer, encoder, post):
+        assert step.dynamic_batching.default_queue_policy == triton_config.queue_policy()
     # an ensemble has no batcher of its own; its steps batch
     assert not ensemble.HasField("dynamic_batching")
 

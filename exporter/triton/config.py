@@ -34,6 +34,16 @@ CPU_QUEUE_DELAY_US = 0
 #: query's time goes").
 TOKENIZER_QUEUE_DELAY_US = 0
 POSTPROCESS_QUEUE_DELAY_US = 0
+#: The most requests one step's queue holds; past it Triton refuses a request at once (the client's
+#: ``ServerBusyError``) instead of queueing work nobody will wait for.  Above what one gateway admits at
+#: its defaults (32 requests of up to 2048 texts, each sent as chunks of MAX_BATCH_SIZE: 1024 requests),
+#: twice over, for direct clients or a second gateway beside it: the bound refuses a burst, never
+#: the load a gateway admitted (bench/data/tried.md, "Triton's queue policy").
+MAX_QUEUE_SIZE = 2048
+#: How long a request may wait in one step's queue before Triton drops it unrun (microseconds): the
+#: client's and the gateway's default deadline for a whole call, so what is dropped is work its caller
+#: has stopped waiting for.  A request may ask for less (``allow_timeout_override``).
+QUEUE_TIMEOUT_US = 60_000_000
 #: Every token row is padded to this width (or the model's limit when shorter),
 #: so all requests share one shape and the encoder's batcher merges them all;
 #: the encoder cuts each batch to its longest real token before computing.
@@ -181,7 +191,14 @@ def _model(name: str, inputs, outputs, batched: bool, params: dict | None, queue
     if batched:
         config.dynamic_batching.SetInParent()  # batching on even where the delay is 0 (proto3's default)
         config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
+        config.dynamic_batching.default_queue_policy.CopyFrom(queue_policy())
     return config
+
+
+def queue_policy() -> pb.ModelQueuePolicy:
+    """Every batching step's queue: bounded, its requests dropped past a timeout a request may shorten."""
+    return pb.ModelQueuePolicy(max_queue_size=MAX_QUEUE_SIZE, default_timeout_microseconds=QUEUE_TIMEOUT_US,
+                               timeout_action=pb.ModelQueuePolicy.REJECT, allow_timeout_override=True)
 
 
 def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, truncate: bool,

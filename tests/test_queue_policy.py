@@ -1,0 +1,109 @@
+"""Triton's queue policy on the exported steps, and its refusals as the client reads them.
+
+A seeded tiny model is exported in fp32 and served by the real Triton server.  Its
+batching steps carry the exported queue policy; a second ensemble, ``held``, runs the
+same encoder behind a copy of the tokenizer whose batcher holds every request far
+longer than the queue's timeout, with room for one request: a second request is
+refused at once (queue full) and a held one is dropped when its time in the queue
+passes, the default's or the shorter deadline the client sends with it.  Each reaches
+the client as ``ServerBusyError``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import pytest
+
+from helpers.servers import serving
+from nexus_sli.client import EncoderClient, ServerBusyError
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.triton import config as tc
+
+NAME, HELD = "queued", "held"
+#: the held tokenizer's queue: one request, dropped after this long (a request may ask for less)
+HELD_TIMEOUT_S = 1.0
+#: far past the timeout: the batcher waits this long for company before it runs a request
+HELD_DELAY_US = 30_000_000
+
+
+def _held_ensemble(repo) -> None:
+    """``HELD``: ``NAME``'s ensemble with its tokenizer replaced by a copy that holds its queue."""
+    tokenizer = tc.read(repo / f"{NAME}_tokenizer" / "config.pbtxt")
+    tokenizer.name = f"{HELD}_tokenizer"
+    tokenizer.dynamic_batching.max_queue_delay_microseconds = HELD_DELAY_US
+    policy = tokenizer.dynamic_batching.default_queue_policy
+    policy.max_queue_size, policy.default_timeout_microseconds = 1, int(HELD_TIMEOUT_S * 1_000_000)
+    shutil.copytree(repo / f"{NAME}_tokenizer", repo / tokenizer.name)
+    tc.write(tokenizer, repo / tokenizer.name)
+    ensemble = tc.read(repo / NAME / "config.pbtxt")
+    ensemble.name = HELD
+    ensemble.ensemble_scheduling.step[0].model_name = tokenizer.name
+    (repo / HELD / "1").mkdir(parents=True)
+    tc.write(ensemble, repo / HELD)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_checkpoint):
+    repo = tmp_path_factory.mktemp("queue-policy")
+    run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name=NAME, out=repo, precision="fp32"))
+    _held_ensemble(repo)
+    with serving(repo) as served:
+        yield served
+
+
+def _client(server, protocol: str, timeout_s: float = 60.0) -> EncoderClient:
+    """One attempt: a refusal is raised as it came, not retried."""
+    return EncoderClient(server[protocol], protocol=protocol, model=HELD, timeout_s=timeout_s, attempts=1, retry_s=0)
+
+
+def test_every_batching_step_has_a_bounded_queue_with_a_timeout(server):
+    for step in (f"{NAME}_tokenizer", f"{NAME}_encoder"):
+        batching = tc.read(server["repo"] / step / "config.pbtxt").dynamic_batching
+        assert batching.default_queue_policy == tc.queue_policy()
+    policy = tc.queue_policy()
+    assert policy.timeout_action == tc.pb.ModelQueuePolicy.REJECT and policy.allow_timeout_override
+    assert policy.max_queue_size == tc.MAX_QUEUE_SIZE and policy.default_timeout_microseconds == tc.QUEUE_TIMEOUT_US
+    # an ensemble has no queue of its own: its steps' policies apply
+    assert not tc.read(server["repo"] / NAME / "config.pbtxt").HasField("dynamic_batching")
+    with EncoderClient(server["grpc"], model=NAME) as client:
+        assert client.embed(["served as before"]).shape[0] == 1
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_full_queue_is_refused_at_once_as_server_busy(server, protocol):
+    first: list[Exception] = []
+
+    def held():
+        with _client(server, protocol) as client, pytest.raises(ServerBusyError) as raised:
+            client.embed(["first, held in the queue"])
+        first.append(raised.value)
+
+    holder = threading.Thread(target=held)
+    holder.start()
+    time.sleep(HELD_TIMEOUT_S / 4)
+    started = time.monotonic()
+    with _client(server, protocol) as client, pytest.raises(ServerBusyError, match="maximum queue size"):
+        client.embed(["second, past the queue's size"])
+    assert time.monotonic() - started < HELD_TIMEOUT_S / 2
+    holder.join()
+    assert "timeout expired" in str(first[0])  # the held one was dropped when its time in the queue passed
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_request_queued_past_the_timeout_is_dropped_as_server_busy(server, protocol):
+    started = time.monotonic()
+    with _client(server, protocol) as client, pytest.raises(ServerBusyError, match="timeout expired"):
+        client.embed(["held until its time in the queue passes"])
+    assert HELD_TIMEOUT_S <= time.monotonic() - started < 10
+
+
+def test_the_clients_deadline_reaches_the_steps_through_the_ensemble(server):
+    """A shorter deadline than the queue's timeout drops the request sooner: the ensemble passes the
+    client's per-request timeout to its steps.  HTTP: the client's own connection outlives it."""
+    started = time.monotonic()
+    with _client(server, "http", timeout_s=HELD_TIMEOUT_S / 5) as client, pytest.raises(ServerBusyError):
+        client.embed(["dropped at the client's deadline"])
+    assert time.monotonic() - started < HELD_TIMEOUT_S * 0.8
