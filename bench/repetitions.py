@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .measure import Measurement
+from .measure import GATEWAY_PATH, Measurement
 from .results import rows
 from .run_size import RunSize
 from .targets import evaluate, unsettled
@@ -76,31 +76,42 @@ class Repetitions:
                 "stopped": self.stopped}
 
 
-def _served_first(measurements: list[Measurement]) -> dict[str, int]:
-    """Where each served configuration's block of rows starts, by precision."""
-    first = {}
-    for index, m in enumerate(measurements):
-        if m.served and m.path == "triton":
-            first.setdefault(m.precision, index)
-    return first
+#: The ways a served configuration is reached, in the order of a repetition that does not rotate them.
+SERVED_GROUPS = ("grpc", "http", GATEWAY_PATH)
+
+
+def _served_group(m: Measurement) -> str | None:
+    """Which way ``m`` reaches a served configuration: a client protocol, or the gateway (its routes
+    together); None for what is not served."""
+    if not m.served:
+        return None
+    if m.path == GATEWAY_PATH:
+        return GATEWAY_PATH
+    return m.protocol if m.path == "triton" and m.protocol in SERVED_GROUPS else None
 
 
 def protocol_turns(measurements: list[Measurement], repetition: int) -> list[Measurement]:
-    """``measurements`` in the order repetition ``repetition`` times them: the served rows over each
-    client protocol take turns going first (gRPC in even repetitions, HTTP in odd ones), so a cost
-    the first protocol pays for the server (a runtime compiling for a new input shape) does not
-    always fall on the same protocol.  Everything else keeps its place."""
-    served = sorted({m.protocol for m in measurements if m.served and m.path == "triton"})
-    if repetition % 2 == 0 or len(served) < 2:
-        return list(measurements)
-    first = _served_first(measurements)
-    flipped = {protocol: rank for rank, protocol in enumerate(reversed(sorted(served, key=("grpc", "http").index)))}
+    """``measurements`` in the order repetition ``repetition`` times them.  The ways each served
+    configuration is reached (gRPC, HTTP, the gateway) take turns going first, one more step each
+    repetition, inside the block where that configuration's rows start: whichever reaches the model
+    first in a repetition pays costs the others then find paid (a runtime compiling for a new input
+    shape), so no path always pays them and the paths compared side by side are paired fairly.
+    Everything else keeps its place."""
+    start, groups = {}, {}
+    for index, m in enumerate(measurements):
+        group = _served_group(m)
+        if group is not None:
+            start.setdefault(m.precision, index)
+            groups.setdefault(m.precision, set()).add(group)
 
     def key(item: tuple[int, Measurement]):
         index, m = item
-        if m.served and m.path == "triton":
-            return (first[m.precision], flipped[m.protocol], index)
-        return (index, 0, index)
+        group = _served_group(m)
+        if group is None:
+            return (index, 0, index)
+        present = [g for g in SERVED_GROUPS if g in groups[m.precision]]
+        turn = (present.index(group) - repetition) % len(present)
+        return (start[m.precision], turn, index)
     return [m for _, m in sorted(enumerate(measurements), key=key)]
 
 

@@ -411,7 +411,7 @@ def test_targets_table_names_the_cpu_status_spread_and_gap():
                                  "without AMX-BF16.")
 
 
-def test_served_protocols_take_turns_going_first():
+def test_served_protocols_and_the_gateway_take_turns_going_first():
     from nexus_sli.bench.repetitions import protocol_turns
 
     texts = ["a"]
@@ -420,14 +420,16 @@ def test_served_protocols_take_turns_going_first():
         for protocol in ("grpc", "http"):
             rows += [Measurement("triton", precision, protocol, mode, texts, [1], None, served=True)
                      for mode in ("batch32", "latency1")]
-    rows.append(_scripted("gateway", [], texts, protocol="http", served=True))
-    described = lambda order: [(m.path, m.precision, m.protocol, m.mode) for m in order]  # noqa: E731
-    assert protocol_turns(rows, 0) == rows and protocol_turns(rows, 2) == rows
-    odd = described(protocol_turns(rows, 1))
-    assert odd[0] == ("sentence-transformers", "fp32", "in-process", "batch32") and odd[-1][0] == "gateway"
-    assert [r[1:3] for r in odd[1:9]] == [("fp32", "http")] * 2 + [("fp32", "grpc")] * 2 + \
-        [("int8", "http")] * 2 + [("int8", "grpc")] * 2
-    assert sorted(odd) == sorted(described(rows))  # the same measurements, reordered
+    rows.append(_scripted("gateway", [], texts, protocol="openai-http", served=True))  # in front of fp32
+    way = lambda m: "gateway" if m.path == "gateway" else m.protocol  # noqa: E731
+    order = lambda repetition: [(m.precision, way(m)) for m in protocol_turns(rows, repetition)[1:]]  # noqa: E731
+    fp32, int8 = (lambda *ways: [("fp32", w) for w in ways]), (lambda *ways: [("int8", w) for w in ways])
+    assert order(0) == fp32("grpc", "grpc", "http", "http", "gateway") + int8("grpc", "grpc", "http", "http")
+    assert order(1) == fp32("http", "http", "gateway", "grpc", "grpc") + int8("http", "http", "grpc", "grpc")
+    assert order(2) == fp32("gateway", "grpc", "grpc", "http", "http") + int8("grpc", "grpc", "http", "http")
+    for repetition in range(4):  # the baseline keeps its place; the same measurements, reordered
+        turned = protocol_turns(rows, repetition)
+        assert turned[0] is rows[0] and sorted(map(id, turned)) == sorted(map(id, rows))
 
 
 def test_short_texts_are_judged_against_the_baselines_own_short_batches():
