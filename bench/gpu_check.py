@@ -6,12 +6,18 @@ repository written by ``nexus-sli export --target gpu --accelerator cuda``::
 
     python -m nexus_sli.bench.gpu_check --repository REPO --model NAME --weights MODEL_DIR --out record.json
 
-1. ``nexus-sli validate`` on the repository (the stored PyTorch fp32 reference through the providers
-   the encoder's config names);
-2. the same reference inputs through sentence-transformers fp16 on the GPU, held to the same
-   reference, so both fp16 paths are read side by side;
-3. batches of 32 texts and single short queries, tokenizer included on both sides, the paths
-   interleaved in every round.
+Its steps (``--steps``; the first four by default):
+
+- ``environment``: versions, the GPU, the providers this onnxruntime has;
+- ``validate``: ``nexus-sli validate`` on the repository (the stored PyTorch fp32 reference through
+  the providers the encoder's config names);
+- ``fidelity``: the same reference inputs through sentence-transformers fp16 on the GPU, held to the
+  same reference, so both fp16 paths are read side by side;
+- ``speed``: batches of 32 texts and single short queries, tokenizer included on both sides, the
+  paths interleaved in every round;
+- ``served``: the repository served by Triton on the GPU, through the client over gRPC and HTTP,
+  beside the graph in process;
+- ``padding``: what padding a batch to wider widths costs on the GPU.
 
 Every step writes its part of the record as it ends, so a step that fails leaves the others' results
 (docs/gpu.md, "Measured on a GPU").
@@ -33,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from nexus_sli.bench.measure import cosines
+
 BATCH = 32
 SINGLE_QUERIES = 64
 
@@ -45,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the JSON record to write")
     parser.add_argument("--rounds", type=int, default=6, help="interleaved timing rounds")
     parser.add_argument("--device", default="cuda", help="torch device for sentence-transformers (cpu: a dry run)")
-    parser.add_argument("--steps", default="environment,validate,fidelity,speed", help=f"which of {', '.join(STEPS)}, comma-separated")
+    parser.add_argument("--steps", default="environment,validate,fidelity,speed",
+                        help=f"which of {', '.join(STEPS)}, comma-separated")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     record: dict = {"command": "python -m nexus_sli.bench.gpu_check " + " ".join(argv)}
@@ -102,24 +111,19 @@ def validate(args) -> dict:
 
 
 def reference_batches(repository: Path, model: str) -> list[tuple[dict, np.ndarray]]:
-    """The stored validation text batches: (inputs, PyTorch fp32 sentence embeddings)."""
-    stored = np.load(repository / f"{model}_encoder" / "reference.npz")
-    count = sum(1 for key in stored.files if key.endswith(".input_ids"))
-    texts = int(stored["text_batches"])
-    batches = []
-    for i in range(count - texts, count):
-        inputs = {name: stored[f"in.{i}.{name}"] for name in ("input_ids", "attention_mask", "token_type_ids")}
-        batches.append((inputs, mean_pooled(stored[f"out.{i}.0"], inputs["attention_mask"])))
-    return batches
+    """The stored validation text batches: (inputs, the PyTorch fp32 sentence embeddings, made from the
+    stored token states the way the export's validation.json says the model pools them)."""
+    from nexus_sli.exporter.export import export_report, stored_reference
+    from nexus_sli.exporter.export.validate import embedder_from_report
+    from nexus_sli.tasks import get_task
 
-
-def mean_pooled(states: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    summed = (states * mask[..., None]).sum(axis=1) / np.maximum(mask.sum(axis=1, keepdims=True), 1)
-    return summed / np.linalg.norm(summed, axis=1, keepdims=True)
-
-
-def cosines(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    return (got * want).sum(axis=1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+    folder = repository / f"{model}_encoder"
+    exported = export_report.read(folder)
+    reference = stored_reference.load(folder, list(exported.inputs), get_task(exported.task).output_names())
+    embedder = embedder_from_report(exported)
+    return [(inputs, embedder(outputs[0], inputs["attention_mask"]))
+            for inputs, outputs in zip(reference.batches[reference.first_text:],
+                                       reference.outputs[reference.first_text:])]
 
 
 def fidelity(args) -> dict:
@@ -216,13 +220,14 @@ def graph_embedder(repository: Path, model: str):
     parameters = tc.read(repository / f"{model}_tokenizer" / "config.pbtxt").parameters
     max_length = int(parameters["max_length"].string_value)
     widths = [int(w) for w in parameters["pad_widths"].string_value.split(",")]
+    pad_id = int(parameters["pad_id"].string_value)
     tokenizer = load_tokenizer(str(repository / f"{model}_tokenizer" / "1" / "tokenizer.json"), max_length)
     names = [i.name for i in session.get_inputs()]
 
     def embed(texts: list[str]) -> np.ndarray:
         encodings = tokenizer.encode_batch(texts)
         width = padded_length(max(len(e.ids) for e in encodings), widths, max_length)
-        return session.run(["EMBEDDING"], to_arrays(encodings, names, int(parameters["pad_id"].string_value), width))[0]
+        return session.run(["EMBEDDING"], to_arrays(encodings, names, pad_id, width))[0]
 
     return embed
 
