@@ -20,6 +20,9 @@ import re
 #: The request parameter naming the prompt the tokenizer step puts in front of each text (the
 #: model's ``prompts``, from its sentence-transformers config); absent: the model's default prompt.
 PROMPT_PARAMETER = "prompt_name"
+#: The request parameter naming the side of a late-interaction model's request (``query`` or
+#: ``document``, ``python_models/sides.py``): its marker, length, expansion and scoring mask.
+INPUT_TYPE_PARAMETER = "input_type"
 #: Request parameters (booleans) of the tokenizer model's two text modes: whether ``TOKENS`` adds the
 #: model's special tokens ([CLS], [SEP] ...), and whether ``DECODED`` leaves them out.
 ADD_SPECIAL_TOKENS_PARAMETER = "add_special_tokens"
