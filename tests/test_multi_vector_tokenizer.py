@@ -23,7 +23,8 @@ import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from nexus_sli.client.error_codes import INPUT_TYPE_PARAMETER, INVALID_INPUT, PROMPT_PARAMETER, TOKEN_COUNT_OUTPUT
+from nexus_sli.client.error_codes import (INPUT_TYPE_PARAMETER, INVALID_INPUT, PROMPT_PARAMETER, TOKEN_COUNT_OUTPUT,
+                                          TOKENS_OUTPUT)
 from nexus_sli.exporter.serving.binary import pytriton_root
 from nexus_sli.exporter.triton.python_models.encoding import TOKENIZER_MODES
 from nexus_sli.exporter.triton.python_models.sides import (
@@ -45,7 +46,7 @@ WORDS = ["the", "cat", "dog", "sat", "on", "mat", "what", "is", "where", "did", 
 #: ``[unused0]``/``[unused1]``: Stanford ColBERT's markers, registered as special tokens as its loader does
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[unused0]", "[unused1]", *string.punctuation, *WORDS,
          *string.ascii_lowercase, *(f"##{c}" for c in string.ascii_lowercase)]
-TEXTS = ["what is a cat?", "the dog sat on the mat.", "hello, world! (a test)",
+TEXTS = ["cat", "what is a cat?", "the dog sat on the mat.", "hello, world! (a test)",
          "where did the cat go? " * 6]  # the last is longer than every side's length
 PROMPTS = {"query": "[unused0] ", "document": "[unused1] ", "search": "search query: "}
 PLAIN_PROMPTS = {"query": "[Q] ", "document": "[D] "}  # markers as a native save writes them: plain text
@@ -70,7 +71,7 @@ CASES = {
     "fixed-attend": Case("fixed", attend=True),
     "min": Case("min", length=8, query_length=14, document_length=20, skiplist_tasks=("query", "document"),
                 prompts=PLAIN_PROMPTS),
-    "min-attend": Case("min", attend=True, length=8, query_length=8, keep_only=("cat", "dog", "mat", "?")),
+    "min-attend": Case("min", attend=True, length=10, query_length=10, keep_only=("cat", "dog", "mat", "?")),
     "no-expansion": Case(None, query_length=9, skiplist_tasks=()),
 }
 
@@ -206,8 +207,8 @@ class _Input:
 class _Request:
     """The parts of ``pb_utils.InferenceRequest`` the tokenizer model reads."""
 
-    def __init__(self, texts, **parameters):
-        self._texts, self._parameters = texts, parameters
+    def __init__(self, texts, outputs=(), **parameters):
+        self._texts, self._outputs, self._parameters = texts, list(outputs), parameters
 
     def inputs(self):
         return [_Input("TEXT", np.array([[t.encode()] for t in self._texts], dtype=object))]
@@ -216,7 +217,7 @@ class _Request:
         return json.dumps(self._parameters)
 
     def requested_output_names(self):
-        return []
+        return self._outputs
 
 
 @pytest.fixture
@@ -286,3 +287,12 @@ def test_a_query_needs_its_expansions_width(tokenizer_model):
     (short,) = served.execute([_Request(["cat"], **{INPUT_TYPE_PARAMETER: QUERY})])
     assert short.tensors["input_ids"].shape[1] == sides.query.expansion.length == 12
     assert short.tensors[SCORE_MASK].sum() == 12 and short.tensors["attention_mask"].sum() == 4  # [CLS] [unused0] cat [SEP]: attend is off
+
+
+@pytest.mark.parametrize("side_name", [QUERY, DOCUMENT])
+def test_tokenize_shows_a_sides_text_with_its_marker_untruncated(tokenizer_model, side_name):
+    served, *_ = tokenizer_model
+    (answer,) = served.execute([_Request(TEXTS[-1:], outputs=[TOKENS_OUTPUT], **{INPUT_TYPE_PARAMETER: side_name})])
+    tokens = json.loads(answer.tensors[TOKENS_OUTPUT][0, 0])
+    assert tokens["text"][1] == PROMPTS[side_name].strip()
+    assert len(tokens["ids"]) > served.sides.side(side_name).max_length
