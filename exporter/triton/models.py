@@ -96,7 +96,7 @@ def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None 
     version.mkdir(parents=True, exist_ok=True)
     package = resources.files(_PYTHON_MODELS)
     (version / "model.py").write_text(package.joinpath(f"{module}.py").read_text())
-    for helper in ("encoding.py", "heads.py"):
+    for helper in ("encoding.py", "heads.py", "sides.py"):
         (version / helper).write_text(package.joinpath(helper).read_text())
     # the error codes the client understands, emitted by the models themselves
     (version / "error_codes.py").write_text(resources.files("nexus_sli.client").joinpath("error_codes.py").read_text())
