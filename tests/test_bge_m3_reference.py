@@ -4,11 +4,13 @@ FlagEmbedding does not install beside the product (it needs transformers 4), so
 its outputs on the seeded tiny BGE-M3 (:mod:`helpers.m3_models`) are kept in
 ``tests/data/bge_m3/flag_reference.json``, written by
 ``tests/references/flag_m3.py`` in a venv of its own.  Here the folder is built
-again and its weights' fingerprint checked against the file's; the tiny
-encoder's token states (PyTorch, and its ONNX graph with the heads appended, run
-by ONNX Runtime on one padded batch) must give FlagEmbedding's outputs: dense
-and ColBERT vectors at cosine >= 0.9999 per vector, the same lexical ids wherever
-FlagEmbedding's weight is >= 1e-4, weights and both scores within 1e-4 relative.
+again and its weights' fingerprint checked against the file's.  The numpy
+reference on PyTorch's token states, and the tiny encoder's ONNX graph with the
+heads' nodes appended (run by ONNX Runtime on one padded batch, with and without
+the padding trim; first held to the numpy reference of the same batch), must give
+FlagEmbedding's outputs: dense and ColBERT vectors at cosine >= 0.9999 per
+vector, the same lexical ids wherever FlagEmbedding's weight is >= 1e-4, weights
+and both scores within 1e-4 relative.
 
 The last test (``real_checkpoint``: ``make test-real``, which builds the venv)
 runs the script again and checks that it reproduces the kept file.
@@ -28,7 +30,8 @@ import torch
 from nexus_sli.exporter.errors import CheckpointError, UnsafeCheckpointError
 from nexus_sli.exporter.export import m3_heads
 from nexus_sli.exporter.export.m3_heads import (M3Output, add_m3_heads, colbert_score, dropped_token_ids, is_bge_m3,
-                                                lexical_score, lexical_weights, m3_outputs, read_m3_heads)
+                                                lexical_score, lexical_weights, m3_arrays, m3_outputs,
+                                                read_m3_heads)
 from nexus_sli.exporter.export.onnx_export import export_onnx, model_input_names
 from nexus_sli.exporter.export.padding_trim import add_padding_trim
 from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK
@@ -135,9 +138,9 @@ def _batch(ids: list[list[int]], names: list[str], pad_id: int) -> dict[str, np.
     return {**{name: feeds[name] for name in names}, SCORE_MASK: score_mask}
 
 
-def _graph_outputs(path: Path, feeds: dict, ids: list[list[int]], dropped: tuple[int, ...]) -> list[M3Output]:
-    """The graph's three outputs per text, its sparse weights reduced per id as a client does."""
-    dense, sparse, vectors = quiet_session(path).run(list(OUTPUTS), feeds)
+def _per_text(arrays: tuple, feeds: dict, ids: list[list[int]], dropped: tuple[int, ...]) -> list[M3Output]:
+    """The graph's three outputs per text (its sparse weights reduced per id, as a client does)."""
+    dense, sparse, vectors = arrays
     got = []
     for row, text in enumerate(ids):
         n = len(text)
@@ -157,9 +160,17 @@ def test_the_graph_nodes_give_flag_embeddings_outputs_on_a_padded_batch(encoder,
     trimmed = add_padding_trim(path, tmp_path / "m3.trim.onnx", list(OUTPUTS[1:]))
     ids = reference["queries"]["input_ids"] + reference["documents"]["input_ids"]
     feeds = _batch(ids, names, encoder.config.pad_token_id)
+    with torch.no_grad():
+        states = encoder(**{n: torch.from_numpy(feeds[n]) for n in names}).last_hidden_state.numpy()
+    expected = m3_arrays(states, feeds, m3["heads"], m3["dropped"])
     queries = len(ids) - len(reference["documents"]["input_ids"])
     for graph in (path, trimmed):  # the heads read the trimmed inputs behind a padding trim
-        got = _graph_outputs(graph, feeds, ids, m3["dropped"])
+        arrays = quiet_session(graph).run(list(OUTPUTS), feeds)
+        for name, got, want in zip(OUTPUTS, arrays, expected):
+            width = got.shape[1] if name in OUTPUTS[1:] else None  # the per-token outputs come out trimmed
+            np.testing.assert_allclose(got, want[:, :width], rtol=RELATIVE, atol=1e-6,
+                                       err_msg=f"{graph.name}: {name} against m3_arrays")
+        got = _per_text(arrays, feeds, ids, m3["dropped"])
         _assert_like_flag(got[:queries], _expected(reference, "queries"), f"{graph.name}, queries")
         _assert_like_flag(got[queries:], _expected(reference, "documents"), f"{graph.name}, documents")
         _assert_scores_like_flag(got[:queries], got[queries:], reference)

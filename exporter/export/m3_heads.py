@@ -152,11 +152,25 @@ def token_weights(states: np.ndarray, heads: M3Heads) -> np.ndarray:
     return np.maximum(states.astype(np.float32) @ heads.sparse_weight + np.float32(heads.sparse_bias), 0)
 
 
+def colbert_vectors(states: np.ndarray, heads: M3Heads) -> np.ndarray:
+    """``h W^T + b`` for token states ``[..., hidden]``, L2-normalised: ``[..., dim]``."""
+    return l2_normalize(states.astype(np.float32) @ heads.colbert_weight.T + heads.colbert_bias)
+
+
 def m3_outputs(states: np.ndarray, ids: np.ndarray, heads: M3Heads, dropped_ids: tuple[int, ...]) -> M3Output:
     """The three outputs of one text from its token states ``[n, hidden]`` and ids ``[n]`` (no padding)."""
-    states = states.astype(np.float32)
-    colbert = l2_normalize(states[1:] @ heads.colbert_weight.T + heads.colbert_bias)
-    return M3Output(l2_normalize(states[0]), lexical_weights(ids, token_weights(states, heads), dropped_ids), colbert)
+    lexical = lexical_weights(ids, token_weights(states, heads), dropped_ids)
+    return M3Output(l2_normalize(states[0].astype(np.float32)), lexical, colbert_vectors(states[1:], heads))
+
+
+def m3_arrays(states: np.ndarray, feeds: dict[str, np.ndarray], heads: M3Heads,
+              dropped_ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What :func:`add_m3_heads`' outputs answer for a padded batch: its token states ``[batch, sequence,
+    hidden]`` and the graph's ``input_ids``, ``attention_mask`` and :data:`SCORE_MASK` in ``feeds``."""
+    kept = feeds[MASK].astype(bool) & ~np.isin(feeds[IDS], dropped_ids)
+    sparse = token_weights(states, heads) * kept
+    vectors = colbert_vectors(states, heads) * feeds[SCORE_MASK][..., None]
+    return l2_normalize(states[:, 0].astype(np.float32)), sparse.astype(np.float32), vectors.astype(np.float32)
 
 
 def lexical_weights(ids: np.ndarray, weights: np.ndarray, dropped_ids: tuple[int, ...]) -> dict[int, float]:
