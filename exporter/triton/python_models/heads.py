@@ -120,8 +120,9 @@ def sparse_embedding_head(x: dict, params: dict) -> dict:
 
 
 def multi_vector_head(x: dict, params: dict) -> dict:
-    """Each token's state, normalised, zero off the scoring mask (the graph applies the model's projection
-    first; an export without it in the graph is refused where the model has one)."""
+    """Each token's state, normalised, zero off the scoring mask: the late-interaction answer without the
+    model's projection.  Exports put the whole head in the encoder graph (``export/pooling.py``), whose
+    padding trim alone keeps the scored positions the encoder does not attend to."""
     vectors = x["last_hidden_state"].astype(np.float32)
     if params.get("normalize") == "true":
         vectors = l2_normalize(vectors)
