@@ -26,6 +26,7 @@ from nexus_sli.client.error_codes import INPUT_TYPE_PARAMETER
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export import padding_trim
 from nexus_sli.exporter.export.embedders import ModelFolder, poolers
+from nexus_sli.exporter.export.multi_vector import multi_vectors
 from nexus_sli.exporter.export.onnx_export import export_onnx, model_input_names
 from nexus_sli.exporter.export.padding_trim import add_padding_trim
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
@@ -178,6 +179,10 @@ def test_validation_fails_a_trim_that_cuts_unattended_positions(folders, tmp_pat
     export_onnx(model, TASK, names, VOCAB_SIZE, tmp_path / "plain.onnx")
     cases = with_score_masks(parity_cases(names, VOCAB_SIZE, 0, positions))
     reference = build_reference(model, TASK, [*names, *head.inputs], cases, [])
+    # validation's head is the folder reader's reference head, each text's rows in place
+    hidden, mask = reference.outputs[1][0], reference.batches[1][SCORE_MASK]
+    for row, vectors in enumerate(multi_vectors(hidden, mask, embedder.config)):
+        np.testing.assert_allclose(embedder(hidden, mask)[row][mask[row].astype(bool)], vectors, atol=1e-6)
     pooled = head.append(tmp_path / "plain.onnx", tmp_path / "head.onnx")
     right = add_padding_trim(pooled, tmp_path / "right.onnx", head.per_token)
     monkeypatch.setattr(padding_trim, "SCORE_MASK", None)  # the cut by the attention mask alone

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from .dense import SENTENCE, TOKENS, Dense
 from .export_report import ExportReport
-from .multi_vector import MultiVectorConfig, multi_vectors
 from .padding_trim import trimmed_length
 from .report import (
     AgreementShortfall,
@@ -33,6 +32,9 @@ from nexus_sli.exporter.triton.python_models.encoding import encode, l2_normaliz
 from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK, Sides, side_tokenizers, sided_encode
 from nexus_sli.tasks import TaskSpec
 from nexus_sli.tasks.agreement import TIE_MARGIN, agreement
+
+if TYPE_CHECKING:  # the folder reader imports the model families (PyTorch): a GPU host validates without them
+    from .multi_vector import MultiVectorConfig
 
 #: Embeddings: token states within 1e-4 (fp32); sentence-embedding cosine (bf16, int8).
 #: fp32's tolerance is also the margin under which two reference scores are a tie
@@ -219,14 +221,15 @@ class MultiVectorEmbedder:
     per_token: ClassVar[bool] = True
 
     def __call__(self, hidden: np.ndarray, score_mask: np.ndarray) -> np.ndarray:
-        """``[batch, sequence, size]``: each scored token's vector where ``score_mask`` is 1, zeros elsewhere
-        (:func:`multi_vector.multi_vectors`, which reads the Dense modules and the normalisation only)."""
-        rows = multi_vectors(hidden, score_mask, self)
-        size = self.dense[-1].out_features if self.dense else hidden.shape[-1]
-        out = np.zeros((*score_mask.shape, size), np.float32)
-        for row, vectors in enumerate(rows):
-            out[row, score_mask[row].astype(bool)] = vectors
-        return out
+        """``[batch, sequence, size]``: each token's vector where ``score_mask`` is 1, zeros elsewhere; the rows
+        :func:`multi_vector.multi_vectors` lists per text, in place (here, since ``nexus-sli validate`` on a
+        GPU host runs it without the folder reader's PyTorch)."""
+        vectors = hidden.astype(np.float32)
+        for module in self.dense:
+            vectors = module(vectors)
+        if self.normalize:
+            vectors = l2_normalize(vectors)
+        return (vectors * score_mask[..., None]).astype(np.float32)
 
     @property
     def graph_only(self) -> list[str]:
