@@ -52,6 +52,7 @@ def measure(setup: Setup, run_size: RunSize, repetitions: Repetitions) -> tuple[
             measurements += peer_processes.measurements(paths.groups(setup), run_size.latency_budget_s)
             measurements += paths.served_measurements(setup, run_size, server, clients)
             measurements += paths.gateway_measurements(setup, run_size, gateway, clients)
+            measurements += paths.paired_measurements(setup, server, gateway, clients)
             log.info("warming up %d measurements", len(measurements))
             paths.warm_up(measurements, run_size)
             idle = _idle_rss(server)

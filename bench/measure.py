@@ -14,6 +14,7 @@ CONCURRENT16 = "concurrent16"    # 16 clients, one text per request
 LATENCY1 = "latency1"            # sequential single short queries
 SEQ_LEN = "seq_len"              # batches of 32 texts of one token length
 SHORT32 = "short32"              # client batches of 32 short texts (16 tokens or fewer), in the set's order
+PAIRED32 = "paired32"            # batches of 32 sent in turn with another path, request by request (bench/paired.py)
 
 def in_process_precision(label: str) -> str:
     """The precision column of a served configuration's in-process rows: its label (:func:`exports.variant_label`)
@@ -21,9 +22,11 @@ def in_process_precision(label: str) -> str:
     return label.removeprefix("openvino-")
 
 
-#: the rows of the HTTP gateway, in front of the served default configuration: OpenAI's API over HTTP,
-#: and TEI's (its ``/embed``)
+#: the rows of the HTTP gateway, in front of the served default configuration: OpenAI's API over HTTP
+#: through the ``openai`` SDK, and TEI's (its ``/embed``)
 GATEWAY_PATH, GATEWAY_PROTOCOL, TEI_PROTOCOL = "gateway", "openai-http", "tei-http"
+#: OpenAI's route again, the SDK's JSON body sent by a plain HTTP client: the route's own cost, without the SDK's
+OPENAI_PLAIN_PROTOCOL = "openai-http-plain"
 
 
 @dataclass

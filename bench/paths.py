@@ -15,6 +15,8 @@ from .measure import (
     GATEWAY_PATH,
     GATEWAY_PROTOCOL,
     LATENCY1,
+    OPENAI_PLAIN_PROTOCOL,
+    PAIRED32,
     SEQ_LEN,
     SHORT32,
     TEI_PROTOCOL,
@@ -130,10 +132,11 @@ def in_process_measurements(setup: Setup, run_size: RunSize, encoders: list[InPr
     return measurements
 
 
-#: the modes each gateway route is timed in: OpenAI's in every mode, beside the direct gRPC rows (its
-#: batches of 32 against the direct ones are a target); TEI's on single queries, the layer a query
-#: pays for beside the client's own protocols
-GATEWAY_MODES = {GATEWAY_PROTOCOL: (BATCH32, CONCURRENT16, LATENCY1), TEI_PROTOCOL: (LATENCY1,)}
+#: the modes each gateway route is timed in: OpenAI's through the SDK in every mode, beside the direct
+#: gRPC rows; TEI's on single queries, the layer a query pays for beside the client's own protocols;
+#: OpenAI's from a plain HTTP client on single queries, the route's cost without the SDK's
+GATEWAY_MODES = {GATEWAY_PROTOCOL: (BATCH32, CONCURRENT16, LATENCY1), TEI_PROTOCOL: (LATENCY1,),
+                 OPENAI_PLAIN_PROTOCOL: (LATENCY1,)}
 
 
 def gateway_label(setup: Setup) -> str:
@@ -156,6 +159,25 @@ def gateway_measurements(setup: Setup, run_size: RunSize, gateway, clients: list
         measurements += [Measurement(mode=mode, run=runs[mode], **texts["latency" if mode == LATENCY1 else "set"],
                                      **common) for mode in modes]
     return measurements
+
+
+def paired_measurements(setup: Setup, server, gateway, clients: list) -> list[Measurement]:
+    """The default configuration's batches of 32 over gRPC (``EncoderClient``) and through the OpenAI
+    route (the ``openai`` SDK) sent in turn, request by request, on the same texts (bench/paired.py):
+    target (f) compares the two, and timed as blocks their order would decide it."""
+    from .paired import TakingTurns
+    from .served import GatewayEmbedder, ServedEmbedder
+
+    label = gateway_label(setup)
+    grpc = ServedEmbedder(server.url("grpc"), "grpc", setup.names[label])
+    clients.append(grpc)
+    openai = GatewayEmbedder(gateway.url, GATEWAY_PROTOCOL, setup.names[label])
+    clients.append(openai)
+    turns, texts = TakingTurns(grpc.embed, openai.embed), groups(setup)["set"]
+    return [Measurement(path="triton", precision=label, protocol="grpc", mode=PAIRED32, run=turns.side(0),
+                        served=True, **texts),
+            Measurement(path=GATEWAY_PATH, precision=label, protocol=GATEWAY_PROTOCOL, mode=PAIRED32,
+                        run=turns.side(1), served=True, **texts)]
 
 
 def served_measurements(setup: Setup, run_size: RunSize, server, clients: list) -> list[Measurement]:

@@ -1,10 +1,12 @@
 """The served path: the real Triton server on free loopback ports, and the three
 ways clients use it (batches of 32, 16 concurrent single-text clients, sequential
 single queries), through the project's own ``EncoderClient`` over gRPC / HTTP,
-and through the HTTP gateway with the official ``openai`` SDK (OpenAI's API)."""
+and through the HTTP gateway: OpenAI's API with the official ``openai`` SDK, and its
+routes from a plain HTTP client."""
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import socket
@@ -21,7 +23,7 @@ from nexus_sli.client import EncoderClient
 from nexus_sli.exporter.serving import server as serve
 
 from .machine import tree_rss_bytes
-from .measure import GATEWAY_PROTOCOL, TEI_PROTOCOL, Sample, one_at_a_time
+from .measure import GATEWAY_PROTOCOL, OPENAI_PLAIN_PROTOCOL, TEI_PROTOCOL, Sample, one_at_a_time
 
 BATCH_SIZE = 32
 CONCURRENT_CLIENTS = 16
@@ -171,6 +173,10 @@ class ServedEmbedder:
     def embed_with(self, client, texts: list[str]) -> np.ndarray:
         return client.embed(texts, model=self.model)
 
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """One request of ``texts`` on the kept client."""
+        return self.embed_with(self.client, texts)
+
     def close(self) -> None:
         self.client.close()
 
@@ -180,13 +186,13 @@ class ServedEmbedder:
         start = time.perf_counter()
         for i in range(0, len(texts), batch_size):
             t0 = time.perf_counter()
-            vectors.append(self.embed_with(self.client, texts[i:i + batch_size]))
+            vectors.append(self.embed(texts[i:i + batch_size]))
             latencies.append((time.perf_counter() - t0) * 1e3)
         return Sample(time.perf_counter() - start, latencies, np.concatenate(vectors))
 
     def sequential(self, texts: list[str], budget_s: float | None = None) -> Sample:
         """One text per request, each sent after the previous answer came back."""
-        return one_at_a_time(lambda text: self.embed_with(self.client, [text])[0], texts, budget_s)
+        return one_at_a_time(lambda text: self.embed([text])[0], texts, budget_s)
 
     def concurrent(self, texts: list[str], clients: int = CONCURRENT_CLIENTS) -> Sample:
         """``clients`` threads, each with its own client, sending one text per request
@@ -257,10 +263,12 @@ class GatewayEmbedder(ServedEmbedder):
         return np.array([item.embedding for item in response.data], dtype=np.float32)
 
 
-class TeiEmbedder(ServedEmbedder):
-    """The same calls through the gateway's TEI route, ``POST /embed``, JSON in and out, over one kept
-    connection (the standard library's, so that the figures are the gateway's more than a client
-    library's); the request names the model, as the route allows."""
+class PlainHttpEmbedder(ServedEmbedder):
+    """A gateway route called with JSON in and out over one kept connection, the standard library's,
+    so that the figures are the gateway's more than a client library's.  A route's subclass says
+    where it posts (``ROUTE``), its body and how its answer holds the vectors."""
+
+    ROUTE = ""
 
     def connect(self):
         host, port = self.url.removeprefix("http://").rsplit(":", 1)
@@ -269,18 +277,52 @@ class TeiEmbedder(ServedEmbedder):
         _answer(client)
         return client
 
+    def body(self, texts: list[str]) -> dict:
+        raise NotImplementedError
+
+    def vectors(self, answer: bytes) -> np.ndarray:
+        raise NotImplementedError
+
     def embed_with(self, client, texts: list[str]) -> np.ndarray:
-        body = json.dumps({"inputs": texts, "model": self.model})
+        body = json.dumps(self.body(texts))
         try:
-            client.request("POST", "/embed", body, {"Content-Type": "application/json"})
+            client.request("POST", self.ROUTE, body, {"Content-Type": "application/json"})
             answer = _answer(client)
         except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
             # the server closes a connection left idle past its keep-alive (while the other paths ran):
             # sent again on a new one, as a pooling client does
             client.close()
-            client.request("POST", "/embed", body, {"Content-Type": "application/json"})
+            client.request("POST", self.ROUTE, body, {"Content-Type": "application/json"})
             answer = _answer(client)
+        return self.vectors(answer)
+
+
+class TeiEmbedder(PlainHttpEmbedder):
+    """The same calls through the gateway's TEI route, ``POST /embed``; the request names the model,
+    as the route allows."""
+
+    ROUTE = "/embed"
+
+    def body(self, texts: list[str]) -> dict:
+        return {"inputs": texts, "model": self.model}
+
+    def vectors(self, answer: bytes) -> np.ndarray:
         return np.array(json.loads(answer), dtype=np.float32)
+
+
+class OpenAIPlainEmbedder(PlainHttpEmbedder):
+    """The same calls through the gateway's ``/v1/embeddings`` with the JSON body the ``openai`` SDK
+    sends (base64 vectors, its default), from a plain HTTP client: beside :class:`GatewayEmbedder`'s
+    figures on the same route, what the SDK's own work in the caller costs."""
+
+    ROUTE = "/v1/embeddings"
+
+    def body(self, texts: list[str]) -> dict:
+        return {"model": self.model, "input": texts, "encoding_format": "base64"}
+
+    def vectors(self, answer: bytes) -> np.ndarray:
+        data = sorted(json.loads(answer)["data"], key=lambda item: item["index"])
+        return np.stack([np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4") for item in data])
 
 
 def _answer(connection: http.client.HTTPConnection) -> bytes:
@@ -293,4 +335,5 @@ def _answer(connection: http.client.HTTPConnection) -> bytes:
 
 
 #: the embedder of each gateway route the bench times, by its rows' protocol
-GATEWAY_EMBEDDERS = {GATEWAY_PROTOCOL: GatewayEmbedder, TEI_PROTOCOL: TeiEmbedder}
+GATEWAY_EMBEDDERS = {GATEWAY_PROTOCOL: GatewayEmbedder, TEI_PROTOCOL: TeiEmbedder,
+                     OPENAI_PLAIN_PROTOCOL: OpenAIPlainEmbedder}

@@ -15,15 +15,18 @@ def synthetic(path, mode, *, rates=None, p50=None, p99=None, precision="fp32", p
             "peer": peer, "repetitions": len(reps), "cosine_mean": cosine[0], "cosine_min": cosine[1],
             "texts_per_s": float(sorted(rates)[len(rates) // 2]) if rates else 1.0,
             "p50_ms": float(sorted(p50)[len(p50) // 2]) if p50 else None,
+            "p99_ms": float(sorted(p99)[len(p99) // 2]) if p99 else None,
             "texts_per_s_reps": rates or [], "p50_ms_reps": p50 or [], "p99_ms_reps": p99 or []}
 
 
 def run_rows(served_batch=(300, 330, 305), served_concurrent=(240, 250, 245), served_p50=(5.0, 5.2, 5.1),
               served_p99=(6.0, 6.1, 6.0), graph_p50=(3.6, 3.7, 3.6), graph_p99=(), cosine=(0.9999, 0.999),
               peers=True, served_short=(900, 990, 910), gateway_p50=(6.2, 6.5, 6.3),
-              gateway_batch=(290, 320, 295)):
+              gateway_batch=(290, 320, 295), paired=None, plain_p50=None):
     """A run on three repetitions: the baseline slows down in the second (a noisy neighbour), the
-    served default slows with it, so the paired ratios agree where medians of each alone would not."""
+    served default slows with it, so the paired ratios agree where medians of each alone would not.
+    ``paired``: (the OpenAI route's, gRPC's) texts/s of batches sent in turn; ``plain_p50``: the OpenAI
+    route's single queries from a plain HTTP client; a run without them is one from before they were."""
     rows = [
         synthetic("sentence-transformers", "batch32", rates=[100, 110, 101], baseline=True),
         synthetic("sentence-transformers", "latency1", p50=[7.0, 7.4, 7.1], baseline=True),
@@ -40,6 +43,11 @@ def run_rows(served_batch=(300, 330, 305), served_concurrent=(240, 250, 245), se
         # another configuration, faster but not the default: never judged
         synthetic("triton", "batch32", rates=[900, 990, 910], precision="int8", protocol="grpc"),
     ]
+    if paired:
+        rows += [synthetic("gateway", "paired32", rates=list(paired[0]), protocol="openai-http", cosine=cosine),
+                 synthetic("triton", "paired32", rates=list(paired[1]), protocol="grpc", cosine=cosine)]
+    if plain_p50:
+        rows.append(synthetic("gateway", "latency1", p50=list(plain_p50), protocol="openai-http-plain", cosine=cosine))
     if peers:
         rows += [
             synthetic("fastembed", "batch32", rates=[200, 220, 205], peer="in-process"),
