@@ -13,6 +13,7 @@ import shutil
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from nexus_sli.client.model_info import PRECISION_PARAMETER
 from nexus_sli.tasks import get_task
@@ -36,6 +37,10 @@ pooling and normalisation and answers `EMBEDDING` itself (the ensemble answers
 ensemble `NAME_tokens` (`NAME_tokenizer` -> the same `NAME_encoder`) answers
 each token's vector, `TOKEN_EMBEDDINGS`, with the tokenizer's `ATTENTION_MASK`.
 A sparse-embedding model's encoder answers `SPARSE_EMBEDDING` ([vocab]) itself.
+A multi-vector (ColBERT) model's encoder answers `MULTI_VECTOR`, one vector per
+token, zeros where a token is not scored; the ensemble answers `SCORE_MASK`
+beside it, from `NAME_tokenizer` (request parameter `input_type`: `query` or
+`document`, the default), and a text's vectors are the rows its mask holds.
 
 Serve it with `tritonserver --model-repository <this folder>`; locally,
 `nexus-sli serve --model-repository <this folder>` starts the Triton server
@@ -89,6 +94,9 @@ class ServingFacts:
     embedded_size: int = 0
     #: the precision the served encoder was exported in (``fp32``, ``fp16``, ``int8`` ...), for clients
     precision: str = ""
+    #: a late-interaction model's two sides (``python_models/sides.py``'s ``Sides``), which its ``sided``
+    #: tokenizer step reads; None for other tasks
+    sides: Any = None
 
 
 def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None = None) -> None:
@@ -112,8 +120,9 @@ def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenize
     tokenizer, encoder, postprocess = f"{name}_tokenizer", f"{name}_encoder", f"{name}_postprocess"
     steps = (tokenizer, encoder) if lay.encoder_answers else (tokenizer, encoder, postprocess)
     _copy_python_model("tokenizer_model", root / tokenizer, {"tokenizer.json": tokenizer_json})
+    sides = facts.sides.to_json() if facts.sides is not None else None
     tc.write(tc.tokenizer_config(tokenizer, lay, facts.max_length, facts.pad_id, facts.truncate,
-                                 facts.encoder.widths(facts.max_length), facts.prompts), root / tokenizer)
+                                 facts.encoder.widths(facts.max_length), facts.prompts, sides), root / tokenizer)
     (root / encoder / "1").mkdir(parents=True, exist_ok=True)
     tc.write(tc.encoder_config(encoder, lay, facts.input_names, facts.encoder, facts.model_filename,
                                facts.max_length), root / encoder)
