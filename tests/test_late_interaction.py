@@ -297,3 +297,9 @@ def test_the_catalog_finds_a_model_by_every_task_it_serves():
     assert asyncio.run(catalog.get("m3", "sparse-embedding")).name == "m3"
     with pytest.raises(GatewayError, match="several models serve 'embedding'"):
         asyncio.run(catalog.only_for("embedding"))
+
+
+def test_info_describes_a_multi_vector_model_as_an_unpooled_embedder():
+    info = _gateway(("colbert", "multi-vector")).get("/info").json()
+    assert schema_problems({k: v for k, v in info.items() if k != "dimensions"}, tei_schema("Info")) == []
+    assert info["model_type"] == {"embedding": {"pooling": "none"}} and info["dimensions"] == DIM
