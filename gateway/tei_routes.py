@@ -94,7 +94,7 @@ def logits(scores: list[float]) -> list[float]:
     return (np.log(p) - np.log1p(-p)).tolist()
 
 
-async def _embedding_request(request: Request, task: Tasks):
+async def _embedding_request(request: Request, task: str):
     """(state, body, texts, model, prompt_name) of a TEI embedding-kind request: ``inputs``, the truncation
     options, ``prompt_name``; the model serving ``task``."""
     state = request.app.state
