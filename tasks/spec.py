@@ -99,6 +99,13 @@ class TaskSpec:
     #: the ensemble answers each text's token count too (the tokenizer step's ``TOKEN_COUNT``,
     #: ``client/error_codes.py``), so an API that reports usage (OpenAI's) reads it from the same call
     usage: bool = False
+    #: results the tokenizer step answers itself, as (result name, tokenizer output name): the ensemble maps
+    #: that tokenizer output to the result (a late-interaction model's scoring mask, by which a client picks
+    #: each text's vectors); the encoder or the post-processing makes the others
+    token_results: tuple[tuple[str, str], ...] = ()
+    #: checkpoint tensors outside the encoder that the task's own head reads (Stanford ColBERT's projection,
+    #: a root ``linear.weight``): the layer walk accounts for them instead of refusing them as unconsumed
+    head_tensors: tuple[str, ...] = ()
 
     def build(self, config: Any):
         import transformers

@@ -22,7 +22,7 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
 #: What the python models run beside inside the server: themselves, Triton's module, the copied error codes.
-IN_SERVER = {"encoding", "heads", "error_codes", "triton_python_backend_utils"}
+IN_SERVER = {"encoding", "heads", "sides", "error_codes", "triton_python_backend_utils"}
 #: import name -> the distribution that provides it
 DISTRIBUTIONS = {"numpy": "numpy", "tokenizers": "tokenizers"}
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+

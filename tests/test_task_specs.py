@@ -17,9 +17,9 @@ from nexus_sli.tasks.agreement import METRICS
 NAMES = list(TASKS)
 
 
-def test_the_six_served_tasks_are_registered_in_order():
+def test_the_served_tasks_are_registered_in_order():
     assert NAMES == ["embedding", "classification", "rerank", "token-classification", "question-answering",
-                     "sparse-embedding"]
+                     "sparse-embedding", "multi-vector"]
 
 
 def test_heads_and_specs_match_one_to_one():

@@ -134,14 +134,15 @@ def _tensor(tensors: dict[str, np.ndarray], key: str, shape: tuple[int, ...], fo
     return tensors[key].astype(np.float32)
 
 
-def read(folder: Path, expected_input: str) -> Dense:
+def read(folder: Path, expected_input: str, unnamed_input: str = SENTENCE) -> Dense:
     """The Dense module in ``folder``; ``expected_input``: the feature its place in the pipeline feeds it
-    (:data:`TOKENS` before the pooling, :data:`SENTENCE` after)."""
+    (:data:`TOKENS` before the pooling, :data:`SENTENCE` after); ``unnamed_input``: the feature a config
+    that names none reads (a multi-vector model's older saves imply the token states)."""
     file = folder / "config.json"
     config = json.loads(file.read_text()) if file.is_file() else {}
     if "in_features" not in config or "out_features" not in config:
         raise NexusError(f"{file} does not give the Dense module's in_features and out_features")
-    source = config.get("module_input_name", SENTENCE)
+    source = config.get("module_input_name", unnamed_input)
     if source != expected_input or config.get("module_output_name", source) not in (None, source):
         raise NexusError(f"{file}: a Dense module at this place of the pipeline must read and write "
                          f"{expected_input!r}; it reads {source!r} and writes "

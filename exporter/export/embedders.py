@@ -11,30 +11,53 @@ ops that every target appends to its candidate graphs (:mod:`pooling`):
   and L2 normalisation (``1_Pooling``, ``Normalize``), the token states kept
   beside the embedding where the task keeps them (``token_states``);
 - ``splade``: sentence-transformers' ``SpladePooling`` over masked-LM logits,
-  its ``pooling_strategy`` and ``activation_function`` read from its config.
+  its ``pooling_strategy`` and ``activation_function`` read from its config;
+- ``multi-vector``: a late-interaction model (``MultiVectorEncoder``, PyLate or
+  Stanford ColBERT folder, read by :mod:`multi_vector`): its Dense modules and
+  normalisation on every token, kept where the scoring mask says.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.triton.python_models.encoding import SPLADE_ACTIVATIONS, SPLADE_STRATEGIES
+from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK
 
 from .dense import chained_size
-from .pooling import Pooling, SpladePooling
+from .multi_vector import MultiVectorConfig, read_multi_vector
+from .pooling import MultiVectorHead, Pooling, SpladePooling
 # sentence-transformers' modules.json, read where the rest of the folder is (one reader)
 from .source import dense_modules, layer_norm, normalizes, pooling_mode, st_module_path
-from .validate import Embedder, SparseEmbedder
+from .validate import Embedder, MultiVectorEmbedder, SparseEmbedder
 
 #: The modules a sparse encoder folder may hold besides its SpladePooling: the masked-LM transformer
 #: (``MLMTransformer``, or ``Transformer`` with ``transformer_task: fill-mask`` since sentence-transformers 6).
 _SPARSE_TRANSFORMERS = ("MLMTransformer", "Transformer")
 
 
-def _sentence(path: Path, task: Any, hidden_size: int, vocab_size: int) -> tuple[Embedder, Pooling]:
+@dataclass(frozen=True)
+class ModelFolder:
+    """The model a pooler reads: its folder, and what the export found out about it."""
+
+    path: Path
+    task: Any
+    hidden_size: int
+    vocab_size: int
+    #: the tokenizer the export serves, as the folder has it (``tokenizers.Tokenizer``)
+    tokenizer: Any = None
+    #: the encoder's positions
+    max_positions: int = 0
+    #: a checkpoint's pickle files may be read (``--allow-pickle``)
+    allow_pickle: bool = False
+
+
+def _sentence(model: ModelFolder) -> tuple[Embedder, Pooling]:
+    path, task, hidden_size = model.path, model.task, model.hidden_size
     on_tokens, on_pooled = dense_modules(path)
     embedder = Embedder(pooling_mode(path), normalizes(path), layer_norm(path), [*on_tokens, *on_pooled])
     size = chained_size(embedder.dense, hidden_size, path)
@@ -65,22 +88,38 @@ def splade_config(path: Path) -> tuple[str, str]:
     return strategy, activation
 
 
-def _splade(path: Path, task: Any, hidden_size: int, vocab_size: int) -> tuple[SparseEmbedder, SpladePooling]:
-    embedder = SparseEmbedder(*splade_config(path))
-    return embedder, SpladePooling(embedder.strategy, embedder.activation, task.output_names()[0],
-                                   task.client_output, vocab_size)
+def _splade(model: ModelFolder) -> tuple[SparseEmbedder, SpladePooling]:
+    embedder = SparseEmbedder(*splade_config(model.path))
+    return embedder, SpladePooling(embedder.strategy, embedder.activation, model.task.output_names()[0],
+                                   model.task.client_output, model.vocab_size)
 
 
-#: ``TaskSpec.pooled_by`` -> (model folder, task, hidden size, vocabulary size) -> (embedder, in-graph pooling)
-POOLERS: dict[str, Callable[[Path, Any, int, int], tuple[Any, Any]]] = {"sentence": _sentence, "splade": _splade}
+def multi_vector_config(model: ModelFolder) -> MultiVectorConfig:
+    """The late-interaction model's sides, projection, normalisation and similarity (:mod:`multi_vector`)."""
+    if model.tokenizer is None:
+        raise NexusError(f"{model.path}: reading a late-interaction model needs the tokenizer it serves")
+    return read_multi_vector(model.path, model.tokenizer, model.max_positions, allow_pickle=model.allow_pickle)
 
 
-def poolers(path: Path, task: Any, hidden_size: int, vocab_size: int) -> tuple[Any, Any]:
-    """(embedder, in-graph pooling) of ``task`` for the model at ``path``; (None, None) for a task whose
+def _multi_vector(model: ModelFolder) -> tuple[MultiVectorEmbedder, MultiVectorHead]:
+    config = multi_vector_config(model)
+    size = chained_size(list(config.dense), model.hidden_size, model.path)
+    embedder = MultiVectorEmbedder(config.normalize, list(config.dense), config.similarity, size, config)
+    return embedder, MultiVectorHead(model.task.output_names()[0], model.task.client_output, SCORE_MASK,
+                                     config.dense, config.normalize, size)
+
+
+#: ``TaskSpec.pooled_by`` -> (the model) -> (embedder, in-graph pooling)
+POOLERS: dict[str, Callable[[ModelFolder], tuple[Any, Any]]] = {
+    "sentence": _sentence, "splade": _splade, "multi-vector": _multi_vector}
+
+
+def poolers(model: ModelFolder) -> tuple[Any, Any]:
+    """(embedder, in-graph pooling) of ``model.task`` for the model; (None, None) for a task whose
     post-processing head reads the encoder's outputs."""
-    if task.pooled_by is None:
+    if model.task.pooled_by is None:
         return None, None
-    return POOLERS[task.pooled_by](path, task, hidden_size, vocab_size)
+    return POOLERS[model.task.pooled_by](model)
 
 
 def is_sparse_encoder(path: Path) -> bool:

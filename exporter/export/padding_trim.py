@@ -9,6 +9,11 @@ non-zero ``attention_mask`` position, so a mask with holes is never cut short)
 and slices every token input to it.  Outputs that follow the sequence come out
 with that trimmed length; the post-processing slices its masks to match.
 
+A late-interaction graph has a second mask input, ``score_mask`` (the tokens
+whose vectors it answers): a query's expansion positions are scored even where
+the encoder does not attend to them.  There the preamble cuts at the last
+position either mask holds, so no scored position is cut off.
+
 The preamble is plain ONNX (Shape, Range, ReduceMax, Slice), so it runs on every
 backend: ONNX Runtime, OpenVINO, and the native backends of an NGC container.
 Trimming trailing padding does not change any real token's output: positions
@@ -29,21 +34,29 @@ from . import onnx_files
 #: The name the trimmed sequence axis of the outputs gets in the graph.
 TRIMMED_AXIS = "trimmed_sequence"
 _PREFIX = "nexus_trim/"
+#: The scoring mask input of a late-interaction graph (``python_models/sides.py``'s ``SCORE_MASK``):
+#: the cut keeps every position it or the attention mask holds.
+SCORE_MASK = "score_mask"
 
 
 def _constant(name: str, value: np.ndarray) -> onnx.TensorProto:
     return numpy_helper.from_array(value, _PREFIX + name)
 
 
-def _preamble(mask: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], str]:
-    """Nodes computing ``ends`` ([1], int64): one past the batch's last non-zero mask position."""
+def _preamble(mask: str, score_mask: str | None = None) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], str]:
+    """Nodes computing ``ends`` ([1], int64): one past the batch's last non-zero position of ``mask``, or of
+    ``mask`` and ``score_mask`` together where the graph has both."""
     p = _PREFIX
     constants = [
         _constant("one", np.array(1, dtype=np.int64)),
         _constant("axis1", np.array([1], dtype=np.int64)),
         _constant("zero_1d", np.array([0], dtype=np.int64)),
     ]
-    nodes = [
+    nodes = []
+    if score_mask is not None:
+        nodes.append(helper.make_node("Max", [mask, score_mask], [p + "either_mask"]))
+        mask = p + "either_mask"
+    nodes += [
         helper.make_node("Shape", [mask], [p + "shape"], start=1, end=2),           # [L]
         helper.make_node("Squeeze", [p + "shape", p + "zero_1d"], [p + "length"]),  # L
         helper.make_node("Add", [p + "length", p + "one"], [p + "limit"]),
@@ -86,7 +99,7 @@ def _trim(graph: onnx.GraphProto, per_token_outputs: list[str]) -> None:
     inputs = [i.name for i in graph.input if i.name not in {init.name for init in graph.initializer}]
     if "attention_mask" not in inputs:
         raise ValueError(f"cannot trim padding: the graph has no attention_mask input (inputs: {inputs})")
-    nodes, constants, ends = _preamble("attention_mask")
+    nodes, constants, ends = _preamble("attention_mask", SCORE_MASK if SCORE_MASK in inputs else None)
     for name in inputs:
         trimmed = _PREFIX + name
         _rename_uses(graph, name, trimmed)
@@ -101,7 +114,11 @@ def _trim(graph: onnx.GraphProto, per_token_outputs: list[str]) -> None:
             output.type.tensor_type.shape.dim[1].dim_param = TRIMMED_AXIS
 
 
-def trimmed_length(attention_mask: np.ndarray) -> int:
-    """The sequence length the preamble cuts a batch to (numpy, for checks and tests)."""
-    real = np.flatnonzero(np.asarray(attention_mask).astype(bool).any(axis=0))
+def trimmed_length(attention_mask: np.ndarray, score_mask: np.ndarray | None = None) -> int:
+    """The sequence length the preamble cuts a batch to (numpy, for checks and tests); ``score_mask``: a
+    late-interaction graph's second mask input."""
+    held = np.asarray(attention_mask).astype(bool)
+    if score_mask is not None:
+        held = held | np.asarray(score_mask).astype(bool)
+    real = np.flatnonzero(held.any(axis=0))
     return int(real[-1]) + 1 if real.size else 1

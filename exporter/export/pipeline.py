@@ -19,27 +19,31 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer
+
 from nexus_sli.exporter.errors import ExportError, ValidationError
 from nexus_sli.exporter.targets import Candidate, Configuration, ExportedGraph, configurations_for
 from nexus_sli.exporter.triton.models import ServingFacts, write_models, write_readme
 from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
+from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK
 from nexus_sli.exporter.triton.staging import Staging
 from nexus_sli.tasks import get_task, infer_task
 from nexus_sli.tasks.spec import TOKEN_MODEL_SUFFIX
 
 from . import export_report, onnx_files, stored_reference
 from .checkpoint import Checkpoint
-from .embedders import is_sparse_encoder, poolers
+from .embedders import ModelFolder, is_sparse_encoder, poolers
 from .export_report import AttemptRecord, CandidateRecord, ExportReport, Heat, MeasuredRow, Timing, WalkRecord
 from .handler import get_registry
+from .multi_vector import add_markers, is_multi_vector
 from .onnx_export import export_onnx, model_input_names
 from .quantize import scales_per_batch
 from .report import ValidationReport
 from .source import (check_name, load_config, matryoshka_dims, max_sequence_length, prompts, resolve_model,
                      tokenizer_file)
 from .timing import DEFAULT_OBJECTIVE, Heats, Workload, check_objective, footprint, memory_budget, time_in_heats, workloads
-from .validate import Embedder, Reference, SparseEmbedder, build_reference, compare, parity_cases, text_batches
-from .validate import with_auto_bar
+from .validate import (Embedder, MultiVectorEmbedder, Reference, SparseEmbedder, build_reference, compare,
+                       parity_cases, sided_text_batches, text_batches, with_auto_bar, with_score_masks)
 from .validate import thresholds as validate_thresholds
 from .walk import open_layer_cache, walk
 
@@ -94,7 +98,7 @@ class Prepared:
     graph: ExportedGraph
     reference: Reference
     #: how the graph's output becomes the served answer where the task pools (:mod:`embedders`)
-    embedder: Embedder | SparseEmbedder | None
+    embedder: Embedder | SparseEmbedder | MultiVectorEmbedder | None
     walk: WalkRecord
     #: what every passing candidate is timed on
     workloads: list[Workload]
@@ -164,13 +168,19 @@ def _prepare(options: ExportOptions, source, work: Path) -> Prepared:
     config = load_config(source.path)
     task = _task(options, source, config)
     handler = get_registry().detect_family(config)
-    # what the folder says about pooling is read first: a model the export cannot reproduce fails before the walk
-    sizes = handler.family.hidden_size(config), handler.family.vocab_size(config)
-    embedder, pooling = poolers(source.path, task, *sizes)
-    model, walked = _walk(options, source, config, task, handler)
     family = handler.family
     max_length = max_sequence_length(source.path, family, config)
     tokenizer_path = tokenizer_file(source.path, work)
+    # what the folder says about pooling is read first: a model the export cannot reproduce fails before the walk
+    embedder, pooling = poolers(ModelFolder(source.path, task, family.hidden_size(config), family.vocab_size(config),
+                                            load_tokenizer(tokenizer_path, max_length), family.max_positions(config),
+                                            options.allow_pickle))
+    in_graph = pooling if options.pool_in_graph else None  # each target appends it to its candidates
+    if in_graph is None and getattr(embedder, "graph_only", None):
+        raise ExportError(f"the python post-processing step does not apply {' or '.join(embedder.graph_only)}: "
+                          "export this model with the pooling in the graph (the default)")
+    tokenizer_path = _served_tokenizer(tokenizer_path, embedder, work)
+    model, walked = _walk(options, source, config, task, handler)
     tokenizer = load_tokenizer(tokenizer_path, max_length)
     pad_id = _pad_id(config, tokenizer)
     log.info("exporting the plain ONNX graph")
@@ -179,27 +189,51 @@ def _prepare(options: ExportOptions, source, work: Path) -> Prepared:
     data = onnx_files.data_files(work / "plain.onnx")
     log.info("plain ONNX graph: %s", f"{sum(f.stat().st_size for f in data) / 1e9:.2f} GB of weights in "
              f"{data[0].name}, beside the graph (past ONNX's 2 GB protobuf limit)" if data else "one file")
-    cases = parity_cases(input_names, family.vocab_size(config), pad_id, family.max_positions(config))
-    texts = text_batches(tokenizer, input_names, pad_id, max_length, pairs=task.pair)
-    log.info("computing the PyTorch fp32 reference: %d parity cases, %d text batches", len(cases), len(texts))
-    reference = build_reference(model, task, input_names, cases, texts)
-    in_graph = pooling if options.pool_in_graph else None  # each target appends it to its candidates
-    if in_graph is None and getattr(embedder, "graph_only", None):
-        raise ExportError(f"the python post-processing step does not apply {' or '.join(embedder.graph_only)}: "
-                          "export this model with the pooling in the graph (the default)")
     graph = ExportedGraph(work / "plain.onnx", work, family, config, task, input_names, tokenizer, pad_id,
                           max_length, in_graph, large=bool(data))
-    loads = workloads(tokenizer, input_names, pad_id, max_length, pairs=task.pair)
+    reference = _reference(model, graph, tokenizer_path, embedder)
+    loads = [replace(load, feeds=graph.complete(load.feeds))
+             for load in workloads(tokenizer, input_names, pad_id, max_length, pairs=task.pair)]
     return Prepared(source, config, task, family, tokenizer_path, graph, reference, embedder, walked, loads)
 
 
+def _reference(model, graph: ExportedGraph, tokenizer_path: Path, embedder) -> Reference:
+    """PyTorch's outputs on the parity cases and the validation texts, fed as the candidates are: a
+    late-interaction graph's cases carry a scoring mask, and its texts are tokenized on each side."""
+    inputs, family, config, pad_id = graph.served_inputs, graph.family, graph.config, graph.pad_id
+    cases = parity_cases(graph.input_names, family.vocab_size(config), pad_id, family.max_positions(config))
+    if SCORE_MASK in inputs:
+        cases = with_score_masks(cases)
+    if graph.task.tokenizer_mode == "sided":
+        texts = sided_text_batches(tokenizer_path, embedder.sides, inputs, pad_id)
+    else:
+        texts = text_batches(graph.tokenizer, inputs, pad_id, graph.max_length, pairs=graph.task.pair)
+    log.info("computing the PyTorch fp32 reference: %d parity cases, %d text batches", len(cases), len(texts))
+    return build_reference(model, graph.task, inputs, cases, texts)
+
+
+def _served_tokenizer(path: Path, embedder, work: Path) -> Path:
+    """The tokenizer.json the repository serves: the model's, with the markers a late-interaction model's
+    legacy save has sentence-transformers register as special tokens (:func:`multi_vector.add_markers`)."""
+    read = getattr(embedder, "config", None)  # the late-interaction folder as read (multi_vector.MultiVectorConfig)
+    if read is None or not read.added_special_tokens:
+        return path
+    served = work / "served-tokenizer.json"
+    add_markers(Tokenizer.from_file(str(path)), read).save(str(served))
+    log.info("markers registered as special tokens in the served tokenizer: %s", ", ".join(read.added_special_tokens))
+    return served
+
+
 def _task(options: ExportOptions, source, config):
-    """The task asked for; for ``auto``, sparse embeddings where the folder is a SparseEncoder's, else the
-    task the config's architectures say (a ``*ForMaskedLM`` architecture alone says dense embeddings)."""
+    """The task asked for; for ``auto``, sparse embeddings where the folder is a SparseEncoder's, late
+    interaction where it is a MultiVectorEncoder's (PyLate's, Stanford ColBERT's), else the task the
+    config's architectures say (a ``*ForMaskedLM`` architecture alone says dense embeddings)."""
     if options.task != "auto":
         return get_task(options.task)
     if is_sparse_encoder(source.path):
         return get_task("sparse-embedding")
+    if is_multi_vector(source.path):
+        return get_task("multi-vector")
     return infer_task(config)
 
 
@@ -347,7 +381,7 @@ def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt],
                                     cosine_min=c.report.cosine_min) for c in attempt.candidates],
         measured=[row for a in attempts for row in a.rows(chosen)],
         workloads=[load.describe() for load in prepared.workloads], timing=timing, large_model=graph.large,
-        inputs=graph.input_names, truncate=options.truncate, max_length=graph.max_length,
+        inputs=graph.served_inputs, truncate=options.truncate, max_length=graph.max_length,
         **(embedder.record() if embedder else {}),
         pooled_in_graph=graph.pooled,
         outputs=graph.pooling.outputs if graph.pooled else prepared.task.output_names(), walk=prepared.walk)
@@ -362,13 +396,13 @@ def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: 
     """The models into the staging root, the chosen graph as the encoder's model file; the ensembles' names."""
     task, config, embedder = prepared.task, prepared.config, prepared.embedder
     configuration = attempt.configuration
-    facts = ServingFacts(prepared.graph.input_names, prepared.family.hidden_size(config),
+    facts = ServingFacts(prepared.graph.served_inputs, prepared.family.hidden_size(config),
                          int(getattr(config, "num_labels", 0) or 0), prepared.graph.max_length, prepared.graph.pad_id,
                          report.truncate, task.post_params(config, embedder),
                          configuration.target.serving(configuration.precision), f"model{chosen.path.suffix}",
                          prepared.graph.pooled, *_retrieval(prepared),
                          vocab_size=prepared.family.vocab_size(config), embedded_size=_embedded_size(prepared),
-                         precision=configuration.precision)
+                         precision=configuration.precision, sides=getattr(embedder, "sides", None))
     ensembles = write_models(root, name, task.name, facts, prepared.tokenizer_path)
     encoder_dir = root / f"{name}_encoder"
     chosen.install(encoder_dir / "1")
@@ -377,8 +411,9 @@ def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: 
     return ensembles
 
 
-#: The tasks whose models may carry sentence-transformers prompts (SparseEncoder folders have them too).
-PROMPTED_TASKS = ("embedding", "sparse-embedding")
+#: The tasks whose models may carry sentence-transformers prompts (SparseEncoder and MultiVectorEncoder
+#: folders have them too: a MultiVectorEncoder save's markers are its query and document prompts).
+PROMPTED_TASKS = ("embedding", "sparse-embedding", "multi-vector")
 
 
 def _retrieval(prepared: Prepared) -> tuple[dict, dict]:
@@ -401,4 +436,6 @@ def _retrieval(prepared: Prepared) -> tuple[dict, dict]:
 def _embedded_size(prepared: Prepared) -> int:
     """The served embedding's size: the hidden size, or what the model's Dense modules project it to."""
     hidden = prepared.family.hidden_size(prepared.config)
+    if isinstance(prepared.embedder, MultiVectorEmbedder):
+        return prepared.embedder.vector_size
     return prepared.embedder.size(hidden) if isinstance(prepared.embedder, Embedder) else hidden

@@ -18,6 +18,14 @@ The token states stay beside the embedding as a second output,
 ``TOKEN_EMBEDDINGS`` (fp32, before pooling): a second ensemble serves them,
 and the served encoder computes only the outputs a request asks for.
 
+A late-interaction (multi-vector) graph pools nothing: it ends in the model's
+Dense modules on every token state and the L2 normalisation of each, times the
+scoring mask, a graph input of its own (``score_mask``, from the tokenizer step,
+``python_models/sides.py``), into ``[batch, sequence, dim]``: exact zeros where a
+token is not scored.  The scoring mask may hold positions the attention mask
+does not (query expansion the encoder does not attend to), so the padding trim
+in front cuts at the last position of either (:mod:`padding_trim`).
+
 A sparse-embedding graph ends instead in sentence-transformers' SpladePooling
 (``python_models.encoding.splade``): masked-LM logits times the mask,
 ``log(1 + relu(x))`` (twice for ``log1p_relu``), max or sum over the sequence,
@@ -280,6 +288,59 @@ def _append(graph: onnx.GraphProto, states: str, make_nodes, output: str, size: 
         graph.output.append(helper.make_tensor_value_info(tokens, TensorProto.FLOAT, shape))
 
 
+def _multi_vector(states: str, score_mask: str, dense: tuple[Dense, ...], normalize: bool,
+                  initializers: list[onnx.TensorProto]) -> tuple[list[onnx.NodeProto], str]:
+    """Nodes turning token ``states`` ([batch, sequence, hidden]) into one vector per scored token:
+    the Dense modules, the normalisation, times ``score_mask`` ([batch, sequence]); their weights go into
+    ``initializers``."""
+    p = PREFIX
+    nodes = [_node("Cast", [states], p + "token_states", to=TensorProto.FLOAT)]  # fp32 after an fp16 encoder
+    vectors = p + "token_states"
+    for index, module in enumerate(dense):
+        more, vectors, weights = _dense(vectors, module, f"dense_{index}")
+        nodes += more
+        initializers.extend(weights)
+    if normalize:
+        more, vectors = _normalize(vectors)
+        nodes += more
+    return nodes + [
+        _node("Cast", [score_mask], p + "score_weights", to=TensorProto.FLOAT),
+        _node("Unsqueeze", [p + "score_weights", p + "axis2"], p + "scored"),  # [batch, sequence, 1]
+        _node("Mul", [vectors, p + "scored"], p + "vectors"),
+    ], p + "vectors"
+
+
+def add_multi_vector(source: Path, target: Path, states: str, output: str, score_mask: str,
+                     dense: tuple[Dense, ...], normalize: bool, size: int) -> Path:
+    """Write ``source`` as ``target`` with its token-state output ``states`` turned into the fp32 output
+    ``output`` ``[batch, sequence, size]``: sentence-transformers' ``dense`` modules on every token, each
+    vector L2-normalised (when ``normalize``), times the new int64 graph input ``score_mask``
+    ``[batch, sequence]`` (zeros where a token is not scored)."""
+    if any(module.input != TOKENS for module in dense):
+        raise ExportError("a late-interaction model's Dense modules read the token states; one reads "
+                          "the pooled sentence vector, which this model does not make")
+
+    def rewrite(model: onnx.ModelProto) -> None:
+        graph = model.graph
+        outputs, inputs = [o.name for o in graph.output], [i.name for i in graph.input]
+        if states not in outputs or MASK not in inputs or score_mask in inputs:
+            raise ExportError(f"cannot append the multi-vector head: it needs the output {states!r}, the input "
+                              f"{MASK!r} and no input {score_mask!r} yet (outputs {outputs}, inputs {inputs})")
+        initializers: list[onnx.TensorProto] = []
+        nodes, vectors = _multi_vector(states, score_mask, dense, normalize, initializers)
+        nodes.append(helper.make_node("Identity", [vectors], [output], name=PREFIX + "output"))
+        graph.node.extend(nodes)
+        used = {name for node in nodes for name in node.input}
+        graph.initializer.extend([*initializers, *(c for c in _constants() if c.name in used)])
+        mask_type = next(i for i in graph.input if i.name == MASK)
+        sequence = mask_type.type.tensor_type.shape.dim[1].dim_param or "sequence"
+        graph.input.append(helper.make_tensor_value_info(score_mask, TensorProto.INT64, ["batch", sequence]))
+        del graph.output[:]
+        graph.output.append(helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", sequence, size]))
+
+    return onnx_files.rewrite(source, target, rewrite)
+
+
 @dataclass(frozen=True)
 class Pooling:
     """How one embedding export pools in its graphs: what each target appends to its candidates."""
@@ -313,6 +374,15 @@ class Pooling:
         """The pooled graph's outputs that follow the sequence (cut with the padding)."""
         return [self.tokens] if self.tokens else []
 
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """Graph inputs the pooling adds: none, it reads the encoder's own."""
+        return ()
+
+    def complete(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``feeds`` with the inputs the pooling adds: none."""
+        return feeds
+
 
 @dataclass(frozen=True)
 class SpladePooling:
@@ -337,8 +407,52 @@ class SpladePooling:
     def per_token(self) -> list[str]:
         return []
 
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return ()
+
+    def complete(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return feeds
+
 
 def pooling_nodes(path: Path) -> list[str]:
     """The names of the nodes :func:`add_pooling` added to the graph at ``path`` (empty for none)."""
     graph = onnx.load(str(path), load_external_data=False).graph
     return [node.name for node in graph.node if node.name.startswith(PREFIX)]
+
+
+@dataclass(frozen=True)
+class MultiVectorHead:
+    """How one late-interaction export ends its graphs: one vector per scored token."""
+
+    #: the token-state output read, and the vectors' output that replaces it
+    states: str
+    output: str
+    #: the scoring mask, a graph input this head adds
+    score_mask: str
+    dense: tuple[Dense, ...]
+    normalize: bool
+    #: the vectors' size (the hidden size, or the last Dense module's ``out_features``)
+    size: int
+
+    def append(self, source: Path, target: Path) -> Path:
+        return add_multi_vector(source, target, self.states, self.output, self.score_mask, self.dense,
+                                self.normalize, self.size)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The graph input it adds, after the encoder's own."""
+        return (self.score_mask,)
+
+    def complete(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``feeds`` with a scoring mask that scores every attended token (a document without a skiplist):
+        for timing and calibration, where which tokens are scored changes nothing the encoder computes."""
+        return {**feeds, self.score_mask: feeds["attention_mask"].copy()}
+
+    @property
+    def outputs(self) -> list[str]:
+        return [self.output]
+
+    @property
+    def per_token(self) -> list[str]:
+        return [self.output]

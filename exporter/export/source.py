@@ -243,7 +243,12 @@ def matryoshka_dims(path: Path, hidden_size: int) -> list[int]:
 
 def max_sequence_length(path: Path, family: EncoderFamily, config: Any) -> int:
     """Tokens per text: what the model was trained for, never past its positions."""
-    limit = family.max_positions(config)
+    return trained_length(path, family.max_positions(config))
+
+
+def trained_length(path: Path, limit: int) -> int:
+    """The sequence length the folder says the model was trained for (sentence-transformers'
+    ``max_seq_length``, else the tokenizer's ``model_max_length``), never past ``limit`` positions."""
     trained = _read_json(path / "sentence_bert_config.json").get("max_seq_length")
     if trained is None:
         trained = _read_json(path / "tokenizer_config.json").get("model_max_length")

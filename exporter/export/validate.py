@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from .dense import SENTENCE, TOKENS, Dense
 from .export_report import ExportReport
+from .multi_vector import MultiVectorConfig, multi_vectors
 from .padding_trim import trimmed_length
 from .report import (
     AgreementShortfall,
@@ -29,6 +30,7 @@ from .report import (
     ValueMismatch,
 )
 from nexus_sli.exporter.triton.python_models.encoding import encode, l2_normalize, pool, splade
+from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK, Sides, side_tokenizers, sided_encode
 from nexus_sli.tasks import TaskSpec
 from nexus_sli.tasks.agreement import TIE_MARGIN, agreement
 
@@ -101,6 +103,28 @@ def parity_cases(input_names: list[str], vocab_size: int, pad_id: int, long_len:
     return cases
 
 
+#: Scored positions past a parity row's last attended token, in the cases of a graph with a scoring mask:
+#: what a query expansion the encoder does not attend to looks like.
+UNATTENDED_SCORED = 4
+
+
+def with_score_masks(cases: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """``cases`` with a scoring mask (:data:`SCORE_MASK`, after the other inputs): every attended position,
+    and up to :data:`UNATTENDED_SCORED` positions past each row's last one, unattended, holding the row's
+    first token rather than padding (a query's expansion with ``attend`` false), so that validation proves
+    the graph computes and keeps positions the encoder does not attend to."""
+    scored_cases = []
+    for feeds in cases:
+        ids, mask = feeds["input_ids"].copy(), feeds["attention_mask"]
+        score = mask.copy()
+        for row, n in enumerate(mask.sum(axis=1)):
+            extra = slice(int(n), min(int(n) + UNATTENDED_SCORED, mask.shape[1]))
+            score[row, extra] = 1
+            ids[row, extra] = ids[row, 0]
+        scored_cases.append({**feeds, "input_ids": ids, SCORE_MASK: score})
+    return scored_cases
+
+
 @dataclass
 class Embedder:
     """How token states become the served embedding (Dense modules on the token states, pooling, Dense
@@ -113,6 +137,9 @@ class Embedder:
     #: sentence-transformers' Dense modules, in order: on the token states before the pooling, then on
     #: the pooled vector (:attr:`Dense.input` says which)
     dense: list[Dense] = field(default_factory=list)
+    #: the mask input it pools with, and whether it answers per token (a vector per text here)
+    reads: ClassVar[str] = "attention_mask"
+    per_token: ClassVar[bool] = False
 
     def __call__(self, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
         for module in self.on(TOKENS):
@@ -160,6 +187,8 @@ class SparseEmbedder:
 
     strategy: str
     activation: str
+    reads: ClassVar[str] = "attention_mask"
+    per_token: ClassVar[bool] = False
 
     def __call__(self, logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
         return splade(logits, mask, self.strategy, self.activation)
@@ -169,12 +198,60 @@ class SparseEmbedder:
                 "splade": {"strategy": self.strategy, "activation": self.activation}}
 
 
-def embedder_from_report(exported: ExportReport) -> Embedder | SparseEmbedder | None:
+#: validation.json's ``pooling`` for a late-interaction export (:meth:`MultiVectorEmbedder.record`)
+MULTI_VECTOR_POOLING = "multi-vector"
+
+
+@dataclass
+class MultiVectorEmbedder:
+    """How token states become a late-interaction model's vectors: the Dense modules on every token, the
+    normalisation, and only the tokens of the scoring mask (``python_models/sides.py``), as
+    sentence-transformers' ``MultiVectorEncoder`` makes them."""
+
+    normalize: bool
+    dense: list[Dense] = field(default_factory=list)
+    #: the model's similarity (``multi_vector.SIMILARITIES``), and the vectors' size, for clients
+    similarity: str = "maxsim"
+    vector_size: int = 0
+    #: the folder as read (its sides, for the tokenizer step); None where rebuilt from validation.json
+    config: MultiVectorConfig | None = None
+    reads: ClassVar[str] = SCORE_MASK
+    per_token: ClassVar[bool] = True
+
+    def __call__(self, hidden: np.ndarray, score_mask: np.ndarray) -> np.ndarray:
+        """``[batch, sequence, size]``: each scored token's vector where ``score_mask`` is 1, zeros elsewhere
+        (:func:`multi_vector.multi_vectors`, which reads the Dense modules and the normalisation only)."""
+        rows = multi_vectors(hidden, score_mask, self)
+        size = self.dense[-1].out_features if self.dense else hidden.shape[-1]
+        out = np.zeros((*score_mask.shape, size), np.float32)
+        for row, vectors in enumerate(rows):
+            out[row, score_mask[row].astype(bool)] = vectors
+        return out
+
+    @property
+    def graph_only(self) -> list[str]:
+        """Only a graph with the head keeps the scoring mask's positions the encoder does not attend to
+        (a graph without it cuts the padding by the attention mask alone)."""
+        return ["the scoring mask"]
+
+    @property
+    def sides(self) -> Sides | None:
+        """How the tokenizer step makes each side's tokens and scoring mask (None: rebuilt from a report)."""
+        return self.config.sides if self.config is not None else None
+
+    def record(self) -> dict:
+        return {"pooling": MULTI_VECTOR_POOLING, "normalize": self.normalize,
+                **({"dense": [module.record() for module in self.dense]} if self.dense else {})}
+
+
+def embedder_from_report(exported: ExportReport) -> Embedder | SparseEmbedder | MultiVectorEmbedder | None:
     """The embedder an export's validation.json records (None: the task's graph does not pool)."""
     if exported.splade:
         return SparseEmbedder(exported.splade["strategy"], exported.splade["activation"])
     if not exported.pooling:
         return None
+    if exported.pooling == MULTI_VECTOR_POOLING:
+        return MultiVectorEmbedder(bool(exported.normalize), [Dense.from_record(r) for r in exported.dense or []])
     return Embedder(exported.pooling, bool(exported.normalize), exported.layer_norm,
                     [Dense.from_record(record) for record in exported.dense or []])
 
@@ -198,13 +275,15 @@ class Reference:
 
 
 def build_reference(model: Any, task: TaskSpec, input_names: list[str], cases, text_batches) -> Reference:
-    """PyTorch fp32 outputs for the parity cases and the text batches, computed once."""
+    """PyTorch fp32 outputs for the parity cases and the text batches, computed once.  ``input_names``: the
+    served graph's inputs; the scoring mask among them is the head's, not the PyTorch model's."""
     import torch  # only here: validating a stored reference (nexus-sli validate) needs no PyTorch
 
     reference = Reference(input_names, task.output_names())
     with torch.no_grad():
         for feeds in [*cases, *text_batches]:
-            output = model(**{k: torch.from_numpy(v) for k, v in feeds.items()}, return_dict=True)
+            model_feeds = {k: torch.from_numpy(v) for k, v in feeds.items() if k != SCORE_MASK}
+            output = model(**model_feeds, return_dict=True)
             reference.add(feeds, [t.detach().numpy() for t in task.select_outputs(output)])
     reference.text_batches = len(text_batches)
     return reference
@@ -222,6 +301,21 @@ def text_batches(tokenizer, input_names: list[str], pad_id: int, max_length: int
         encode(tokenizer, texts[i : i + TEXT_BATCH], input_names, pad_id, max_length)
         for i in range(0, len(texts), TEXT_BATCH)
     ]
+
+
+def sided_text_batches(tokenizer_path, sides: Sides, input_names: list[str],
+                       pad_id: int) -> list[dict[str, np.ndarray]]:
+    """The validation texts on each side of a late-interaction model, tokenized as the ``sided`` tokenizer
+    step does (``python_models/sides.py``: the side's marker, length, query expansion and scoring mask):
+    the query batches, then the document batches."""
+    texts = validation_texts()
+    batches = []
+    for side, tokenizer in side_tokenizers(str(tokenizer_path), sides).items():
+        lengths = [len(e.ids) for e in tokenizer.encode_batch(texts)]
+        ordered = [text for _, text in sorted(zip(lengths, texts), key=lambda pair: pair[0])]
+        batches += [sided_encode(tokenizer, ordered[i:i + TEXT_BATCH], side, sides, input_names, pad_id)
+                    for i in range(0, len(ordered), TEXT_BATCH)]
+    return batches
 
 
 def _masked_max_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None) -> float:
@@ -259,7 +353,7 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
     measures = Measures()
     if pooled is not None:
         reference = _pooled_reference(reference, embedder, pooled, tokens)
-        per_token = {tokens} - {None}
+        per_token = {tokens, pooled if embedder.per_token else None} - {None}
     else:
         per_token = set(reference.output_names) if task is not None and task.per_token else set()
     failures = _name_failures(session, reference)
@@ -303,7 +397,7 @@ def mixed_batches(reference: Reference, per_token: set[str], size: int = TEXT_BA
 def _rows(feeds: dict[str, np.ndarray], outputs: list[np.ndarray], names: list[str],
           per_token: set[str]) -> list[tuple[dict[str, np.ndarray], list[np.ndarray]]]:
     """One batch as its texts: each row's inputs and outputs cut to its real tokens."""
-    lengths = feeds["attention_mask"].sum(axis=1)
+    lengths = _held(feeds).sum(axis=1)
     return [({name: array[row, :n] for name, array in feeds.items()},
              [out[row, :n] if name in per_token else out[row] for name, out in zip(names, outputs)])
             for row, n in enumerate(lengths)]
@@ -312,8 +406,15 @@ def _rows(feeds: dict[str, np.ndarray], outputs: list[np.ndarray], names: list[s
 def _pad_id(batches: list[dict[str, np.ndarray]]) -> int | None:
     """The id the reference padded its inputs with (the model's: RoBERTa's 1 counts positions from it);
     None where no text needed padding."""
-    padded = np.concatenate([feeds["input_ids"][feeds["attention_mask"] == 0] for feeds in batches])
+    padded = np.concatenate([feeds["input_ids"][~_held(feeds)] for feeds in batches])
     return int(np.bincount(padded).argmax()) if padded.size else None
+
+
+def _held(feeds: dict[str, np.ndarray]) -> np.ndarray:
+    """The positions a row holds: attended, or scored where the graph has a scoring mask (a query's
+    unattended expansion); padding is what follows them."""
+    held = feeds["attention_mask"].astype(bool)
+    return held | feeds[SCORE_MASK].astype(bool) if SCORE_MASK in feeds else held
 
 
 def _padded(rows, input_names: list[str], output_names: list[str], per_token: set[str],
@@ -352,7 +453,7 @@ def _pooled_reference(reference: Reference, embedder: Embedder | SparseEmbedder 
     names = [output, tokens] if tokens else [output]
     pooled = Reference(reference.input_names, names, text_batches=reference.text_batches)
     for feeds, outputs in zip(reference.batches, reference.outputs):
-        pooled.add(feeds, [embedder(outputs[0], feeds["attention_mask"]), *outputs[:1]][:len(names)])
+        pooled.add(feeds, [embedder(outputs[0], feeds[embedder.reads]), *outputs[:1]][:len(names)])
     return pooled
 
 
@@ -370,15 +471,17 @@ def _run_batches(session: Any, reference: Reference, embedder, task: TaskSpec | 
         except Exception as exc:  # runtimes report graph errors (baked shapes, bad indices) this way
             return [*failures, RuntimeFailure(f"{backend} failed on input shape {feeds['input_ids'].shape}: "
                                               f"{str(exc)[:300]}")]
-        mask = feeds["attention_mask"]
+        # per-token outputs count where a token is scored (a late-interaction graph's scoring mask), else attended
+        mask, scored = feeds["attention_mask"], feeds.get(SCORE_MASK, feeds["attention_mask"])
         if trimmed:
-            mask = mask[:, :trimmed_length(mask)]
-            expected = [e[:, :mask.shape[1]] if name in trimmed else e for name, e in zip(names, expected)]
+            width = trimmed_length(mask, feeds.get(SCORE_MASK))
+            mask, scored = mask[:, :width], scored[:, :width]
+            expected = [e[:, :width] if name in trimmed else e for name, e in zip(names, expected)]
         # pooled vectors have no token axis to mask (a [batch, hidden] could match the mask's shape)
-        masks = [mask if name in per_token else None for name in names]
+        masks = [scored if name in per_token else None for name in names]
         failures.extend(_compare_outputs(names, got, expected, masks, measures))
         if index >= reference.first_text and not failures:
-            _measure_fidelity(got, expected, mask, embedder, task, measures, pooled)
+            _measure_fidelity(got, expected, mask, embedder, task, measures, pooled, scored)
     return failures
 
 
@@ -395,12 +498,15 @@ def _compare_outputs(names: list[str], got, expected, masks: list[np.ndarray | N
 
 
 def _measure_fidelity(got, expected, mask: np.ndarray, embedder: Embedder | None, task: TaskSpec | None,
-                      measures: Measures, pooled: bool = False) -> None:
+                      measures: Measures, pooled: bool = False, scored: np.ndarray | None = None) -> None:
     """Cosines of the embeddings (pooled here by ``embedder``, or compared as they came from a graph
-    that pools), and argmax agreement for tasks that decide."""
+    that pools; a late-interaction graph's per scored token), and argmax agreement for tasks that decide."""
     if pooled:
         a, b = l2_normalize(got[0].astype(np.float64)), l2_normalize(expected[0].astype(np.float64))
-        measures.cosines.extend(np.sum(a * b, axis=-1).tolist())
+        cosines = np.sum(a * b, axis=-1)
+        if cosines.ndim == 2:  # [batch, sequence]: one vector per token, judged where it is scored
+            cosines = cosines[scored.astype(bool)]
+        measures.cosines.extend(cosines.tolist())
     elif embedder is not None:
         a, b = l2_normalize(embedder(got[0], mask)), l2_normalize(embedder(expected[0], mask))
         measures.cosines.extend(np.sum(a * b, axis=-1).tolist())

@@ -202,7 +202,10 @@ def walk(config: Any, checkpoint: Checkpoint, task: TaskSpec, handler: BERTFamil
     slots = list(family.weight_slots(config))
     consumed = _walk_layers(model.base_model, config, checkpoint, handler, slots, cached, report)
     layer_paths = [family.module_path(config, idx) + "." for idx, _ in slots]
-    _load_rest(model, checkpoint, handler, target_base, layer_paths, consumed, report)
+    _load_rest(model, checkpoint, handler, target_base, layer_paths, consumed | set(task.head_tensors), report)
+    for key in task.head_tensors:
+        if key in checkpoint:
+            report.skip("read by the task's head, outside the encoder", key)
     return model, handler, report
 
 

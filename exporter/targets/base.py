@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
+
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export import onnx_files
 from nexus_sli.exporter.export.padding_trim import add_padding_trim
-from nexus_sli.exporter.export.pooling import Pooling, SpladePooling
+from nexus_sli.exporter.export.pooling import MultiVectorHead, Pooling, SpladePooling
 from nexus_sli.exporter.export.quantize import attention_output_matmuls, ffn_output_matmuls
 from nexus_sli.exporter.triton.config import EncoderServing
 
@@ -38,9 +40,9 @@ class ExportedGraph:
     pad_id: int
     max_length: int
     #: embeddings pooled in the graph (:mod:`export.pooling`): every candidate ends in the pooling and
-    #: answers ``[batch, hidden]`` (and the token states beside it), or SPLADE's ``[batch, vocab]``;
-    #: None: the candidates answer token states (or logits)
-    pooling: Pooling | SpladePooling | None = None
+    #: answers ``[batch, hidden]`` (and the token states beside it), or SPLADE's ``[batch, vocab]``, or a
+    #: late-interaction model's vectors; None: the candidates answer token states (or logits)
+    pooling: Pooling | SpladePooling | MultiVectorHead | None = None
     #: the plain graph is past :data:`onnx_files.EXTERNAL_DATA_THRESHOLD` (its weights in a data file):
     #: targets may offer fewer candidates (:meth:`Target.left_out` says which and why)
     large: bool = False
@@ -51,6 +53,17 @@ class ExportedGraph:
     @property
     def pooled(self) -> bool:
         return self.pooling is not None
+
+    @property
+    def served_inputs(self) -> list[str]:
+        """The candidates' inputs: the encoder's (:attr:`input_names`), then any the pooling adds (a
+        late-interaction graph's scoring mask)."""
+        return [*self.input_names, *(self.pooling.inputs if self.pooling is not None else ())]
+
+    def complete(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``feeds`` of the encoder's inputs completed for a candidate: the inputs the pooling adds, where
+        their values only shape the answer, not the work (timing, calibration)."""
+        return self.pooling.complete(feeds) if self.pooling is not None else feeds
 
     def pooled_graph(self, path: Path) -> Path:
         """``path`` with the pooling appended where this export pools (targets call it after lowering

@@ -108,9 +108,10 @@ class OpenVINOCPU(Target):
         variants = self._int8_variants(graph)
         if graph.large:
             variants = [v for v in variants if v[0] == LARGE_MODEL_VARIANT] or variants[:1]
-        calibration = calibration_feeds(graph.tokenizer, graph.input_names, graph.pad_id, graph.max_length,
-                                        graph.task.pair,
-                                        LARGE_MODEL_CALIBRATION_BATCH if graph.large else CALIBRATION_BATCH)
+        # NNCF calibrates the trimmed graph, which reads the inputs its pooling adds too
+        calibration = [graph.complete(feeds) for feeds in calibration_feeds(
+            graph.tokenizer, graph.input_names, graph.pad_id, graph.max_length, graph.task.pair,
+            LARGE_MODEL_CALIBRATION_BATCH if graph.large else CALIBRATION_BATCH)]
         log.info("quantizing with NNCF on %d calibration texts in batches of %d: %s",
                  sum(len(f["input_ids"]) for f in calibration), len(calibration[0]["input_ids"]),
                  ", ".join(label for label, *_ in variants))

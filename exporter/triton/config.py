@@ -132,10 +132,18 @@ class Layout:
     #: each row's token count, which the tokenizer step answers and the ensemble maps beside the results
     #: where the task reports usage (``TaskSpec.usage``; None: not answered)
     token_count: Tensor | None = None
+    #: results the tokenizer step answers (``TaskSpec.token_results``): (result name, tokenizer output)
+    echoed: tuple[tuple[str, str], ...] = ()
 
     def rows(self, tensor: Tensor) -> Tensor:
         """``tensor`` as a step of this layout sees it (an explicit row dim when unbatched)."""
         return tensor if self.batched else Tensor(tensor.name, tensor.data_type, (-1, *tensor.dims))
+
+    @property
+    def computed(self) -> tuple[Tensor, ...]:
+        """The results the encoder or the post-processing makes (the others are the tokenizer's, :attr:`echoed`)."""
+        echoed = {result for result, _ in self.echoed}
+        return tuple(t for t in self.outputs if t.name not in echoed)
 
     @property
     def counts(self) -> tuple[Tensor, ...]:
@@ -167,14 +175,17 @@ def layout(task: str, input_names: list[str], hidden_size: int, num_labels: int,
     convert = lambda tensors: tuple(_tensor(t, hidden_size, num_labels, vocab_size, embedded_size)  # noqa: E731
                                     for t in tensors)
     ids = tuple(Tensor(n, pb.TYPE_INT64, (-1,)) for n in input_names)
+    # a tokenizer output may be a graph input too (a pooled graph's scoring mask): one tensor
+    extras = tuple(t for t in convert(task_spec.token_extras) if t.name not in input_names)
     results = convert(task_spec.results)
+    echoed = {result for result, _ in task_spec.token_results}
     states = convert((task_spec.token_states,))[0] if pooled and task_spec.token_states else None
-    encoder_outputs = (*results, *([states] if states else [])) if pooled else convert(task_spec.encoder_outputs)
+    computed = tuple(t for t in results if t.name not in echoed)
+    encoder_outputs = (*computed, *([states] if states else [])) if pooled else convert(task_spec.encoder_outputs)
     count = Tensor(TOKEN_COUNT_OUTPUT, pb.TYPE_INT64, (1,)) if task_spec.usage else None
-    return Layout(task_spec.batched, task_spec.tokenizer_mode, convert(task_spec.inputs),
-                  (*ids, *convert(task_spec.token_extras)), encoder_outputs,
-                  () if pooled else task_spec.post_inputs, results, encoder_answers=pooled, token_states=states,
-                  token_count=count)
+    return Layout(task_spec.batched, task_spec.tokenizer_mode, convert(task_spec.inputs), (*ids, *extras),
+                  encoder_outputs, () if pooled else task_spec.post_inputs, results, encoder_answers=pooled,
+                  token_states=states, token_count=count, echoed=task_spec.token_results)
 
 
 def _io(cls, tensor: Tensor):
@@ -202,19 +213,24 @@ def queue_policy() -> pb.ModelQueuePolicy:
 
 
 def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, truncate: bool,
-                     pad_widths: list[int] | None = None, prompts: dict[str, str] | None = None) -> pb.ModelConfig:
-    """``prompts``: the model's named prompts (``prompts``: JSON, ``default_prompt_name``), applied by the step."""
+                     pad_widths: list[int] | None = None, prompts: dict[str, str] | None = None,
+                     sides: str | None = None) -> pb.ModelConfig:
+    """``prompts``: the model's named prompts (``prompts``: JSON, ``default_prompt_name``), applied by the step;
+    ``sides``: a late-interaction model's two sides (``python_models/sides.py``'s ``Sides.to_json()``), which
+    the ``sided`` mode reads."""
     widths = pad_widths or [min(PAD_WIDTH, max_length)]
     params = {"mode": lay.mode, "max_length": max_length, "pad_id": pad_id, "truncate": str(truncate).lower(),
               "pad_widths": ",".join(map(str, widths)), **(prompts or {})}
     if lay.mode == "qa":
         params["stride"] = QA_STRIDE
+    if sides is not None:
+        params["sides"] = sides
     if not lay.batched:  # one request becomes many encoder rows: the tokenizer refuses more than it takes
         params["max_rows"] = MAX_BATCH_SIZE
     config = _model(name, lay.inputs, [*(lay.rows(t) for t in lay.tokens), *lay.counts], lay.batched, params,
                     TOKENIZER_QUEUE_DELAY_US)
     config.backend = "python"
-    if lay.mode == "single":
+    if lay.mode in ("single", "sided"):
         _text_modes(config)
     return config
 
@@ -276,7 +292,7 @@ def _accelerate(config: pb.ModelConfig, accelerators, input_names: list[str], ma
 
 
 def postprocess_config(name: str, lay: Layout, params: dict[str, str]) -> pb.ModelConfig:
-    config = _model(name, [lay.tensor(n) for n in lay.post_inputs], lay.outputs, lay.batched, params,
+    config = _model(name, [lay.tensor(n) for n in lay.post_inputs], lay.computed, lay.batched, params,
                     POSTPROCESS_QUEUE_DELAY_US)
     config.backend = "python"
     return config
@@ -286,13 +302,15 @@ def ensemble_config(name: str, task: str, lay: Layout, input_names: list[str], s
                     params: dict[str, str]) -> pb.ModelConfig:
     """Raw strings in, the task's output out: tokenizer -> encoder -> postprocess, or
     tokenizer -> encoder where the encoder answers (``lay.encoder_answers``; ``steps`` has two).
-    The tokenizer's token count, where it answers one (``lay.counts``), is an output too, after the task's."""
+    The tokenizer's token count, where it answers one (``lay.counts``), is an output too, after the task's;
+    so are the tokenizer outputs a task answers (``lay.echoed``), which the later steps read under that name."""
     config = pb.ModelConfig(name=name, max_batch_size=MAX_BATCH_SIZE if lay.batched else 0, platform="ensemble")
     config.input.extend(_io(pb.ModelInput, t) for t in lay.inputs)
     config.output.extend(_io(pb.ModelOutput, t) for t in (*lay.outputs, *lay.counts))
     for key, value in {"task": task, **params}.items():
         config.parameters[key].string_value = str(value)
     internal = {t.name: f"_{t.name}" for t in (*lay.tokens, *lay.encoder_outputs)}
+    internal |= {token: result for result, token in lay.echoed}
     external = {t.name: t.name for t in lay.inputs}
     if len(steps) != (2 if lay.encoder_answers else 3):
         raise ValueError(f"the {task} ensemble takes {2 if lay.encoder_answers else 3} steps, not {list(steps)}")
@@ -302,13 +320,13 @@ def ensemble_config(name: str, task: str, lay: Layout, input_names: list[str], s
              output_map={**{t.name: internal[t.name] for t in lay.tokens}, **{t.name: t.name for t in lay.counts}})
     if lay.encoder_answers:  # the encoder's outputs are the ensemble's
         step.add(model_name=encoder, model_version=-1, input_map={n: internal[n] for n in input_names},
-                 output_map={t.name: t.name for t in lay.outputs})
+                 output_map={t.name: t.name for t in lay.computed})
         return config
     step.add(model_name=encoder, model_version=-1, input_map={n: internal[n] for n in input_names},
              output_map={t.name: internal[t.name] for t in lay.encoder_outputs})
     step.add(model_name=postprocess[0], model_version=-1,
              input_map={n: {**internal, **external}[n] for n in lay.post_inputs},
-             output_map={t.name: t.name for t in lay.outputs})
+             output_map={t.name: t.name for t in lay.computed})
     return config
 
 

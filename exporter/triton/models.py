@@ -13,6 +13,7 @@ import shutil
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from nexus_sli.client.model_info import PRECISION_PARAMETER
 from nexus_sli.tasks import get_task
@@ -89,6 +90,9 @@ class ServingFacts:
     embedded_size: int = 0
     #: the precision the served encoder was exported in (``fp32``, ``fp16``, ``int8`` ...), for clients
     precision: str = ""
+    #: a late-interaction model's two sides (``python_models/sides.py``'s ``Sides``), which its ``sided``
+    #: tokenizer step reads; None for other tasks
+    sides: Any = None
 
 
 def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None = None) -> None:
@@ -96,7 +100,7 @@ def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None 
     version.mkdir(parents=True, exist_ok=True)
     package = resources.files(_PYTHON_MODELS)
     (version / "model.py").write_text(package.joinpath(f"{module}.py").read_text())
-    for helper in ("encoding.py", "heads.py"):
+    for helper in ("encoding.py", "heads.py", "sides.py"):
         (version / helper).write_text(package.joinpath(helper).read_text())
     # the error codes the client understands, emitted by the models themselves
     (version / "error_codes.py").write_text(resources.files("nexus_sli.client").joinpath("error_codes.py").read_text())
@@ -112,8 +116,9 @@ def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenize
     tokenizer, encoder, postprocess = f"{name}_tokenizer", f"{name}_encoder", f"{name}_postprocess"
     steps = (tokenizer, encoder) if lay.encoder_answers else (tokenizer, encoder, postprocess)
     _copy_python_model("tokenizer_model", root / tokenizer, {"tokenizer.json": tokenizer_json})
+    sides = facts.sides.to_json() if facts.sides is not None else None
     tc.write(tc.tokenizer_config(tokenizer, lay, facts.max_length, facts.pad_id, facts.truncate,
-                                 facts.encoder.widths(facts.max_length), facts.prompts), root / tokenizer)
+                                 facts.encoder.widths(facts.max_length), facts.prompts, sides), root / tokenizer)
     (root / encoder / "1").mkdir(parents=True, exist_ok=True)
     tc.write(tc.encoder_config(encoder, lay, facts.input_names, facts.encoder, facts.model_filename,
                                facts.max_length), root / encoder)

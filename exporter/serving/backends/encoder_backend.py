@@ -8,6 +8,10 @@ into batches and the batches' outputs back into responses:
   (:mod:`batching`): sorted by real length and run in groups, each cut to its
   own longest real token, so the fixed-width padding the tokenizer adds
   (one width, so Triton merges every request) is never computed;
+- a row's real length ends at its last attended position, or, in a
+  late-interaction graph, its last scored one (``score_mask``: a query's
+  expansion is scored where the encoder does not attend to it), as the graph's
+  own padding trim cuts;
 - outputs that follow the sequence come back at the execution's longest real
   length, exactly what the exported graph's padding trim gives the native
   backends of an NGC container, so the post-processing sees one behaviour;
@@ -30,6 +34,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from batching import length_groups, real_lengths
 from error_codes import INFERENCE_FAILED, INVALID_INPUT, mark
+
+#: A late-interaction graph's scoring mask input (``python_models/sides.py``'s ``SCORE_MASK``, not copied here).
+SCORE_MASK = "score_mask"
 
 
 class EncoderBackend(ABC):
@@ -83,6 +90,8 @@ class EncoderBackend(ABC):
             for name in self.inputs
         }
         mask = batch.get("attention_mask")
+        if mask is not None and SCORE_MASK in batch:
+            mask = np.maximum(mask, batch[SCORE_MASK])
         lengths = real_lengths(mask) if mask is not None else np.full(len(batch[self.inputs[0]]), width)
         longest = int(lengths.max())
         results = {}

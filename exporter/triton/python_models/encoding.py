@@ -17,9 +17,10 @@ SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
 #: The pooling's guards (the graph's pooling, ``export/pooling.py``, uses the same): the least
 #: mask count a mean divides by, the value masked positions take in a max, the least norm.
 MIN_COUNT, MASKED_OUT, MIN_NORM = 1e-9, -1e9, 1e-12
-#: How the tokenizer model reads a request: one text per row, (query, documents), or
-#: (question, context) in overlapping windows; a task spec names one.
-TOKENIZER_MODES = ("single", "pair", "qa")
+#: How the tokenizer model reads a request: one text per row, (query, documents),
+#: (question, context) in overlapping windows, or one text per row on the query or the document
+#: side of a late-interaction model (``sides.py``); a task spec names one.
+TOKENIZER_MODES = ("single", "pair", "qa", "sided")
 
 
 class TextTooLongError(ValueError):

@@ -119,6 +119,16 @@ def sparse_embedding_head(x: dict, params: dict) -> dict:
     return {"SPARSE_EMBEDDING": vectors.astype(np.float32)}
 
 
+def multi_vector_head(x: dict, params: dict) -> dict:
+    """Each token's state, normalised, zero off the scoring mask (the graph applies the model's projection
+    first; an export without it in the graph is refused where the model has one)."""
+    vectors = x["last_hidden_state"].astype(np.float32)
+    if params.get("normalize") == "true":
+        vectors = l2_normalize(vectors)
+    mask = x["score_mask"][:, :vectors.shape[1], None].astype(np.float32)
+    return {"MULTI_VECTOR": (vectors * mask).astype(np.float32)}
+
+
 def classification_head(x: dict, params: dict) -> dict:
     scores = class_scores(x["logits"].astype(np.float64), params.get("multi_label") == "true")
     return {"SCORES": scores.astype(np.float32)}
@@ -151,4 +161,5 @@ HEADS = {
     "token-classification": token_classification_head,
     "question-answering": question_answering_head,
     "sparse-embedding": sparse_embedding_head,
+    "multi-vector": multi_vector_head,
 }

@@ -16,13 +16,20 @@ exporter's validation both build the encoder's arrays with :func:`sided_arrays`,
 so what is validated is what is served.
 
 This file is copied beside the tokenizer model in every repository: it imports
-only the standard library and numpy.
+only the standard library, numpy and its sibling ``encoding.py``.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+
+import numpy as np
+
+if __package__:  # imported from the nexus_sli package (validation, tests)
+    from .encoding import load_tokenizer, to_arrays
+else:  # copied beside the tokenizer model in a repository
+    from encoding import load_tokenizer, to_arrays
 
 #: The sides a request names (the request parameter ``error_codes.INPUT_TYPE_PARAMETER``).
 QUERY, DOCUMENT = "query", "document"
@@ -88,6 +95,66 @@ class Sides:
                    bool(data.get("drop_first", False)))
 
 
-# sided_arrays(encodings, side_name, sides, input_names, pad_id, width) -> dict[str, np.ndarray]
-# is to be written here: the encoder's int64 arrays [batch, width] for ``input_names`` (which may include
-# SCORE_MASK) from one side's encodings, expansion and scoring masks applied as described above.
+def row_width(tokens: int, side: Side) -> int:
+    """The width a row of ``tokens`` real tokens needs on ``side``: an expansion fills it up to its length
+    (what :func:`encoding.padded_length` is given, so that one width holds every row of an execution)."""
+    return max(tokens, side.expansion.length) if side.expansion else tokens
+
+
+def sided_arrays(encodings, side_name: str, sides: Sides, input_names: list[str], pad_id: int,
+                 width: int) -> dict[str, np.ndarray]:
+    """int64 arrays ``[batch, width]`` for ``input_names`` (which may include :data:`SCORE_MASK`) from
+    ``encodings`` of texts tokenized for the side ``side_name`` (its prompt in front, truncated at its
+    ``max_length``), as sentence-transformers' ``Transformer.preprocess`` (the expansion) and
+    ``MultiVectorMask`` (the scoring mask) build them."""
+    side = sides.side(side_name)
+    needed = max((row_width(len(e.ids), side) for e in encodings), default=0)
+    if width < needed:
+        raise ValueError(f"width {width} is narrower than the {needed} positions a row of these texts needs")
+    base = [name for name in input_names if name != SCORE_MASK]
+    arrays = to_arrays(encodings, list(dict.fromkeys([*base, "input_ids", "attention_mask"])), pad_id, width)
+    expansion = _expansion(arrays["attention_mask"], side.expansion)
+    if side.expansion:
+        arrays["input_ids"][expansion] = side.expansion.token_id
+        if side.expansion.attend:
+            arrays["attention_mask"][expansion] = 1
+    arrays[SCORE_MASK] = _score_mask(arrays["input_ids"], arrays["attention_mask"].astype(bool) | expansion, side,
+                                     sides).astype(np.int64)
+    return {name: arrays[name] for name in input_names}
+
+
+def _expansion(attention_mask: np.ndarray, expansion: Expansion | None) -> np.ndarray:
+    """Where the expansion goes: positions ``[n, length)`` of each row of ``n`` real tokens."""
+    if expansion is None:
+        return np.zeros(attention_mask.shape, dtype=bool)
+    real = attention_mask.sum(axis=1, keepdims=True)
+    positions = np.arange(attention_mask.shape[1])[None, :]
+    return (positions >= real) & (positions < expansion.length)
+
+
+def _score_mask(ids: np.ndarray, scored: np.ndarray, side: Side, sides: Sides) -> np.ndarray:
+    """``scored`` (real tokens and expansion) less the side's skiplist, outside its allowlist, and the first
+    token where :attr:`Sides.drop_first`."""
+    if side.skiplist and sides.skiplist_ids:
+        scored &= ~np.isin(ids, sides.skiplist_ids)
+    if side.keep_only_ids:  # an empty allowlist is no allowlist, as in sentence-transformers
+        scored &= np.isin(ids, side.keep_only_ids)
+    if sides.drop_first:
+        scored[:, 0] = False
+    return scored
+
+
+def sided_encode(tokenizer, texts: list[str], side_name: str, sides: Sides, input_names: list[str], pad_id: int,
+                 prompt: str | None = None) -> dict[str, np.ndarray]:
+    """:func:`sided_arrays` of ``texts`` as one batch padded to its widest row; ``tokenizer`` truncates at the
+    side's ``max_length`` (:func:`side_tokenizers`), ``prompt`` (a named prompt) replaces the side's."""
+    side = sides.side(side_name)
+    prefix = side.prompt if prompt is None else prompt
+    encodings = tokenizer.encode_batch([prefix + text for text in texts])
+    width = max((row_width(len(e.ids), side) for e in encodings), default=0)
+    return sided_arrays(encodings, side_name, sides, input_names, pad_id, width)
+
+
+def side_tokenizers(path: str, sides: Sides, truncate: bool = True) -> dict:
+    """One tokenizer per side name, truncating at that side's ``max_length`` (or not)."""
+    return {name: load_tokenizer(path, sides.side(name).max_length, truncate) for name in SIDE_NAMES}

@@ -4,6 +4,10 @@ Modes (the ``mode`` parameter):
 - ``single``: ``TEXT`` (one string per batch item); dynamically batched.
 - ``pair``: ``QUERY`` (one string) and ``DOCUMENTS`` (N strings) -> N (query, document) rows.
 - ``qa``: ``QUESTION`` and ``CONTEXT`` -> one row per overlapping window of the context.
+- ``sided``: ``TEXT``, as ``single``, for a late-interaction model: the request parameter
+  ``input_type`` (``error_codes.INPUT_TYPE_PARAMETER``: ``query`` or ``document``, absent:
+  ``document``) picks the side (the ``sides`` parameter, ``sides.Sides``) whose prompt, truncation,
+  expansion and scoring mask (``score_mask``, where the config declares it) the request gets.
 
 Every row is padded to the smallest of the ``pad_widths`` its batch fits in
 (``max_length`` for the rare longer row), so the encoder's dynamic batcher can
@@ -16,9 +20,11 @@ parameters, from its sentence-transformers config) are applied here, as
 sentence-transformers applies them: the prompt of the request parameter
 ``prompt_name`` (else the default prompt, if the model has one) is put in
 front of each text before tokenising, so truncation counts it and every
-client, whatever it sends through, gets the model's prompt.
+client, whatever it sends through, gets the model's prompt.  In mode ``sided`` the
+side's prompt (its marker) takes the default prompt's place, and a ``prompt_name``
+replaces it, as in sentence-transformers' ``encode_query(prompt_name=...)``.
 
-A ``single``-mode tokenizer answers two more kinds of request, for the gateway's
+A ``single``- or ``sided``-mode tokenizer answers two more kinds of request, for the gateway's
 ``/tokenize`` and ``/decode`` (every export before them lacks these, and
 answers Triton's own error about the unknown tensor):
 - ``TEXT`` with the output ``TOKENS`` asked for by name (and none of the
@@ -28,12 +34,16 @@ answers Triton's own error about the unknown tensor):
 - ``IDS`` instead of ``TEXT``: each row's text, ``DECODED``, the special tokens
   left out unless ``skip_special_tokens`` is false.
 The tokenizer is the one the model uses (its tokenizer.json), without the
-truncation, which only the encoder's input needs.
+truncation, which only the encoder's input needs; in mode ``sided`` the prompt is
+the request's side's (``input_type``), and a query's expansion, which is no part
+of its text, is not shown.
 
 Where its config declares ``TOKEN_COUNT`` (``error_codes.TOKEN_COUNT_OUTPUT``:
 an embedding model's tokenizer, for OpenAI's ``usage``), every request for the
 encoder's tensors also gets each row's token count, the tokens the encoder
-reads (prompt and special tokens included, after truncation), so the ensemble
+reads (prompt and special tokens included, after truncation; a query's expansion
+is not counted: OpenAI-style usage counts the text's tokens, not the padding a
+model scores), so the ensemble
 answers the vectors and their count in one call.
 
 Every request gets its own answer: a request that cannot be tokenized gets an
@@ -51,6 +61,7 @@ from error_codes import (
     ADD_SPECIAL_TOKENS_PARAMETER,
     DECODED_OUTPUT,
     IDS_INPUT,
+    INPUT_TYPE_PARAMETER,
     INVALID_INPUT,
     NO_TOKEN,
     PROMPT_PARAMETER,
@@ -59,6 +70,7 @@ from error_codes import (
     TOKENS_OUTPUT,
     mark,
 )
+from sides import DOCUMENT, SIDE_NAMES, Sides, row_width, side_tokenizers, sided_arrays
 
 #: The outputs of the text modes, computed only for the requests that ask for them.
 TEXT_OUTPUTS = (TOKENS_OUTPUT, DECODED_OUTPUT)
@@ -77,8 +89,12 @@ def _strings(request, name):
     return texts
 
 
+def _parameter(request, name, default=None):
+    return json.loads(request.parameters() or "{}").get(name, default)
+
+
 def _flag(request, name, default):
-    value = json.loads(request.parameters() or "{}").get(name, default)
+    value = _parameter(request, name, default)
     if not isinstance(value, bool):
         # a request's mistake: answered as invalid input, as every ValueError here is
         raise ValueError(f"request parameter {name} must be true or false, got {value!r}")  # noqa: TRY004
@@ -142,12 +158,33 @@ class TritonPythonModel:
         self.counts = TOKEN_COUNT_OUTPUT in declared
         self.prompts = json.loads(params.get("prompts", "{}"))
         self.default_prompt = params.get("default_prompt_name")
+        if self.mode == "sided":
+            self._sided(params, path)
+
+    def _sided(self, params, path):
+        """The two sides and a tokenizer truncating at each one's length."""
+        self.sides = Sides.from_json(params["sides"])
+        widest = max(row_width(self.sides.side(name).max_length, self.sides.side(name)) for name in SIDE_NAMES)
+        if widest > self.max_length:  # padded_length falls back to max_length: every row must fit in it
+            raise ValueError(f"max_length {self.max_length} is narrower than a side's rows ({widest} tokens)")
+        self.side_tokenizers = side_tokenizers(path, self.sides, self.truncate)
+
+    def _side(self, request):
+        """The side (``sides.SIDE_NAMES``) the request's texts are encoded for."""
+        name = _parameter(request, INPUT_TYPE_PARAMETER, DOCUMENT)
+        self.sides.side(name)  # an unknown side is this request's error, naming the known ones
+        return name
+
+    def _default_prompt(self, request):
+        if self.mode == "sided":
+            return self.sides.side(self._side(request)).prompt
+        return self.prompts[self.default_prompt] if self.default_prompt else ""
 
     def _prompt(self, request):
         """The text put in front of each of the request's texts: its named prompt, else the default."""
-        name = json.loads(request.parameters() or "{}").get(PROMPT_PARAMETER)
+        name = _parameter(request, PROMPT_PARAMETER)
         if name is None:
-            return self.prompts[self.default_prompt] if self.default_prompt else ""
+            return self._default_prompt(request)
         if name not in self.prompts:
             known = ", ".join(repr(n) for n in self.prompts) if self.prompts else "none (this model has no prompts)"
             raise ValueError(f"unknown {PROMPT_PARAMETER} {name!r}; this model's prompts: {known}")
@@ -197,6 +234,21 @@ class TritonPythonModel:
             check_lengths(encodings, self.max_length)
         return encodings
 
+    def _rows(self, request):
+        """The request's encodings, and the side they are encoded for (None but in mode ``sided``)."""
+        if self.mode != "sided":
+            return self._encodings(request), None
+        side = self._side(request)
+        prompt = self._prompt(request)
+        encodings = self.side_tokenizers[side].encode_batch([prompt + text for text in _strings(request, "TEXT")])
+        if not self.truncate:
+            check_lengths(encodings, self.sides.side(side).max_length)
+        return encodings, side
+
+    def _width(self, encoding, side):
+        """The width a row needs: its tokens, or on a side with an expansion, at least the expansion's."""
+        return len(encoding.ids) if side is None else row_width(len(encoding.ids), self.sides.side(side))
+
     def _tokens(self, request):
         prompt = self._prompt(request)
         texts = [prompt + text for text in _strings(request, "TEXT")]
@@ -237,22 +289,25 @@ class TritonPythonModel:
         """The encoder's token tensors for each request, all padded to one width."""
         encoded, errors = {}, {}
         for number, request in requests.items():
-            encodings, error = _guarded(self._encodings, request)
+            rows, error = _guarded(self._rows, request)
             if error is None:
-                encoded[number] = encodings
+                encoded[number] = rows
             else:
                 errors[number] = error
-        longest = max((len(e.ids) for encs in encoded.values() for e in encs), default=1)
+        longest = max((self._width(e, side) for encs, side in encoded.values() for e in encs), default=1)
         length = padded_length(longest, self.pad_widths, self.max_length)
         answers = {number: _answer(None, error) for number, error in errors.items()}
-        for number, encodings in encoded.items():
-            answers[number] = _answer(self._tensors(encodings, length), None)
+        for number, (encodings, side) in encoded.items():
+            answers[number] = _answer(self._tensors(encodings, side, length), None)
         return answers
 
-    def _tensors(self, encodings, length):
+    def _tensors(self, encodings, side, length):
         """One request's encoder tensors, padded to ``length``, and where this step counts, each row's tokens
-        (its attention mask's ones)."""
-        arrays = to_arrays(encodings, self.output_names, self.pad_id, length)
+        (its real tokens: a query's expansion is the model's, not the text's)."""
+        if side is None:
+            arrays = to_arrays(encodings, self.output_names, self.pad_id, length)
+        else:
+            arrays = sided_arrays(encodings, side, self.sides, self.output_names, self.pad_id, length)
         tensors = [pb_utils.Tensor(name, arrays[name].astype(np.int64)) for name in self.output_names]
         if self.counts:
             counts = np.array([len(e.ids) for e in encodings], dtype=np.int64).reshape(-1, 1)

@@ -1,0 +1,281 @@
+"""BGE-M3's two heads, and its three outputs from one encoder run: numpy reference and ONNX nodes.
+
+A BGE-M3 checkpoint is an xlm-roberta encoder with two linear heads beside its
+weights, saved by FlagEmbedding as ``torch.save`` state dicts:
+``sparse_linear.pt`` (``Linear(hidden, 1)``) and ``colbert_linear.pt``
+(``Linear(hidden, dim)``).  From the encoder's token states ``h`` of one text
+(``n`` tokens, ``<s>`` first), FlagEmbedding's ``BGEM3FlagModel`` answers:
+
+- dense: ``h[0]`` (the CLS state), L2-normalised;
+- sparse (lexical weights): ``relu(h w^T + b)`` per token; the tokens whose id
+  is the cls, eos, pad or unk token's are dropped, and zero weights; per id the
+  largest weight, as ``{id: weight}``; two texts score ``sum w_a w_b`` over
+  their shared ids;
+- ColBERT: ``h W^T + b`` for every token but the first (``</s>`` included),
+  each L2-normalised; two texts score MaxSim divided by the query's vector count.
+
+The heads are pickles.  They load only with ``--allow-pickle``, as pickled
+encoder weights do (:mod:`checkpoint`): both are read with
+``torch.load(weights_only=True)``, which unpickles tensors and plain containers
+only, but the project keeps one rule for every pickle file: the user says they
+trust its source.  A checkpoint whose encoder weights are pickled needs the flag
+anyway.
+
+The graph nodes (:func:`add_m3_heads`) follow :mod:`pooling`: appended in fp32
+after the encoder, named with its prefix, reading the graph's inputs by name.
+Per token they answer what a served text needs to rebuild FlagEmbedding's
+outputs: ``SPARSE_WEIGHTS`` ``[batch, sequence]`` (the token weights, zero
+where a token is padding or one of the dropped ids; the client reduces them per
+id) and ``MULTI_VECTOR`` ``[batch, sequence, dim]`` (zero off the scoring mask,
+which the tokenizer step answers without each text's first token).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from nexus_sli.exporter.errors import CheckpointError, ExportError, UnsafeCheckpointError
+from nexus_sli.exporter.triton.python_models.encoding import l2_normalize
+from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK
+
+from . import onnx_files
+from .pooling import MASK, PREFIX, _constants, _node, _normalize, _pool
+
+SPARSE_HEAD, COLBERT_HEAD = "sparse_linear.pt", "colbert_linear.pt"
+#: the special tokens FlagEmbedding leaves out of the lexical weights, by the names a tokenizer's config
+#: gives them, with XLM-RoBERTa's tokens where the config names none (as its tokenizer class does)
+DROPPED_TOKENS = {"cls_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+#: the graph input holding the token ids (the dropped ids are found there)
+IDS = "input_ids"
+
+
+def is_bge_m3(path: Path) -> bool:
+    """Whether the folder at ``path`` has BGE-M3's two heads beside its weights."""
+    return (path / SPARSE_HEAD).is_file() and (path / COLBERT_HEAD).is_file()
+
+
+@dataclass(frozen=True)
+class M3Heads:
+    """The two heads' weights, fp32."""
+
+    #: ``[hidden]`` and a scalar: one weight per token
+    sparse_weight: np.ndarray
+    sparse_bias: float
+    #: ``[dim, hidden]`` and ``[dim]``: one vector per token
+    colbert_weight: np.ndarray
+    colbert_bias: np.ndarray
+
+    @property
+    def colbert_dim(self) -> int:
+        return int(self.colbert_weight.shape[0])
+
+
+def read_m3_heads(path: Path, hidden_size: int, allow_pickle: bool) -> M3Heads:
+    """The heads of the BGE-M3 folder at ``path`` for an encoder of ``hidden_size``; a head of another shape,
+    or a file that is no state dict, is a :class:`CheckpointError` that names it."""
+    if not allow_pickle:
+        raise UnsafeCheckpointError(
+            f"{path} keeps BGE-M3's heads as pickles ({SPARSE_HEAD}, {COLBERT_HEAD}); loading pickle can run "
+            "arbitrary code. Pass --allow-pickle if you trust the source (they are then read as tensors only).")
+    sparse = _state(path / SPARSE_HEAD, {"weight": (1, hidden_size), "bias": (1,)})
+    colbert = _state(path / COLBERT_HEAD, {"weight": (None, hidden_size), "bias": (None,)})
+    dim = colbert["weight"].shape[0]
+    if colbert["bias"].shape != (dim,):
+        raise CheckpointError(f"{COLBERT_HEAD}: bias has shape {colbert['bias'].shape}, expected ({dim},) "
+                              f"for a weight of shape {colbert['weight'].shape}")
+    return M3Heads(sparse["weight"][0], float(sparse["bias"][0]), colbert["weight"], colbert["bias"])
+
+
+def _state(file: Path, shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
+    """The state dict at ``file`` as fp32 arrays, checked against ``shapes`` (``None``: any size there)."""
+    import torch
+
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch's unpickler raises many types; all mean "not a tensors-only state dict"
+        raise CheckpointError(f"{file.name} is not a readable state dict of tensors ({exc})") from exc
+    if not isinstance(state, dict) or sorted(state) != sorted(shapes):
+        found = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{file.name} holds {found}; expected a linear layer's {sorted(shapes)}")
+    arrays = {key: value.detach().float().numpy() for key, value in state.items()}
+    for key, shape in shapes.items():
+        got = arrays[key].shape
+        if len(got) != len(shape) or any(want not in (None, size) for want, size in zip(shape, got)):
+            expected = tuple("any" if size is None else size for size in shape)
+            raise CheckpointError(f"{file.name}: {key} has shape {got}, expected {expected}")
+    return arrays
+
+
+def dropped_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
+    """The ids left out of the lexical weights: the cls, eos, pad and unk tokens as the folder's
+    ``special_tokens_map.json`` (else ``tokenizer_config.json``) names them, in ``tokenizer`` (the served
+    ``tokenizers.Tokenizer``)."""
+    named = {**_special_names(path / "tokenizer_config.json"), **_special_names(path / "special_tokens_map.json")}
+    ids = []
+    for name, default in DROPPED_TOKENS.items():
+        token = named.get(name, default)
+        found = tokenizer.token_to_id(token)
+        if found is None:
+            raise ExportError(f"the tokenizer has no {name} {token!r}: BGE-M3 drops it from the lexical weights")
+        ids.append(found)
+    return tuple(sorted(set(ids)))
+
+
+def _special_names(file: Path) -> dict[str, str]:
+    config = json.loads(file.read_text()) if file.is_file() else {}
+    names = {}
+    for name in DROPPED_TOKENS:
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value  # an AddedToken's fields
+        if isinstance(value, str):
+            names[name] = value
+    return names
+
+
+class M3Output(NamedTuple):
+    """One text's three outputs, as FlagEmbedding's ``BGEM3FlagModel.encode`` answers them."""
+
+    dense: np.ndarray
+    lexical: dict[int, float]
+    colbert: np.ndarray
+
+
+def token_weights(states: np.ndarray, heads: M3Heads) -> np.ndarray:
+    """``relu(h w^T + b)`` for token states ``[..., hidden]``: ``[...]``."""
+    return np.maximum(states.astype(np.float32) @ heads.sparse_weight + np.float32(heads.sparse_bias), 0)
+
+
+def colbert_vectors(states: np.ndarray, heads: M3Heads) -> np.ndarray:
+    """``h W^T + b`` for token states ``[..., hidden]``, L2-normalised: ``[..., dim]``."""
+    return l2_normalize(states.astype(np.float32) @ heads.colbert_weight.T + heads.colbert_bias)
+
+
+def m3_outputs(states: np.ndarray, ids: np.ndarray, heads: M3Heads, dropped_ids: tuple[int, ...]) -> M3Output:
+    """The three outputs of one text from its token states ``[n, hidden]`` and ids ``[n]`` (no padding)."""
+    lexical = lexical_weights(ids, token_weights(states, heads), dropped_ids)
+    return M3Output(l2_normalize(states[0].astype(np.float32)), lexical, colbert_vectors(states[1:], heads))
+
+
+def m3_arrays(states: np.ndarray, feeds: dict[str, np.ndarray], heads: M3Heads,
+              dropped_ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What :func:`add_m3_heads`' outputs answer for a padded batch: its token states ``[batch, sequence,
+    hidden]`` and the graph's ``input_ids``, ``attention_mask`` and :data:`SCORE_MASK` in ``feeds``."""
+    kept = feeds[MASK].astype(bool) & ~np.isin(feeds[IDS], dropped_ids)
+    sparse = token_weights(states, heads) * kept
+    vectors = colbert_vectors(states, heads) * feeds[SCORE_MASK][..., None]
+    return l2_normalize(states[:, 0].astype(np.float32)), sparse.astype(np.float32), vectors.astype(np.float32)
+
+
+def lexical_weights(ids: np.ndarray, weights: np.ndarray, dropped_ids: tuple[int, ...]) -> dict[int, float]:
+    """One text's lexical weights from its token ids and weights ``[n]``: per id its tokens' largest weight,
+    zero weights and the ids in ``dropped_ids`` left out."""
+    lexical: dict[int, float] = {}
+    for token, weight in zip(ids.tolist(), weights.tolist()):
+        if token not in dropped_ids and weight > lexical.get(token, 0.0):
+            lexical[token] = weight
+    return lexical
+
+
+def lexical_score(a: dict[int, float], b: dict[int, float]) -> float:
+    """Two texts' lexical matching score: the sum of weight products over the ids they share."""
+    return float(sum(weight * b[token] for token, weight in a.items() if token in b))
+
+
+def colbert_score(query: np.ndarray, document: np.ndarray) -> float:
+    """BGE-M3's ColBERT score: each query vector's best match in the document, summed, over the query's count."""
+    return float((query @ document.T).max(axis=1).sum() / len(query))
+
+
+def add_m3_heads(source: Path, target: Path, states: str, heads: M3Heads, dropped_ids: tuple[int, ...],
+                 embedding: str, sparse: str, vectors: str) -> Path:
+    """Write ``source`` as ``target`` with its token-state output ``states`` replaced by BGE-M3's three outputs,
+    fp32: ``embedding`` ``[batch, hidden]`` (CLS, normalised), ``sparse`` ``[batch, sequence]`` (token weights
+    times the attention mask, zero at ``dropped_ids``) and ``vectors`` ``[batch, sequence, dim]`` (ColBERT
+    vectors, normalised, times the graph input :data:`SCORE_MASK`, added when the graph lacks it)."""
+    p = PREFIX + "m3/"
+    initializers = [
+        numpy_helper.from_array(heads.sparse_weight.astype(np.float32), p + "sparse_weight"),
+        numpy_helper.from_array(np.array(heads.sparse_bias, np.float32), p + "sparse_bias"),
+        numpy_helper.from_array(heads.colbert_weight.T.astype(np.float32).copy(), p + "colbert_weight"),
+        numpy_helper.from_array(heads.colbert_bias.astype(np.float32), p + "colbert_bias"),
+        numpy_helper.from_array(np.array(dropped_ids, np.int64), p + "dropped_ids"),
+    ]
+
+    def rewrite(model: onnx.ModelProto) -> None:
+        graph = model.graph
+        shape = _check_graph(graph, states)
+        nodes = [_node("Cast", [states], p + "states", to=TensorProto.FLOAT)]  # fp32 even after an fp16 encoder
+        for part, output in ((_dense_nodes, embedding), (_sparse_nodes, sparse), (_colbert_nodes, vectors)):
+            more, value = part(p + "states")
+            nodes += more + [helper.make_node("Identity", [value], [output], name=PREFIX + output)]
+        graph.node.extend(nodes)
+        used = {name for node in nodes for name in node.input}
+        graph.initializer.extend([c for c in _constants() if c.name in used] + initializers)
+        batch, sequence = shape[0], shape[1]
+        del graph.output[:]
+        graph.output.extend([
+            helper.make_tensor_value_info(embedding, TensorProto.FLOAT, [batch, shape[2]]),
+            helper.make_tensor_value_info(sparse, TensorProto.FLOAT, [batch, sequence]),
+            helper.make_tensor_value_info(vectors, TensorProto.FLOAT, [batch, sequence, heads.colbert_dim]),
+        ])
+
+    return onnx_files.rewrite(source, target, rewrite)
+
+
+def _check_graph(graph: onnx.GraphProto, states: str) -> list:
+    """``states``' shape; the graph input :data:`SCORE_MASK` added where missing."""
+    outputs = {o.name: o for o in graph.output}
+    inputs = [i.name for i in graph.input]
+    if states not in outputs or MASK not in inputs or IDS not in inputs:
+        raise ExportError(f"cannot add BGE-M3's heads to the graph: it needs the output {states!r} and the inputs "
+                          f"{MASK!r}, {IDS!r} (outputs {list(outputs)}, inputs {inputs})")
+    shape = [d.dim_param or d.dim_value for d in outputs[states].type.tensor_type.shape.dim]
+    if SCORE_MASK not in inputs:
+        graph.input.append(helper.make_tensor_value_info(SCORE_MASK, TensorProto.INT64, shape[:2]))
+    return shape
+
+
+def _dense_nodes(states: str) -> tuple[list[onnx.NodeProto], str]:
+    pooled, cls = _pool(states, "cls")
+    normalized, vectors = _normalize(cls)
+    return pooled + normalized, vectors
+
+
+def _sparse_nodes(states: str) -> tuple[list[onnx.NodeProto], str]:
+    """``relu(h w^T + b)`` times the attention mask, zero where the token's id is a dropped one."""
+    p = PREFIX + "m3/"
+    return [
+        _node("MatMul", [states, p + "sparse_weight"], p + "sparse_linear"),  # [batch, sequence]
+        _node("Add", [p + "sparse_linear", p + "sparse_bias"], p + "sparse_biased"),
+        _node("Relu", [p + "sparse_biased"], p + "sparse_relu"),
+        _node("Cast", [MASK], p + "attention", to=TensorProto.FLOAT),
+        _node("Unsqueeze", [IDS, PREFIX + "axis2"], p + "ids"),  # [batch, sequence, 1] against [dropped]
+        _node("Equal", [p + "ids", p + "dropped_ids"], p + "is_dropped"),
+        _node("Cast", [p + "is_dropped"], p + "dropped", to=TensorProto.FLOAT),
+        _node("ReduceMax", [p + "dropped"], p + "any_dropped", axes=[2], keepdims=0),
+        _node("Sub", [PREFIX + "one_f", p + "any_dropped"], p + "kept"),
+        _node("Mul", [p + "attention", p + "kept"], p + "weighed"),
+        _node("Mul", [p + "sparse_relu", p + "weighed"], p + "sparse"),
+    ], p + "sparse"
+
+
+def _colbert_nodes(states: str) -> tuple[list[onnx.NodeProto], str]:
+    """``h W^T + b`` per token, L2-normalised (guarded as :func:`pooling._normalize`), times the scoring mask."""
+    p = PREFIX + "m3/"
+    return [
+        _node("MatMul", [states, p + "colbert_weight"], p + "colbert_linear"),
+        _node("Add", [p + "colbert_linear", p + "colbert_bias"], p + "colbert"),
+        _node("ReduceL2", [p + "colbert"], p + "colbert_norm", axes=[-1], keepdims=1),
+        _node("Max", [p + "colbert_norm", PREFIX + "min_norm"], p + "colbert_norm_or_min"),
+        _node("Div", [p + "colbert", p + "colbert_norm_or_min"], p + "colbert_unit"),
+        _node("Cast", [SCORE_MASK], p + "scored", to=TensorProto.FLOAT),
+        _node("Unsqueeze", [p + "scored", PREFIX + "axis2"], p + "scored_rows"),  # [batch, sequence, 1]
+        _node("Mul", [p + "colbert_unit", p + "scored_rows"], p + "vectors"),
+    ], p + "vectors"
