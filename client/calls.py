@@ -18,18 +18,13 @@ from nexus_sli.tasks.spec import TOKEN_MASK, TOKEN_MODEL_PARAMETER, TOKEN_TASK
 from . import late_interaction
 from . import protocol as p
 from .error_codes import INPUT_TYPE_PARAMETER, PROMPT_PARAMETER, TOKEN_COUNT_OUTPUT
-from .errors import InferenceError, InvalidInputError, WrongTaskError
+from .errors import InvalidInputError, WrongTaskError
 from .model_info import DOCUMENT, QUERY, ModelInfo
 
 #: The least norm a vector is divided by (the served pooling's guard, python_models/encoding.py)
 MIN_NORM = 1e-12
 
 Request = dict[str, np.ndarray]
-
-#: A late-interaction model's task, and its outputs: each text's vectors (zeros off the scoring mask) and the
-#: scoring mask, which says which of them are the text's (tasks/multi_vector.py).
-MULTI_VECTOR_TASK = "multi-vector"
-MULTI_VECTOR_OUTPUTS = ("MULTI_VECTOR", "SCORE_MASK")
 
 
 @dataclass
@@ -145,25 +140,12 @@ def embed_tokens(texts, info: ModelInfo, prompt_name: str | None = None) -> Call
     return _texts_call(TOKEN_TASK, texts, info, parse, _prompt(prompt_name, info), (states, mask), tokens_model)
 
 
-def served_vectors(answers: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
-    """Each text's vectors ``[n_i, dim]`` from every request's (``MULTI_VECTOR``, ``SCORE_MASK``): row i's
-    vectors are ``MULTI_VECTOR[i]`` where its mask is 1, in order.  The vectors may be cut shorter than
-    the mask where the mask is 0 beyond the cut, never where it is 1."""
-    found = []
-    for vectors, mask in answers:
-        width = vectors.shape[1]
-        if mask[:, width:].any():
-            raise InferenceError(f"the server answered {width} vectors per text and a scoring mask that scores "
-                                 f"tokens past them (width {mask.shape[1]}): the export is inconsistent")
-        found += [row[row_mask.astype(bool)] for row, row_mask in zip(vectors, mask[:, :width])]
-    return found
-
-
 def embed_multi_vector(texts, info: ModelInfo, input_type: str = DOCUMENT, prompt_name: str | None = None) -> Call:
     """Each text's vectors ``[n_i, dim]``, one per token the model scores on that side (``input_type``:
     ``query`` or ``document``: its marker, length, query expansion and skiplist)."""
+    spec = get_task("multi-vector")
     parameters = {INPUT_TYPE_PARAMETER: info.check_input_type(input_type), **_prompt(prompt_name, info)}
-    return _texts_call(MULTI_VECTOR_TASK, texts, info, served_vectors, parameters, MULTI_VECTOR_OUTPUTS)
+    return _texts_call(spec.name, texts, info, spec.parse, parameters, _names(spec.results))
 
 
 def classify(texts, info: ModelInfo, top_k: int = 1) -> Call:
@@ -191,7 +173,7 @@ def rerank(query: str, documents, info: ModelInfo, top_k: int | None = None, chu
     p.check_text(query, "query")
     items, _ = p.as_list(documents, "documents")
     spec = get_task("rerank")
-    if not info.serves(spec.name) and info.serves(MULTI_VECTOR_TASK):
+    if not info.serves(spec.name) and info.serves("multi-vector"):
         return late_rerank(query, items, info, top_k)
     requests = [{"QUERY": p.strings([query]), "DOCUMENTS": p.strings(c)} for c in p.chunks(items, chunk)]
     return Call(spec.name, requests, (spec.client_output,), lambda outs: spec.parse(outs, items, top_k))
@@ -200,7 +182,7 @@ def rerank(query: str, documents, info: ModelInfo, top_k: int | None = None, chu
 def late_rerank(query: str, documents: list[str], info: ModelInfo, top_k: int | None = None) -> Call:
     """The documents by the late-interaction model's own score (its ``similarity``: MaxSim or MeanMaxSim) of
     the query's vectors (query side) against each document's (document side), best first."""
-    similarity = info.similarity
+    similarity, spec = info.similarity, get_task("multi-vector")
     if similarity not in late_interaction.SIMILARITIES:
         raise WrongTaskError(f"model {info.name!r} names no late-interaction similarity (its similarity "
                              f"parameter is {similarity!r}): it cannot rank by it")
@@ -209,7 +191,11 @@ def late_rerank(query: str, documents: list[str], info: ModelInfo, top_k: int | 
     sides = [{INPUT_TYPE_PARAMETER: QUERY}] + [{INPUT_TYPE_PARAMETER: DOCUMENT}] * (len(requests) - 1)
 
     def finish(answers) -> list:
-        vectors = served_vectors(answers)
+        vectors = spec.parse(answers)
         scores = late_interaction.score(similarity, vectors[:1], vectors[1:])[0]
         return get_task("rerank").parse([scores], documents, top_k)
-    return Call(MULTI_VECTOR_TASK, requests, MULTI_VECTOR_OUTPUTS, finish, request_parameters=sides)
+    return Call(spec.name, requests, _names(spec.results), finish, request_parameters=sides)
+
+
+def _names(tensors) -> tuple[str, ...]:
+    return tuple(tensor.name for tensor in tensors)

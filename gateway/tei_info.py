@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from nexus_sli.client.calls import MULTI_VECTOR_TASK
 from nexus_sli.client.model_info import ModelInfo
 
 from .config import GatewayConfig
@@ -31,7 +30,7 @@ def package_version() -> str:
 def model_type(model: ModelInfo) -> dict:
     """TEI's ModelType: an embedding model with its pooling (a multi-vector model pools nothing: one vector
     per scored token), a reranker, else a classifier, with its labels."""
-    if model.task == MULTI_VECTOR_TASK:
+    if model.task == "multi-vector":
         return {"embedding": {"pooling": "none"}}
     if model.task in ("embedding", "sparse-embedding"):
         pooling = "splade" if model.task == "sparse-embedding" else model.params.get("pooling", "mean")
@@ -52,7 +51,7 @@ def info(model: ModelInfo, config: GatewayConfig) -> dict:
     from ``config``, and (:data:`EXTENSIONS`) an embedding model's dimensions."""
     step = model.tokenizer_step
     max_length, rows = (step.max_length, step.rows) if step else (0, model.max_batch_size)
-    extensions = {"dimensions": model.dimensions} if model.task in ("embedding", MULTI_VECTOR_TASK) else {}
+    extensions = {"dimensions": model.dimensions} if model.task in ("embedding", "multi-vector") else {}
     return {**extensions,
         "model_id": model.name, "model_sha": None, "served_model_name": model.name,
         "model_dtype": DTYPES.get(model.precision or "", model.precision or "unknown"),

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from nexus_sli.client.calls import MULTI_VECTOR_TASK, unit_rows
+from nexus_sli.client.calls import unit_rows
 from nexus_sli.client.model_info import DOCUMENT, ModelInfo
 
 from . import tei_info, tei_tokens
@@ -78,7 +78,7 @@ def _no_raw_scores(body: dict) -> None:
 
 
 #: The tasks /rerank takes: a cross-encoder, or a late-interaction model ranking by its own score.
-RERANKERS = ("rerank", MULTI_VECTOR_TASK)
+RERANKERS = ("rerank", "multi-vector")
 
 #: The served score is float32: it is kept inside (smallest normal float32, 1 - float32's step
 #: below 1), so that a score rounded to 0 or 1 still has a finite logit.
@@ -146,7 +146,7 @@ async def embed_all(request: Request) -> JSONResponse:
 async def embed_multi_vector(request: Request) -> JSONResponse:
     """A late-interaction (multi-vector) model's vectors per text, one per token it scores on the side
     ``input_type`` names (``query`` or ``document``, default ``document``)."""
-    state, body, texts, model, prompt_name = await _embedding_request(request, MULTI_VECTOR_TASK)
+    state, body, texts, model, prompt_name = await _embedding_request(request, "multi-vector")
     input_type = check_input_type(DOCUMENT if body.get("input_type") is None else body["input_type"], model)
     found = await state.backend.client.embed_multi_vector(texts, model=model.name, input_type=input_type,
                                                           prompt_name=prompt_name)

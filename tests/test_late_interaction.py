@@ -3,27 +3,36 @@ the requests the client sends, and the gateway's ``/embed_multi_vector`` and ``/
 
 Without a server, the routes answer through the client's real calls from synthetic arrays laid out as the
 multi-vector ensemble answers them (``MULTI_VECTOR`` zero off the scoring mask, ``SCORE_MASK`` wider, a hole
-at the first token).
+at the first token).  Served: a seeded tiny ColBERT (``helpers/colbert_models.py``) exported in fp32 and
+served by one Triton server, its vectors, scores and ranking through the client (gRPC) and the gateway
+against ``MultiVectorEncoder``'s: the same vector counts, per-token cosine >= 0.9999, unit norms, scores
+within 1e-4 relative.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import string
 import zlib
 
 import numpy as np
 import pytest
 import torch
+from sentence_transformers import MultiVectorEncoder
 from sentence_transformers.util import similarity as st
+from starlette.testclient import TestClient
 
+from helpers.colbert_models import colbert_folder
 from helpers.fake_triton import ConfigTriton
 from helpers.http_api import schema_problems, tei_schema
-from nexus_sli.client import InferenceError, InvalidInputError, WrongTaskError
+from helpers.servers import serving
+from nexus_sli.client import EncoderClient, InvalidInputError, WrongTaskError
 from nexus_sli.client import calls, late_interaction
 from nexus_sli.client.error_codes import INPUT_TYPE_PARAMETER, PROMPT_PARAMETER
 from nexus_sli.client.errors import UnknownInputTypeError
 from nexus_sli.client.model_info import ModelInfo
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.gateway import GatewayConfig, create_app
 from nexus_sli.gateway.discovery import Catalog
 from nexus_sli.gateway.errors import GatewayError
@@ -109,12 +118,10 @@ def test_lexical_score_is_flag_embeddings_on_its_weights_and_on_sparse_embedding
 def test_the_served_vectors_are_each_rows_scored_positions_in_order():
     vectors = np.arange(2 * 4 * 2, dtype=np.float32).reshape(2, 4, 2) + 1
     mask = np.array([[0, 1, 0, 1, 0, 0], [1, 1, 1, 1, 0, 0]])  # wider than the vectors, holes allowed
-    first, second = calls.served_vectors([(vectors, mask)])
+    first, second = calls.embed_multi_vector(["a", "b"], COLBERT).read([(vectors, mask)])
     np.testing.assert_array_equal(first, vectors[0, [1, 3]])
     np.testing.assert_array_equal(second, vectors[1])
-    mask[0, 5] = 1
-    with pytest.raises(InferenceError, match="scores tokens past them"):
-        calls.served_vectors([(vectors, mask)])
+    np.testing.assert_array_equal(calls.embed_multi_vector("a", COLBERT).read([(vectors[:1], mask[:1])]), first)
 
 
 def _config(name: str, task: str, **params: str) -> dict:
@@ -239,8 +246,6 @@ class _Backend:
 
 
 def _gateway(*models: tuple[str, str]):
-    from starlette.testclient import TestClient
-
     app = create_app(GatewayConfig())
     app.state.backend = _Backend({name: _config(name, task) for name, task in models})
     return TestClient(app, raise_server_exceptions=False)  # no lifespan: Triton is not needed
@@ -303,3 +308,64 @@ def test_info_describes_a_multi_vector_model_as_an_unpooled_embedder():
     info = _gateway(("colbert", "multi-vector")).get("/info").json()
     assert schema_problems({k: v for k, v in info.items() if k != "dimensions"}, tei_schema("Info")) == []
     assert info["model_type"] == {"embedding": {"pooling": "none"}} and info["dimensions"] == DIM
+
+
+# -- served: a seeded tiny ColBERT exported, served by Triton, read through the client and the gateway
+
+
+QUERIES = ["what is a tiny model?", "Where is Paris?"]
+PASSAGES = ["Paris is the capital of France.", "A tiny model has few weights; it is fast.", "Water boils at 100 degrees.",
+            "What? Yes, it is: (really)!"]
+COSINE = 0.9999
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A native MultiVectorEncoder folder (queries expanded, documents' punctuation not scored, MeanMaxSim)
+    exported in fp32 and served; its vectors as sentence-transformers encodes them."""
+    root = tmp_path_factory.mktemp("late-interaction")
+    folder = colbert_folder(root / "colbert", "native", expansion_length=12, skiplist_words=list(string.punctuation),
+                            similarity="meanmaxsim")
+    run_export(ExportOptions(model=str(folder), name="colbert", out=root / "repo", precision="fp32"))
+    model = MultiVectorEncoder(str(folder), device="cpu")
+    reference = {"query": model.encode_query(QUERIES, convert_to_numpy=True),
+                 "document": model.encode_document(PASSAGES, convert_to_numpy=True)}
+    with serving(root / "repo") as server:
+        yield {**server, "model": model, "reference": reference}
+
+
+def _same_vectors(got: list[np.ndarray], expected: list[np.ndarray]) -> None:
+    """As many vectors per text, each a unit vector pointing where the reference's does."""
+    for text, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g.shape == e.shape, text
+        np.testing.assert_allclose(np.linalg.norm(g, axis=1), 1.0, atol=1e-5)
+        cosines = np.sum(g * e, axis=1) / np.linalg.norm(e, axis=1)
+        assert cosines.min() >= COSINE, (text, cosines.min())
+
+
+def test_served_vectors_scores_and_ranking_are_multi_vector_encoders(served):
+    model, reference = served["model"], served["reference"]
+    with EncoderClient(served["grpc"], model="colbert") as client:
+        queries = client.embed_multi_vector(QUERIES, input_type="query")
+        documents = client.embed_multi_vector(PASSAGES)  # the document side by default
+        similarity = client.info("colbert").similarity
+        ranked = client.rerank(QUERIES[0], PASSAGES)
+    _same_vectors(queries, reference["query"])
+    _same_vectors(documents, reference["document"])
+    assert similarity == model.similarity_fn_name == "meanmaxsim"
+    expected = model.similarity(reference["query"], reference["document"]).numpy()
+    np.testing.assert_allclose(late_interaction.score(similarity, queries, documents), expected, rtol=1e-4)
+    # best first: each rank's reference score is the next largest (ties may come in either order)
+    np.testing.assert_allclose([expected[0, r.index] for r in ranked], np.sort(expected[0])[::-1], rtol=1e-4)
+    np.testing.assert_allclose([r.score for r in ranked], np.sort(expected[0])[::-1], rtol=1e-4)
+
+
+def test_the_gateway_serves_the_vectors_and_ranks_by_them(served):
+    with TestClient(create_app(GatewayConfig(triton=served["grpc"]))) as gateway:
+        vectors = gateway.post("/embed_multi_vector", json={"inputs": QUERIES, "input_type": "query"})
+        ranks = gateway.post("/rerank", json={"query": QUERIES[1], "texts": PASSAGES})
+    assert vectors.status_code == 200 and ranks.status_code == 200, (vectors.text, ranks.text)
+    _same_vectors([np.array(v, np.float32) for v in vectors.json()], served["reference"]["query"])
+    expected = served["model"].similarity(served["reference"]["query"][1:], served["reference"]["document"]).numpy()[0]
+    np.testing.assert_allclose([expected[r["index"]] for r in ranks.json()], np.sort(expected)[::-1], rtol=1e-4)
+    np.testing.assert_allclose([r["score"] for r in ranks.json()], np.sort(expected)[::-1], rtol=1e-4)
