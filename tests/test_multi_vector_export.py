@@ -142,6 +142,8 @@ def test_exports_describe_the_multi_vector_ensemble(served, folders):
         assert tokenizer.parameters["mode"].string_value == "sided"
         sides = Sides.from_json(tokenizer.parameters["sides"].string_value)
         assert sides.query.expansion.length == EXPANSION and not sides.query.expansion.attend
+        # every side's rows fit in the width the step pads within
+        assert int(tokenizer.parameters["max_length"].string_value) >= max(sides.document.max_length, EXPANSION)
         assert (served["repo"] / f"{name}_tokenizer" / "1" / "sides.py").is_file()
         encoder = tc.read(served["repo"] / f"{name}_encoder" / "config.pbtxt")
         assert [i.name for i in encoder.input][-1] == SCORE_MASK

@@ -304,7 +304,8 @@ class ExportReport(Record):
     truncate: bool
     #: the longest sequence the model takes, in tokens
     max_length: int
-    #: how token states become the served embedding (None: the task does not pool;
+    #: how token states become the served embedding (``mean``, ``cls``, ``max``; ``splade``; ``multi-vector``: a
+    #: late-interaction model's vector per scored token; None: the task does not pool;
     #: :func:`validate.embedder_from_report` reads these five back)
     pooling: str | None = None
     normalize: bool | None = None

@@ -25,7 +25,7 @@ from nexus_sli.exporter.errors import ExportError, ValidationError
 from nexus_sli.exporter.targets import Candidate, Configuration, ExportedGraph, configurations_for
 from nexus_sli.exporter.triton.models import ServingFacts, write_models, write_readme
 from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
-from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK
+from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK, SIDE_NAMES, Sides, row_width
 from nexus_sli.exporter.triton.staging import Staging
 from nexus_sli.tasks import get_task, infer_task
 from nexus_sli.tasks.spec import TOKEN_MODEL_SUFFIX
@@ -180,6 +180,7 @@ def _prepare(options: ExportOptions, source, work: Path) -> Prepared:
         raise ExportError(f"the python post-processing step does not apply {' or '.join(embedder.graph_only)}: "
                           "export this model with the pooling in the graph (the default)")
     tokenizer_path = _served_tokenizer(tokenizer_path, embedder, work)
+    max_length = _served_length(max_length, getattr(embedder, "sides", None))
     model, walked = _walk(options, source, config, task, handler)
     tokenizer = load_tokenizer(tokenizer_path, max_length)
     pad_id = _pad_id(config, tokenizer)
@@ -222,6 +223,15 @@ def _served_tokenizer(path: Path, embedder, work: Path) -> Path:
     add_markers(Tokenizer.from_file(str(path)), read).save(str(served))
     log.info("markers registered as special tokens in the served tokenizer: %s", ", ".join(read.added_special_tokens))
     return served
+
+
+def _served_length(max_length: int, sides: Sides | None) -> int:
+    """The longest row the tokenizer step sends: the model's length, or a late-interaction model's widest side
+    (a side's own length, which the folder may set past the model's, or its query expansion), every row of
+    which the step pads within it."""
+    if sides is None:
+        return max_length
+    return max(max_length, *(row_width(sides.side(name).max_length, sides.side(name)) for name in SIDE_NAMES))
 
 
 def _task(options: ExportOptions, source, config):

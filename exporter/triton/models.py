@@ -37,6 +37,10 @@ pooling and normalisation and answers `EMBEDDING` itself (the ensemble answers
 ensemble `NAME_tokens` (`NAME_tokenizer` -> the same `NAME_encoder`) answers
 each token's vector, `TOKEN_EMBEDDINGS`, with the tokenizer's `ATTENTION_MASK`.
 A sparse-embedding model's encoder answers `SPARSE_EMBEDDING` ([vocab]) itself.
+A multi-vector (ColBERT) model's encoder answers `MULTI_VECTOR`, one vector per
+token, zeros where a token is not scored; the ensemble answers `SCORE_MASK`
+beside it, from `NAME_tokenizer` (request parameter `input_type`: `query` or
+`document`, the default), and a text's vectors are the rows its mask holds.
 
 Serve it with `tritonserver --model-repository <this folder>`; locally,
 `nexus-sli serve --model-repository <this folder>` starts the Triton server
