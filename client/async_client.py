@@ -10,7 +10,7 @@ import numpy as np
 from . import calls
 from . import protocol as p
 from .client import client_kwargs, default_url
-from .model_info import ModelInfo
+from .model_info import DOCUMENT, ModelInfo
 from .replicas import (REFRESH_S, RETRY_S, Fleet, Resolve, Retries, attempts_for, check_attempts, gave_up,
                        retry_budget, retryable, unresolved)
 
@@ -95,17 +95,17 @@ class AsyncEncoderClient:
     async def _run(self, model: str, call: calls.Call):
         model = call.model or model
         (await self.info(model)).expect(call.task)
-        return call.read(list(await asyncio.gather(*(self._infer(model, r, call) for r in call.requests))))
+        return call.read(list(await asyncio.gather(*(self._infer(model, call, i) for i in range(len(call.requests))))))
 
-    async def _infer(self, model: str, request: calls.Request, call: calls.Call) -> tuple[np.ndarray, ...]:
+    async def _infer(self, model: str, call: calls.Call, index: int) -> tuple[np.ndarray, ...]:
         inputs = []
-        for name, array in request.items():
+        for name, array in call.requests[index].items():
             tensor = self._types.InferInput(name, list(array.shape), "BYTES")
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         outputs = [self._types.InferRequestedOutput(output) for output in call.outputs]
         kwargs = {**self._deadline, **p.queue_timeout(self.timeout_s),
-                  **({"parameters": call.parameters} if call.parameters else {})}
+                  **({"parameters": parameters} if (parameters := call.parameters_of(index)) else {})}
         try:
             result = await self._on_replicas(model, lambda client: client.infer(model, inputs, outputs=outputs,
                                                                               **kwargs))
@@ -133,6 +133,11 @@ class AsyncEncoderClient:
 
     async def embed_tokens(self, texts, model: str | None = None, prompt_name: str | None = None):
         return await self._call(model, lambda info: calls.embed_tokens(texts, info, prompt_name))
+
+    async def embed_multi_vector(self, texts, model: str | None = None, input_type: str = DOCUMENT,
+                                 prompt_name: str | None = None):
+        """As :meth:`EncoderClient.embed_multi_vector`: each text's vectors, on the side ``input_type`` names."""
+        return await self._call(model, lambda info: calls.embed_multi_vector(texts, info, input_type, prompt_name))
 
     async def classify(self, texts, model: str | None = None, top_k: int = 1):
         return await self._call(model, lambda info: calls.classify(texts, info, top_k))

@@ -15,10 +15,11 @@ from nexus_sli.tasks import get_task
 from nexus_sli.tasks.results import SparseEmbedding
 from nexus_sli.tasks.spec import TOKEN_MASK, TOKEN_MODEL_PARAMETER, TOKEN_TASK
 
+from . import late_interaction
 from . import protocol as p
-from .error_codes import PROMPT_PARAMETER, TOKEN_COUNT_OUTPUT
+from .error_codes import INPUT_TYPE_PARAMETER, PROMPT_PARAMETER, TOKEN_COUNT_OUTPUT
 from .errors import InvalidInputError, WrongTaskError
-from .model_info import ModelInfo
+from .model_info import DOCUMENT, QUERY, ModelInfo
 
 #: The least norm a vector is divided by (the served pooling's guard, python_models/encoding.py)
 MIN_NORM = 1e-12
@@ -38,6 +39,13 @@ class Call:
     parameters: dict = field(default_factory=dict)
     #: the model the requests go to, where not the one the call named (token embeddings: its ``_tokens`` ensemble)
     model: str | None = None
+    #: each request's own parameters beside :attr:`parameters`, in :attr:`requests` order (None: none); a
+    #: late-interaction rerank sends its query and its documents as two sides
+    request_parameters: list[dict] | None = None
+
+    def parameters_of(self, index: int) -> dict:
+        """The parameters request ``index`` is sent with."""
+        return {**self.parameters, **(self.request_parameters[index] if self.request_parameters else {})}
 
     def read(self, answers: list[tuple[np.ndarray, ...]]):
         """The call's result from every request's arrays, in :attr:`outputs` order."""
@@ -132,6 +140,14 @@ def embed_tokens(texts, info: ModelInfo, prompt_name: str | None = None) -> Call
     return _texts_call(TOKEN_TASK, texts, info, parse, _prompt(prompt_name, info), (states, mask), tokens_model)
 
 
+def embed_multi_vector(texts, info: ModelInfo, input_type: str = DOCUMENT, prompt_name: str | None = None) -> Call:
+    """Each text's vectors ``[n_i, dim]``, one per token the model scores on that side (``input_type``:
+    ``query`` or ``document``: its marker, length, query expansion and skiplist)."""
+    spec = get_task("multi-vector")
+    parameters = {INPUT_TYPE_PARAMETER: info.check_input_type(input_type), **_prompt(prompt_name, info)}
+    return _texts_call(spec.name, texts, info, spec.parse, parameters, _names(spec.results))
+
+
 def classify(texts, info: ModelInfo, top_k: int = 1) -> Call:
     spec = get_task("classification")
     return _texts_call(spec.name, texts, info, lambda outs: spec.parse(outs, info.id2label, top_k))
@@ -152,8 +168,34 @@ def answer(question: str, context: str, info: ModelInfo, top_k: int = 1) -> Call
 
 
 def rerank(query: str, documents, info: ModelInfo, top_k: int | None = None, chunk: int = 64) -> Call:
+    """A cross-encoder scores each (query, document) pair; a late-interaction model's score compares the
+    query's vectors with each document's (:func:`late_rerank`)."""
     p.check_text(query, "query")
     items, _ = p.as_list(documents, "documents")
     spec = get_task("rerank")
+    if not info.serves(spec.name) and info.serves("multi-vector"):
+        return late_rerank(query, items, info, top_k)
     requests = [{"QUERY": p.strings([query]), "DOCUMENTS": p.strings(c)} for c in p.chunks(items, chunk)]
     return Call(spec.name, requests, (spec.client_output,), lambda outs: spec.parse(outs, items, top_k))
+
+
+def late_rerank(query: str, documents: list[str], info: ModelInfo, top_k: int | None = None) -> Call:
+    """The documents by the late-interaction model's own score (its ``similarity``: MaxSim or MeanMaxSim) of
+    the query's vectors (query side) against each document's (document side), best first."""
+    similarity, spec = info.similarity, get_task("multi-vector")
+    if similarity not in late_interaction.SIMILARITIES:
+        raise WrongTaskError(f"model {info.name!r} names no late-interaction similarity (its similarity "
+                             f"parameter is {similarity!r}): it cannot rank by it")
+    requests = [{"TEXT": p.strings(texts).reshape(-1, 1)}
+                for texts in [[query], *p.chunks(documents, info.max_batch_size)]]
+    sides = [{INPUT_TYPE_PARAMETER: QUERY}] + [{INPUT_TYPE_PARAMETER: DOCUMENT}] * (len(requests) - 1)
+
+    def finish(answers) -> list:
+        vectors = spec.parse(answers)
+        scores = late_interaction.score(similarity, vectors[:1], vectors[1:])[0]
+        return get_task("rerank").parse([scores], documents, top_k)
+    return Call(spec.name, requests, _names(spec.results), finish, request_parameters=sides)
+
+
+def _names(tensors) -> tuple[str, ...]:
+    return tuple(tensor.name for tensor in tensors)

@@ -9,7 +9,7 @@ import numpy as np
 
 from . import calls
 from . import protocol as p
-from .model_info import ModelInfo
+from .model_info import DOCUMENT, ModelInfo
 from .replicas import (REFRESH_S, RETRY_S, Fleet, Resolve, Retries, attempts_for, check_attempts, gave_up,
                        retry_budget, retryable, unresolved)
 
@@ -140,18 +140,18 @@ class EncoderClient:
     def _run(self, model: str, call: calls.Call):
         model = call.model or model
         self.info(model).expect(call.task)
-        return call.read([self._infer(model, request, call) for request in call.requests])
+        return call.read([self._infer(model, call, index) for index in range(len(call.requests))])
 
-    def _infer(self, model: str, request: calls.Request, call: calls.Call) -> tuple[np.ndarray, ...]:
+    def _infer(self, model: str, call: calls.Call, index: int) -> tuple[np.ndarray, ...]:
         inputs = []
-        for name, array in request.items():
+        for name, array in call.requests[index].items():
             tensor = self._triton.InferInput(name, list(array.shape), "BYTES")
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         kwargs = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
         kwargs.update(p.queue_timeout(self.timeout_s))
-        if call.parameters:
-            kwargs["parameters"] = call.parameters
+        if parameters := call.parameters_of(index):
+            kwargs["parameters"] = parameters
         outputs = [self._triton.InferRequestedOutput(output) for output in call.outputs]
         try:
             result = self._on_replicas(model, lambda client: client.infer(model, inputs, outputs=outputs, **kwargs))
@@ -192,6 +192,14 @@ class EncoderClient:
         truncation), a list for a list, one array for one string; ``model`` is the embedding model."""
         return self._call(model, lambda info: calls.embed_tokens(texts, info, prompt_name))
 
+    def embed_multi_vector(self, texts, model: str | None = None, input_type: str = DOCUMENT,
+                           prompt_name: str | None = None):
+        """A late-interaction (multi-vector) model's vectors: ``[n_i, dim]`` per text, one per token it scores,
+        a list for a list, one array for one string.  ``input_type``: ``query`` or ``document``, the side
+        (its marker, length, query expansion and skiplist); score them with
+        :func:`~nexus_sli.client.late_interaction.score` and ``info(model).similarity``."""
+        return self._call(model, lambda info: calls.embed_multi_vector(texts, info, input_type, prompt_name))
+
     def classify(self, texts, model: str | None = None, top_k: int = 1):
         """Top ``top_k`` labels (label, score) per text."""
         return self._call(model, lambda info: calls.classify(texts, info, top_k))
@@ -205,7 +213,8 @@ class EncoderClient:
         return self._call(model, lambda info: calls.answer(question, context, info, top_k))
 
     def rerank(self, query: str, documents, model: str | None = None, top_k: int | None = None):
-        """Documents by relevance to ``query``: (index, score, document), best first."""
+        """Documents by relevance to ``query``: (index, score, document), best first.  A cross-encoder's score,
+        or a late-interaction model's own (MaxSim or MeanMaxSim of the query's and each document's vectors)."""
         return self._call(model, lambda info: calls.rerank(query, documents, info, top_k))
 
     def close(self) -> None:

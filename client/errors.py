@@ -64,6 +64,15 @@ class UnknownPromptError(InvalidInputError):
         super().__init__(f"unknown prompt_name {prompt_name!r} for model {model!r}; its prompts: {listed}")
 
 
+class UnknownInputTypeError(InvalidInputError):
+    """An ``input_type`` a late-interaction model does not read; ``known`` lists the ones it does."""
+
+    def __init__(self, input_type, model: str, known: list[str]):
+        self.input_type, self.model, self.known = input_type, model, list(known)
+        super().__init__(f"unknown input_type {input_type!r} for model {model!r}; it reads "
+                         f"{', '.join(repr(k) for k in self.known)}")
+
+
 class DimensionsError(InvalidInputError):
     """A ``dimensions`` that is not an integer from 1 to the model's ``size``; ``trained`` lists the
     sizes the model was trained for (Matryoshka), where its card names them."""

@@ -1,15 +1,17 @@
 """What a served model is, read from its Triton config: the one description the client and the gateway share.
 
 A nexus-sli model is an ensemble whose string ``parameters`` say what it serves
-(``task``), its named prompts (``prompts``, ``default_prompt_name``), the sizes
-it was trained for (``matryoshka_dims``), whether it normalises (``normalize``),
-its labels (``id2label``) and the precision of its encoder (``precision``); its
-outputs say whether it answers each text's token count beside its results; its
-first step's own config, the tokenizer's, says how long an input may be and
+(``task``, and ``serves`` where it answers other tasks' calls too), its named
+prompts (``prompts``, ``default_prompt_name``), the sizes it was trained for
+(``matryoshka_dims``), whether it normalises (``normalize``), its labels
+(``id2label``), the precision of its encoder (``precision``) and, for a
+late-interaction model, its score (``similarity``) and sides (``input_types``);
+its outputs say whether it answers each text's token count beside its results;
+its first step's own config, the tokenizer's, says how long an input may be and
 whether that step answers the text modes (:class:`TokenizerStep`).  The
 description parses them once, and holds the rules about them: which prompt
-names a request may send, which shorter sizes (Matryoshka) it may ask for, and
-how a vector is cut to one.  Each caller turns
+names and sides a request may send, which shorter sizes (Matryoshka) it may
+ask for, and how a vector is cut to one.  Each caller turns
 the typed errors into its own API's shape.
 """
 
@@ -21,7 +23,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .error_codes import DECODED_OUTPUT, IDS_INPUT, TOKEN_COUNT_OUTPUT, TOKENS_OUTPUT
-from .errors import DimensionsError, UnknownPromptError, WrongTaskError
+from .errors import DimensionsError, UnknownInputTypeError, UnknownPromptError, WrongTaskError
+
+#: The ensemble parameter listing the tasks a model serves besides its own (comma-separated).
+SERVES_PARAMETER = "serves"
+#: The sides of a late-interaction model's request (its tokenizer step's sides, ``python_models/sides.py``):
+#: a multi-vector model lists the ones it reads in its ``input_types`` parameter.
+QUERY, DOCUMENT = "query", "document"
 
 #: The ensemble parameter naming the precision its encoder was exported in (``fp32``, ``fp16``, ``int8`` ...).
 PRECISION_PARAMETER = "precision"
@@ -105,8 +113,18 @@ class ModelInfo:
         """This description with its tokenizer step's, read from that model's Triton config."""
         return replace(self, tokenizer_step=TokenizerStep.from_config(config))
 
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The tasks whose calls the model answers: its own, then those its ``serves`` parameter lists (a model
+        with several heads, such as BGE-M3, serves embeddings, sparse weights and multi-vectors)."""
+        others = [t for t in self.params.get(SERVES_PARAMETER, "").split(",") if t and t != self.task]
+        return (self.task, *others)
+
+    def serves(self, task: str) -> bool:
+        return task in self.tasks
+
     def expect(self, task: str) -> None:
-        if self.task != task:
+        if not self.serves(task):
             raise WrongTaskError(f"model {self.name!r} serves task {self.task or 'unknown'!r}, not {task!r}")
 
     @property
@@ -143,6 +161,23 @@ class ModelInfo:
     @property
     def id2label(self) -> dict[int, str]:
         return {int(k): v for k, v in json.loads(self.params.get("id2label", "{}")).items()}
+
+    @property
+    def similarity(self) -> str | None:
+        """A multi-vector model's late-interaction score (``maxsim`` or ``meanmaxsim``; None: not one)."""
+        return self.params.get("similarity")
+
+    @property
+    def input_types(self) -> tuple[str, ...]:
+        """The sides a multi-vector model's requests may name (``input_type``)."""
+        return tuple(self.params.get("input_types", f"{QUERY},{DOCUMENT}").split(","))
+
+    def check_input_type(self, input_type) -> str:
+        """``input_type`` if it is one of :attr:`input_types`; else :class:`UnknownInputTypeError`, before
+        anything is sent."""
+        if not isinstance(input_type, str) or input_type not in self.input_types:
+            raise UnknownInputTypeError(input_type, self.name, list(self.input_types))
+        return input_type
 
     def check_prompt(self, prompt_name) -> str | None:
         """``prompt_name`` where it is None (the model's default prompt, if any) or one of :attr:`prompts`;

@@ -22,6 +22,9 @@ from nexus_sli.tasks.spec import TOKEN_TASK
 
 from .errors import GatewayError
 
+#: A task a route takes, or several (one of them).
+Tasks = str | tuple[str, ...]
+
 
 def served_model(name: str, config: dict) -> ModelInfo | None:
     """The model a Triton config (JSON) describes, or None if it is not a nexus-sli task model."""
@@ -124,9 +127,9 @@ class Catalog:
         return ModelUnavailableError(f"model {name!r} was served here and is not ready now (being reloaded, or "
                                      "its worker restarted); retry shortly")
 
-    async def get(self, name: str, task: str | None) -> ModelInfo:
-        """The model ``name``, checked to serve ``task`` (None: any): 404 if unknown, 400 naming its task if
-        another."""
+    async def get(self, name: str, task: Tasks | None) -> ModelInfo:
+        """The model ``name``, checked to serve ``task`` (one of them, for a tuple; None: any): 404 if unknown,
+        400 naming its task if another."""
         models = await self.models()
         if name not in models:
             models = await self.models(max_age_s=MISS_REFRESH_S)
@@ -136,26 +139,27 @@ class Catalog:
             raise GatewayError("not_found", f"model {name!r} is not served here; served models: {served}",
                                param="model", code="model_not_found")
         model = models[name]
-        if task is not None and model.task != task:
-            raise GatewayError("wrong_task", f"model {name!r} serves task {model.task!r}, not {task!r}; "
-                               f"{_route_hint(model.task)}", param="model", code="wrong_task")
+        if task is not None and not serving(model, task):
+            raise GatewayError("wrong_task", f"model {name!r} serves task {model.task!r}, not {named(task)}; "
+                               f"{_route_hint(model)}", param="model", code="wrong_task")
         return model
 
-    async def only_for(self, task: str) -> ModelInfo:
-        """TEI's routes name no model: the one model serving ``task``, else a 400 saying what to send."""
+    async def only_for(self, task: Tasks) -> ModelInfo:
+        """TEI's routes name no model: the one model serving ``task`` (one of them, for a tuple), else a 400
+        saying what to send."""
         models = await self.models()
-        matching = sorted(n for n, m in models.items() if m.task == task)
+        matching = sorted(n for n, m in models.items() if serving(m, task))
         if len(matching) == 1:
             return models[matching[0]]
         if matching:
-            raise GatewayError("invalid", f"several models serve {task!r} ({', '.join(matching)}): name one with "
-                               f"the request field \"model\"", param="model")
+            raise GatewayError("invalid", f"several models serve {named(task)} ({', '.join(matching)}): name one "
+                               f"with the request field \"model\"", param="model")
         gone = sorted(n for n, (m, _) in self._seen.items()
-                      if m.task == task and n not in models and self._recently_served(n))
+                      if serving(m, task) and n not in models and self._recently_served(n))
         if len(gone) == 1:  # the route's one model, reloading
             raise self._reloading(gone[0])
         served = ", ".join(f"{n} ({m.task})" for n, m in sorted(models.items())) or "none"
-        raise GatewayError("wrong_task", f"no model here serves task {task!r}; served models: {served}",
+        raise GatewayError("wrong_task", f"no model here serves task {named(task)}; served models: {served}",
                            param="model", code="wrong_task")
 
 
@@ -171,11 +175,21 @@ class Catalog:
                            "with --tei-model", param="model")
 
 
-#: The gateway route that serves each task.
+#: The gateway routes that serve each task.
 ROUTES = {"embedding": "POST /v1/embeddings, /embed, /embed_all or /similarity",
-          "sparse-embedding": "POST /embed_sparse", "rerank": "POST /rerank", "classification": "POST /predict"}
+          "sparse-embedding": "POST /embed_sparse", "rerank": "POST /rerank", "classification": "POST /predict",
+          "multi-vector": "POST /embed_multi_vector or /rerank"}
 
 
-def _route_hint(task: str) -> str:
-    route = ROUTES.get(task)
-    return f"use {route}" if route else "the gateway has no route for that task (use the Python client)"
+def serving(model: ModelInfo, task: Tasks) -> bool:
+    """Whether ``model`` serves ``task``, or one of them (a route several tasks answer, such as /rerank)."""
+    return any(model.serves(t) for t in ((task,) if isinstance(task, str) else task))
+
+
+def named(task: Tasks) -> str:
+    return repr(task) if isinstance(task, str) else " or ".join(map(repr, task))
+
+
+def _route_hint(model: ModelInfo) -> str:
+    routes = [ROUTES[t] for t in model.tasks if t in ROUTES]
+    return f"use {'; '.join(routes)}" if routes else "the gateway has no route for that task (use the Python client)"

@@ -1,4 +1,4 @@
-"""What both embedding routes share: the model's prompt and size checks as 400s naming the field, and
+"""What the embedding routes share: the model's prompt, side and size checks as 400s naming the field, and
 OpenAI's float/base64 encodings.  The rules themselves are the model description's
 (:class:`~nexus_sli.client.model_info.ModelInfo`); here they only take the gateway's error shape."""
 
@@ -8,7 +8,7 @@ import base64
 
 import numpy as np
 
-from nexus_sli.client.errors import DimensionsError, UnknownPromptError
+from nexus_sli.client.errors import DimensionsError, UnknownInputTypeError, UnknownPromptError
 from nexus_sli.client.model_info import ModelInfo
 
 from .errors import GatewayError
@@ -22,6 +22,14 @@ def check_prompt(value, model: ModelInfo) -> str | None:
         listed = ", ".join(exc.known) if exc.known else "none: this model has no prompts"
         raise GatewayError("invalid", f"unknown prompt_name {exc.prompt_name!r} for model {exc.model!r}; its "
                            f"prompts: {listed}", param="prompt_name", code="prompt_not_found") from None
+
+
+def check_input_type(value, model: ModelInfo) -> str:
+    """``input_type``: a side the late-interaction model reads (``query`` or ``document``)."""
+    try:
+        return model.check_input_type(value)
+    except UnknownInputTypeError as exc:
+        raise GatewayError("invalid", str(exc), param="input_type", code="invalid_input_type") from None
 
 
 def check_dimensions(value, model: ModelInfo) -> int | None:

@@ -69,7 +69,7 @@ async def models(request: Request) -> JSONResponse:
 def _described(model) -> dict:
     """Ours, for embedding models: the size, the sizes it was trained for (Matryoshka; any size up to
     ``dimensions`` may be asked for), and its named prompts."""
-    if model.task != "embedding":
+    if not model.serves("embedding"):
         return {}
     return {"dimensions": model.dimensions, "matryoshka_dimensions": model.trained_dimensions,
             "prompts": model.prompts, "default_prompt_name": model.default_prompt_name}

@@ -28,7 +28,10 @@ def package_version() -> str:
 
 
 def model_type(model: ModelInfo) -> dict:
-    """TEI's ModelType: an embedding model with its pooling, a reranker, else a classifier, with its labels."""
+    """TEI's ModelType: an embedding model with its pooling (a multi-vector model pools nothing: one vector
+    per scored token), a reranker, else a classifier, with its labels."""
+    if model.task == "multi-vector":
+        return {"embedding": {"pooling": "none"}}
     if model.task in ("embedding", "sparse-embedding"):
         pooling = "splade" if model.task == "sparse-embedding" else model.params.get("pooling", "mean")
         return {"embedding": {"pooling": pooling}}
@@ -37,8 +40,9 @@ def model_type(model: ModelInfo) -> dict:
     return {"reranker" if model.task == "rerank" else "classifier": labels}
 
 
-#: Info's fields beyond TEI's: the size of the vectors an embedding model serves (the Dense-projected
-#: size where its pipeline has Dense modules), which TEI's clients otherwise learn from a first /embed.
+#: Info's fields beyond TEI's: the size of the vectors an embedding or multi-vector model serves (the
+#: Dense-projected size where its pipeline has Dense modules), which TEI's clients otherwise learn from a first
+#: /embed.
 EXTENSIONS = ("dimensions",)
 
 
@@ -47,7 +51,7 @@ def info(model: ModelInfo, config: GatewayConfig) -> dict:
     from ``config``, and (:data:`EXTENSIONS`) an embedding model's dimensions."""
     step = model.tokenizer_step
     max_length, rows = (step.max_length, step.rows) if step else (0, model.max_batch_size)
-    extensions = {"dimensions": model.dimensions} if model.task == "embedding" else {}
+    extensions = {"dimensions": model.dimensions} if model.task in ("embedding", "multi-vector") else {}
     return {**extensions,
         "model_id": model.name, "model_sha": None, "served_model_name": model.name,
         "model_dtype": DTYPES.get(model.precision or "", model.precision or "unknown"),

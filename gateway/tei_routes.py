@@ -1,5 +1,6 @@
 """text-embeddings-inference's routes: ``POST /embed``, ``/embed_sparse``, ``/embed_all``, ``/rerank``, ``/predict``,
-``/similarity`` and ``GET /info`` (``/tokenize`` and ``/decode``: :mod:`.tei_tokens`).
+``/similarity`` and ``GET /info`` (``/tokenize`` and ``/decode``: :mod:`.tei_tokens`), and ours beside them,
+``/embed_multi_vector`` (a late-interaction model's vectors per text, as ``/embed_all`` answers token vectors).
 
 Request and response shapes are TEI's (its OpenAPI description is kept as test
 data in tests/data/tei/).  TEI serves one model, so its requests name none; here
@@ -18,17 +19,19 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from nexus_sli.client.calls import unit_rows
-from nexus_sli.client.model_info import ModelInfo
+from nexus_sli.client.model_info import DOCUMENT, ModelInfo
 
 from . import tei_info, tei_tokens
-from .discovery import MISS_REFRESH_S
-from .embeddings import check_dimensions, check_prompt
+from .discovery import MISS_REFRESH_S, Tasks, named, serving
+from .embeddings import check_dimensions, check_input_type, check_prompt
 from .errors import GatewayError
 from .limits import check_texts, flag, read_json, text_list
 from .tei_tokens import model_of_any_task
 
 
-async def _model(request: Request, body: dict, task: str):
+async def _model(request: Request, body: dict, task: Tasks):
+    """The model the request names, else the gateway's ``tei_model`` where it serves ``task`` (one of them, for
+    a tuple), else the one model serving it."""
     name = body.get("model")
     catalog = request.app.state.backend.catalog
     if name is None:
@@ -38,19 +41,20 @@ async def _model(request: Request, body: dict, task: str):
         models = await catalog.models()
         if pinned not in models:  # perhaps loaded since the list was read
             models = await catalog.models(max_age_s=MISS_REFRESH_S)
-        if pinned in models and models[pinned].task == task:
+        if pinned in models and serving(models[pinned], task):
             return models[pinned]
         catalog.check_not_reloading(pinned, models)
         if pinned not in models:  # a misspelt flag must not quietly route to another model
-            fitting = ", ".join(sorted(n for n, m in models.items() if m.task == task)) or "none"
+            fitting = ", ".join(sorted(n for n, m in models.items() if serving(m, task))) or "none"
             raise GatewayError("not_found", f"the gateway's --tei-model {pinned!r} is not served here; models "
-                               f"serving {task!r}: {fitting}. Restart the gateway with one of them, or name one "
+                               f"serving {named(task)}: {fitting}. Restart the gateway with one of them, or name one "
                                "with the request field \"model\"", param="model", code="model_not_found")
         # the pinned model serves another task (one pin for /embed): this route takes its task's only model
         try:
             return await catalog.only_for(task)
         except GatewayError as exc:
-            exc.message += f" (the gateway's --tei-model {pinned!r} serves {models[pinned].task!r}, not {task!r})"
+            exc.message += (f" (the gateway's --tei-model {pinned!r} serves {models[pinned].task!r}, not "
+                            f"{named(task)})")
             raise
     if not isinstance(name, str):
         raise GatewayError("invalid", "model must be a string", param="model")
@@ -72,6 +76,9 @@ def _no_raw_scores(body: dict) -> None:
         raise GatewayError("invalid", "raw_scores is not available on /predict: the served classifiers return "
                            "softmax probabilities, from which the logits cannot be recovered", param="raw_scores")
 
+
+#: The tasks /rerank takes: a cross-encoder, or a late-interaction model ranking by its own score.
+RERANKERS = ("rerank", "multi-vector")
 
 #: The served score is float32: it is kept inside (smallest normal float32, 1 - float32's step
 #: below 1), so that a score rounded to 0 or 1 still has a finite logit.
@@ -136,6 +143,17 @@ async def embed_all(request: Request) -> JSONResponse:
     return JSONResponse([np.asarray(vectors, dtype=np.float32).tolist() for vectors in found])
 
 
+async def embed_multi_vector(request: Request) -> JSONResponse:
+    """A late-interaction (multi-vector) model's vectors per text, one per token it scores on the side
+    ``input_type`` names (``query`` or ``document``, default ``document``)."""
+    state, body, texts, model, prompt_name = await _embedding_request(request, "multi-vector")
+    input_type = check_input_type(DOCUMENT if body.get("input_type") is None else body["input_type"], model)
+    found = await state.backend.client.embed_multi_vector(texts, model=model.name, input_type=input_type,
+                                                          prompt_name=prompt_name)
+    state.metrics.texts.labels(request.url.path).inc(len(texts))
+    return JSONResponse([np.asarray(vectors, dtype=np.float32).tolist() for vectors in found])
+
+
 async def rerank(request: Request) -> JSONResponse:
     state = request.app.state
     body = await read_json(request, state.config.max_body_bytes)
@@ -149,10 +167,12 @@ async def rerank(request: Request) -> JSONResponse:
     _check_truncation(body)
     raw_scores = flag(body, "raw_scores", False)
     return_text = flag(body, "return_text", False)
-    model = await _model(request, body, "rerank")
+    model = await _model(request, body, RERANKERS)
     ranked = await state.backend.client.rerank(query, texts, model=model.name)
     state.metrics.texts.labels(request.url.path).inc(len(texts))
-    # the logit is monotonic in the score: the order is the same either way
+    # the logit is monotonic in the score: the order is the same either way.  A late-interaction score is
+    # no probability: it is its own raw score
+    raw_scores = raw_scores and model.serves("rerank")
     scores = logits([r.score for r in ranked]) if raw_scores else [r.score for r in ranked]
     return JSONResponse([{"index": r.index, "score": score, **({"text": r.document} if return_text else {})}
                          for r, score in zip(ranked, scores)])
@@ -237,6 +257,7 @@ async def info(request: Request) -> JSONResponse:
 # TEI answers ``POST /`` too (for an embedding model: embed); huggingface_hub's InferenceClient posts there
 ROUTES = [Route("/", embed, methods=["POST"]), Route("/embed", embed, methods=["POST"]),
           Route("/embed_sparse", embed_sparse, methods=["POST"]), Route("/embed_all", embed_all, methods=["POST"]),
-          Route("/rerank", rerank, methods=["POST"]), Route("/predict", predict, methods=["POST"]),
+          Route("/embed_multi_vector", embed_multi_vector, methods=["POST"]), Route("/rerank", rerank, methods=["POST"]),
+          Route("/predict", predict, methods=["POST"]),
           Route("/similarity", similarity, methods=["POST"]), Route("/info", info, methods=["GET"]),
           *tei_tokens.ROUTES]

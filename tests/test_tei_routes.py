@@ -20,6 +20,7 @@ import tritonclient.http as httpclient
 from tokenizers import Tokenizer
 
 from helpers import task_models
+from helpers.fake_triton import ConfigTriton
 from helpers.http_api import call, schema_problems, tei, tei_schema
 from helpers.servers import gateway_to, serving
 from helpers.waiting import wait_until
@@ -45,19 +46,6 @@ def test_the_schema_checker_reads_maps_by_their_values_schema():
     assert schema_problems({**labels, "extra": 1}, tei_schema("ClassifierModel")) != []
 
 
-class _Triton:
-    """The two calls discovery makes, answered from configs as Triton's JSON writes them."""
-
-    def __init__(self, configs: dict):
-        self.configs = configs
-
-    async def get_model_repository_index(self, **_):
-        return {"models": [{"name": name, "state": "READY"} for name in self.configs]}
-
-    async def get_model_config(self, name, **_):
-        return {"config": self.configs[name]}
-
-
 def test_discovery_pairs_each_model_with_its_tokenizer_step_and_one_model_is_one():
     def params(**values):
         return {key: {"string_value": value} for key, value in values.items()}
@@ -73,13 +61,13 @@ def test_discovery_pairs_each_model_with_its_tokenizer_step_and_one_model_is_one
                           "input": [{"name": "TEXT"}, {"name": IDS_INPUT}],
                           "output": [{"name": "input_ids"}, {"name": TOKENS_OUTPUT}, {"name": DECODED_OUTPUT}]},
     }
-    model = asyncio.run(Catalog(_Triton(configs), ttl_s=10).only())  # its NAME_tokens is no second model
+    model = asyncio.run(Catalog(ConfigTriton(configs), ttl_s=10).only())  # its NAME_tokens is no second model
     assert model.name == "emb"
     step = model.tokenizer_step
     assert (step.max_length, step.truncate, step.instances, step.rows) == (256, False, 2, 64)
     assert step.tokenizes and step.decodes
     configs["emb_tokenizer"]["output"] = [{"name": "input_ids"}]  # as exports before the text modes
-    assert not asyncio.run(Catalog(_Triton(configs), ttl_s=10).only()).tokenizer_step.tokenizes
+    assert not asyncio.run(Catalog(ConfigTriton(configs), ttl_s=10).only()).tokenizer_step.tokenizes
 
 
 def _old_export(repo: Path, name: str, old: str) -> None:
