@@ -15,9 +15,9 @@ from .errors import (
     ServerUnavailableError,
     WrongTaskError,
 )
-from .results import Answer, Entity, Label, Ranked, SparseEmbedding
+from .results import Answer, Entity, Label, M3Embedding, Ranked, SparseEmbedding
 
 __all__ = ["AsyncEncoderClient", "EncoderClient", "ClientError", "InferenceError", "InvalidInputError",
            "ModelNotFoundError", "ModelUnavailableError", "NoModelError", "ReplicasFailedError", "RetryableError",
            "ServerBusyError", "ServerUnavailableError", "WrongTaskError",
-           "Answer", "Entity", "Label", "Ranked", "SparseEmbedding"]
+           "Answer", "Entity", "Label", "M3Embedding", "Ranked", "SparseEmbedding"]

@@ -139,6 +139,11 @@ class AsyncEncoderClient:
         """As :meth:`EncoderClient.embed_multi_vector`: each text's vectors, on the side ``input_type`` names."""
         return await self._call(model, lambda info: calls.embed_multi_vector(texts, info, input_type, prompt_name))
 
+    async def embed_m3(self, texts, model: str | None = None, dense: bool = True, sparse: bool = True,
+                       multi_vector: bool = True):
+        """As :meth:`EncoderClient.embed_m3`: a BGE-M3 model's outputs per text, from one pass."""
+        return await self._call(model, lambda info: calls.embed_m3(texts, info, dense, sparse, multi_vector))
+
     async def classify(self, texts, model: str | None = None, top_k: int = 1):
         return await self._call(model, lambda info: calls.classify(texts, info, top_k))
 

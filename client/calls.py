@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from nexus_sli.tasks import get_task
-from nexus_sli.tasks.results import SparseEmbedding
+from nexus_sli.tasks import bge_m3, get_task
+from nexus_sli.tasks.results import M3Embedding, SparseEmbedding
 from nexus_sli.tasks.spec import TOKEN_MASK, TOKEN_MODEL_PARAMETER, TOKEN_TASK
 
 from . import late_interaction
@@ -106,22 +106,61 @@ def embed_counted(texts, info: ModelInfo, prompt_name: str | None = None) -> Cal
 def sparsify(rows: np.ndarray, top_k: int | None, threshold: float) -> list[SparseEmbedding]:
     """Each dense ``[vocab]`` row as its terms over ``threshold`` (the ``top_k`` largest of them where
     given, as sentence-transformers' ``max_active_dims``), ids ascending."""
-    found = []
-    for row in rows:
-        active = np.flatnonzero(row > threshold)
-        if top_k is not None and len(active) > top_k:
-            active = np.sort(active[np.argsort(-row[active], kind="stable")[:top_k]])
-        found.append(SparseEmbedding(active.astype(np.int64), row[active].astype(np.float32)))
-    return found
+    return [selected(np.arange(len(row)), row, top_k, threshold) for row in rows]
+
+
+def selected(ids: np.ndarray, weights: np.ndarray, top_k: int | None, threshold: float) -> SparseEmbedding:
+    """The terms ``ids`` (ascending) whose weights are over ``threshold``, the ``top_k`` largest of them where
+    given (ties: the lower id first)."""
+    active = np.flatnonzero(weights > threshold)
+    if top_k is not None and len(active) > top_k:
+        active = np.sort(active[np.argsort(-weights[active], kind="stable")[:top_k]])
+    return SparseEmbedding(ids[active].astype(np.int64), weights[active].astype(np.float32))
 
 
 def embed_sparse(texts, info: ModelInfo, prompt_name: str | None = None, top_k: int | None = None,
                  threshold: float = 0.0) -> Call:
+    """A SPLADE model's ``[vocab]`` rows, or a BGE-M3 model's lexical weights, as each text's terms."""
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise InvalidInputError(f"top_k must be a positive integer or None (every active term), got {top_k!r}")
+    if info.task == bge_m3.SPEC.name:
+        return _texts_call("sparse-embedding", texts, info, lambda answers: [
+            selected(*terms, top_k, threshold) for terms in _lexical(answers)], _prompt(prompt_name, info), M3_SPARSE)
     parse = get_task("sparse-embedding").parse
     return _texts_call("sparse-embedding", texts, info, lambda outs: sparsify(parse(outs), top_k, threshold),
                        _prompt(prompt_name, info))
+
+
+#: a BGE-M3 model's outputs for each of its three results (``tasks/bge_m3.py``)
+M3_DENSE, M3_SPARSE, M3_VECTORS = ("EMBEDDING",), ("SPARSE_WEIGHTS", "TOKEN_IDS"), ("MULTI_VECTOR", "SCORE_MASK")
+
+
+def _lexical(answers) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each text's (ids, weights) from every request's (``SPARSE_WEIGHTS``, ``TOKEN_IDS``): per id the largest
+    of its tokens' weights (:func:`tasks.bge_m3.lexical`)."""
+    return [bge_m3.lexical(row, ids) for weights, token_ids in answers for row, ids in zip(weights, token_ids)]
+
+
+def embed_m3(texts, info: ModelInfo, dense: bool = True, sparse: bool = True, multi_vector: bool = True) -> Call:
+    """Each text's BGE-M3 outputs (:class:`M3Embedding`) from one set of requests: the encoder runs once per
+    text, whichever outputs are asked for; those not asked for are None."""
+    wanted = [(dense, M3_DENSE), (sparse, M3_SPARSE), (multi_vector, M3_VECTORS)]
+    if not any(asked for asked, _ in wanted):
+        raise InvalidInputError("embed_m3 asks for nothing: set dense, sparse or multi_vector")
+    outputs = tuple(name for asked, names in wanted if asked for name in names)
+
+    def parse(answers) -> list[M3Embedding]:
+        got = [dict(zip(outputs, answer if len(outputs) > 1 else (answer,))) for answer in answers]
+        found = [
+            list(get_task("embedding").parse([g["EMBEDDING"] for g in got])) if dense else None,
+            [SparseEmbedding(*terms) for terms in _lexical([(g["SPARSE_WEIGHTS"], g["TOKEN_IDS"]) for g in got])]
+            if sparse else None,
+            get_task("multi-vector").parse([(g["MULTI_VECTOR"], g["SCORE_MASK"]) for g in got])
+            if multi_vector else None,
+        ]
+        count = sum(len(g[outputs[0]]) for g in got)
+        return [M3Embedding(*(rows[i] if rows is not None else None for rows in found)) for i in range(count)]
+    return _texts_call(bge_m3.SPEC.name, texts, info, parse, outputs=outputs)
 
 
 def embed_tokens(texts, info: ModelInfo, prompt_name: str | None = None) -> Call:

@@ -182,8 +182,9 @@ class EncoderClient:
 
     def embed_sparse(self, texts, model: str | None = None, prompt_name: str | None = None,
                      top_k: int | None = None, threshold: float = 0.0):
-        """Sparse (SPLADE) embeddings of a ``sparse-embedding`` model: a :class:`SparseEmbedding` (term
-        ids ascending, their weights) per text, or one for one string.  ``top_k``: only the largest
+        """Sparse (SPLADE) embeddings of a ``sparse-embedding`` model, or a BGE-M3 model's lexical weights (per
+        token id its largest weight): a :class:`SparseEmbedding` (term ids ascending, their weights) per text,
+        or one for one string.  ``top_k``: only the largest
         terms (sentence-transformers' ``max_active_dims``); ``threshold``: only terms above it."""
         return self._call(model, lambda info: calls.embed_sparse(texts, info, prompt_name, top_k, threshold))
 
@@ -199,6 +200,13 @@ class EncoderClient:
         (its marker, length, query expansion and skiplist); score them with
         :func:`~nexus_sli.client.late_interaction.score` and ``info(model).similarity``."""
         return self._call(model, lambda info: calls.embed_multi_vector(texts, info, input_type, prompt_name))
+
+    def embed_m3(self, texts, model: str | None = None, dense: bool = True, sparse: bool = True,
+                 multi_vector: bool = True):
+        """A BGE-M3 model's outputs from one pass: an :class:`M3Embedding` per text (one for one string) with its
+        dense vector, its lexical weights (a :class:`SparseEmbedding`) and its ColBERT vectors ``[n_i, dim]``
+        (score them with ``late_interaction.score``, the model's ``meanmaxsim``); those not asked for are None."""
+        return self._call(model, lambda info: calls.embed_m3(texts, info, dense, sparse, multi_vector))
 
     def classify(self, texts, model: str | None = None, top_k: int = 1):
         """Top ``top_k`` labels (label, score) per text."""

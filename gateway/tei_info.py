@@ -29,10 +29,11 @@ def package_version() -> str:
 
 def model_type(model: ModelInfo) -> dict:
     """TEI's ModelType: an embedding model with its pooling (a multi-vector model pools nothing: one vector
-    per scored token), a reranker, else a classifier, with its labels."""
+    per scored token; a model with several heads, such as BGE-M3, by its dense vector's), a reranker, else a
+    classifier, with its labels."""
     if model.task == "multi-vector":
         return {"embedding": {"pooling": "none"}}
-    if model.task in ("embedding", "sparse-embedding"):
+    if model.task in ("embedding", "sparse-embedding") or model.serves("embedding"):
         pooling = "splade" if model.task == "sparse-embedding" else model.params.get("pooling", "mean")
         return {"embedding": {"pooling": pooling}}
     id2label = {str(index): label for index, label in sorted(model.id2label.items())}
@@ -51,7 +52,8 @@ def info(model: ModelInfo, config: GatewayConfig) -> dict:
     from ``config``, and (:data:`EXTENSIONS`) an embedding model's dimensions."""
     step = model.tokenizer_step
     max_length, rows = (step.max_length, step.rows) if step else (0, model.max_batch_size)
-    extensions = {"dimensions": model.dimensions} if model.task in ("embedding", "multi-vector") else {}
+    described = model.task in ("embedding", "multi-vector") or model.serves("embedding")
+    extensions = {"dimensions": model.dimensions} if described else {}
     return {**extensions,
         "model_id": model.name, "model_sha": None, "served_model_name": model.name,
         "model_dtype": DTYPES.get(model.precision or "", model.precision or "unknown"),

@@ -126,7 +126,8 @@ async def embed(request: Request) -> JSONResponse:
 
 
 async def embed_sparse(request: Request) -> JSONResponse:
-    """A sparse-embedding (SPLADE) model's active terms per text, as TEI's ``[{index, value}]``, ids ascending."""
+    """A sparse-embedding (SPLADE) model's active terms per text, or a BGE-M3 model's lexical weights, as TEI's
+    ``[{index, value}]``, ids ascending."""
     state, _, texts, model, prompt_name = await _embedding_request(request, "sparse-embedding")
     found = await state.backend.client.embed_sparse(texts, model=model.name, prompt_name=prompt_name)
     state.metrics.texts.labels(request.url.path).inc(len(texts))

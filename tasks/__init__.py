@@ -13,6 +13,7 @@ from . import token_classification  # noqa: F401
 from . import question_answering  # noqa: F401
 from . import sparse_embedding  # noqa: F401
 from . import multi_vector  # noqa: F401
+from . import bge_m3  # noqa: F401
 from .spec import TASKS, TaskError, TaskSpec, Tensor, get_task, infer_task, register
 
 __all__ = ["TASKS", "TaskError", "TaskSpec", "Tensor", "get_task", "infer_task", "register"]

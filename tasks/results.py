@@ -49,3 +49,15 @@ class SparseEmbedding:
         vector = np.zeros(size, np.float32)
         vector[self.indices] = self.values
         return vector
+
+
+@dataclass(frozen=True, eq=False)
+class M3Embedding:
+    """A text's BGE-M3 outputs from one pass; None where the call did not ask for it."""
+
+    #: the dense vector ``[hidden]``, unit norm
+    dense: np.ndarray | None
+    #: the lexical weights: per token id its largest weight
+    sparse: SparseEmbedding | None
+    #: the ColBERT vectors ``[tokens, dim]``, unit norm (every token but the first)
+    vectors: np.ndarray | None

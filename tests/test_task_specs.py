@@ -19,7 +19,7 @@ NAMES = list(TASKS)
 
 def test_the_served_tasks_are_registered_in_order():
     assert NAMES == ["embedding", "classification", "rerank", "token-classification", "question-answering",
-                     "sparse-embedding", "multi-vector"]
+                     "sparse-embedding", "multi-vector", "bge-m3"]
 
 
 def test_heads_and_specs_match_one_to_one():

@@ -14,7 +14,9 @@ ops that every target appends to its candidate graphs (:mod:`pooling`):
   its ``pooling_strategy`` and ``activation_function`` read from its config;
 - ``multi-vector``: a late-interaction model (``MultiVectorEncoder``, PyLate or
   Stanford ColBERT folder, read by :mod:`multi_vector`): its Dense modules and
-  normalisation on every token, kept where the scoring mask says.
+  normalisation on every token, kept where the scoring mask says;
+- ``bge-m3``: BGE-M3's dense, sparse and ColBERT heads (:mod:`m3_heads`, the
+  ``.pt`` files beside the weights).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from nexus_sli.exporter.triton.python_models.encoding import SPLADE_ACTIVATIONS,
 from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK
 
 from .dense import chained_size
+from .m3_heads import M3Embedder, M3Head, dropped_token_ids, is_bge_m3, m3_sides, read_m3_heads
 from .multi_vector import MultiVectorConfig, read_multi_vector
 from .pooling import MultiVectorHead, Pooling, SpladePooling
 # sentence-transformers' modules.json, read where the rest of the folder is (one reader)
@@ -54,6 +57,8 @@ class ModelFolder:
     max_positions: int = 0
     #: a checkpoint's pickle files may be read (``--allow-pickle``)
     allow_pickle: bool = False
+    #: the length the export serves (the model's, as its folder says)
+    max_length: int = 0
 
 
 def _sentence(model: ModelFolder) -> tuple[Embedder, Pooling]:
@@ -109,9 +114,20 @@ def _multi_vector(model: ModelFolder) -> tuple[MultiVectorEmbedder, MultiVectorH
                                      config.dense, config.normalize, size)
 
 
+def _bge_m3(model: ModelFolder) -> tuple[M3Embedder, M3Head]:
+    if not is_bge_m3(model.path):
+        raise NexusError(f"{model.path} is no BGE-M3 checkpoint: the bge-m3 task reads its heads from "
+                         "sparse_linear.pt and colbert_linear.pt beside the weights, and the folder lacks them")
+    if model.tokenizer is None:
+        raise NexusError(f"{model.path}: reading BGE-M3's dropped token ids needs the tokenizer it serves")
+    heads = read_m3_heads(model.path, model.hidden_size, model.allow_pickle)
+    dropped = dropped_token_ids(model.path, model.tokenizer)
+    return M3Embedder(heads, dropped, m3_sides(model.max_length)), M3Head(model.task.output_names()[0], heads, dropped)
+
+
 #: ``TaskSpec.pooled_by`` -> (the model) -> (embedder, in-graph pooling)
 POOLERS: dict[str, Callable[[ModelFolder], tuple[Any, Any]]] = {
-    "sentence": _sentence, "splade": _splade, "multi-vector": _multi_vector}
+    "sentence": _sentence, "splade": _splade, "multi-vector": _multi_vector, "bge-m3": _bge_m3}
 
 
 def poolers(model: ModelFolder) -> tuple[Any, Any]:

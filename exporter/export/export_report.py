@@ -305,7 +305,7 @@ class ExportReport(Record):
     #: the longest sequence the model takes, in tokens
     max_length: int
     #: how token states become the served embedding (``mean``, ``cls``, ``max``; ``splade``; ``multi-vector``: a
-    #: late-interaction model's vector per scored token; None: the task does not pool;
+    #: late-interaction model's vector per scored token; ``bge-m3``: BGE-M3's three heads; None: the task does not pool;
     #: :func:`validate.embedder_from_report` reads these five back)
     pooling: str | None = None
     normalize: bool | None = None

@@ -28,6 +28,9 @@ outputs: ``SPARSE_WEIGHTS`` ``[batch, sequence]`` (the token weights, zero
 where a token is padding or one of the dropped ids; the client reduces them per
 id) and ``MULTI_VECTOR`` ``[batch, sequence, dim]`` (zero off the scoring mask,
 which the tokenizer step answers without each text's first token).
+
+:class:`M3Head` is how every target appends them to its candidate graphs, and
+:class:`M3Embedder` how validation applies them to PyTorch's token states.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import onnx
@@ -43,12 +46,15 @@ from onnx import TensorProto, helper, numpy_helper
 
 from nexus_sli.exporter.errors import CheckpointError, ExportError, UnsafeCheckpointError
 from nexus_sli.exporter.triton.python_models.encoding import l2_normalize
-from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK
+from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK, Side, Sides
 
 from . import onnx_files
 from .pooling import MASK, PREFIX, _constants, _node, _normalize, _pool
+from .validate import M3_POOLING
 
 SPARSE_HEAD, COLBERT_HEAD = "sparse_linear.pt", "colbert_linear.pt"
+#: the graph's three outputs, in order (the ``bge-m3`` task's computed results)
+EMBEDDING, SPARSE_WEIGHTS, MULTI_VECTOR = "EMBEDDING", "SPARSE_WEIGHTS", "MULTI_VECTOR"
 #: the special tokens FlagEmbedding leaves out of the lexical weights, by the names a tokenizer's config
 #: gives them, with XLM-RoBERTa's tokens where the config names none (as its tokenizer class does)
 DROPPED_TOKENS = {"cls_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
@@ -267,15 +273,118 @@ def _sparse_nodes(states: str) -> tuple[list[onnx.NodeProto], str]:
 
 
 def _colbert_nodes(states: str) -> tuple[list[onnx.NodeProto], str]:
-    """``h W^T + b`` per token, L2-normalised (guarded as :func:`pooling._normalize`), times the scoring mask."""
+    """``h W^T + b`` per token, L2-normalised, times the scoring mask."""
     p = PREFIX + "m3/"
     return [
         _node("MatMul", [states, p + "colbert_weight"], p + "colbert_linear"),
         _node("Add", [p + "colbert_linear", p + "colbert_bias"], p + "colbert"),
-        _node("ReduceL2", [p + "colbert"], p + "colbert_norm", axes=[-1], keepdims=1),
-        _node("Max", [p + "colbert_norm", PREFIX + "min_norm"], p + "colbert_norm_or_min"),
-        _node("Div", [p + "colbert", p + "colbert_norm_or_min"], p + "colbert_unit"),
+        *_normalize(p + "colbert", p + "colbert_unit")[0],
         _node("Cast", [SCORE_MASK], p + "scored", to=TensorProto.FLOAT),
         _node("Unsqueeze", [p + "scored", PREFIX + "axis2"], p + "scored_rows"),  # [batch, sequence, 1]
         _node("Mul", [p + "colbert_unit", p + "scored_rows"], p + "vectors"),
     ], p + "vectors"
+
+
+@dataclass(frozen=True)
+class M3Head:
+    """How a BGE-M3 export ends its graphs (:func:`add_m3_heads`): what each target appends to its candidates."""
+
+    #: the token-state output the heads read
+    states: str
+    heads: M3Heads
+    dropped_ids: tuple[int, ...]
+
+    def append(self, source: Path, target: Path) -> Path:
+        return add_m3_heads(source, target, self.states, self.heads, self.dropped_ids, *self.outputs)
+
+    @property
+    def outputs(self) -> list[str]:
+        return [EMBEDDING, SPARSE_WEIGHTS, MULTI_VECTOR]
+
+    @property
+    def per_token(self) -> list[str]:
+        """The outputs that follow the sequence (cut with the padding)."""
+        return [SPARSE_WEIGHTS, MULTI_VECTOR]
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The graph input the heads add, after the encoder's own."""
+        return (SCORE_MASK,)
+
+    def complete(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``feeds`` with a scoring mask of every attended token but the first (timing and calibration: which
+        tokens are scored changes nothing the encoder computes)."""
+        score = feeds[MASK].copy()
+        score[:, 0] = 0
+        return {**feeds, SCORE_MASK: score}
+
+
+#: the token weight from which validation under the parity bar requires the graph to keep a term
+KEPT_WEIGHT = 1e-4
+#: the cosine a text's token weights count as against the reference where both rows are all zero (nothing kept)
+_BOTH_EMPTY = 1.0
+
+
+@dataclass
+class M3Embedder:
+    """How token states become BGE-M3's three outputs, for validation (:func:`m3_arrays` on PyTorch's states),
+    and the sides the tokenizer step serves (no markers, no expansion, the first token never scored)."""
+
+    heads: M3Heads
+    dropped_ids: tuple[int, ...]
+    #: the tokenizer step's sides (``python_models/sides.py``)
+    sides: Sides
+    reads: ClassVar[str] = SCORE_MASK
+    per_token: ClassVar[bool] = False
+    #: the graph's outputs, and those that follow the sequence
+    outputs: ClassVar[tuple[str, ...]] = (EMBEDDING, SPARSE_WEIGHTS, MULTI_VECTOR)
+    token_outputs: ClassVar[tuple[str, ...]] = (SPARSE_WEIGHTS, MULTI_VECTOR)
+    #: the served similarity of the ColBERT vectors: MaxSim over the query's vector count
+    similarity: ClassVar[str] = "meanmaxsim"
+
+    def answer(self, states: np.ndarray, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The three outputs of a padded batch, as :data:`outputs` orders them."""
+        return list(m3_arrays(states, feeds, self.heads, self.dropped_ids))
+
+    @staticmethod
+    def cosines(got: list[np.ndarray], expected: list[np.ndarray], scored: np.ndarray) -> list[float]:
+        """The fidelity of the per-token outputs beside the dense vector's: each scored token's ColBERT vector,
+        and each text's token weights as one vector (two texts that keep no weight agree)."""
+        vectors = _cosine(got[2], expected[2])[scored.astype(bool)]
+        weights = _cosine(got[1], expected[1])
+        empty = ~got[1].any(axis=-1) & ~expected[1].any(axis=-1)
+        return [*vectors.tolist(), *np.where(empty, _BOTH_EMPTY, weights).tolist()]
+
+    @staticmethod
+    def lost_terms(got: list[np.ndarray], expected: list[np.ndarray]) -> list[str]:
+        """Under the parity bar: the token weights PyTorch gives at least :data:`KEPT_WEIGHT` that the graph
+        zeroes (a term a text would lose), as one failure message; none where every such weight is kept."""
+        lost = (expected[1] >= KEPT_WEIGHT) & (got[1] <= 0)
+        if not lost.any():
+            return []
+        return [f"SPARSE_WEIGHTS: {int(lost.sum())} token weights >= {KEPT_WEIGHT:g} in PyTorch are zero in the graph"]
+
+    @property
+    def vector_size(self) -> int:
+        return self.heads.colbert_dim
+
+    @property
+    def graph_only(self) -> list[str]:
+        """The python post-processing step has no copy of the heads: only the graph applies them."""
+        return ["BGE-M3's sparse and ColBERT heads"]
+
+    def record(self) -> dict:
+        return {"pooling": M3_POOLING, "normalize": True}
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cosine over the last axis, in float64."""
+    a, b = l2_normalize(a.astype(np.float64)), l2_normalize(b.astype(np.float64))
+    return np.sum(a * b, axis=-1)
+
+
+def m3_sides(max_length: int) -> Sides:
+    """BGE-M3's tokenizer sides: both the model's length, no marker, expansion or skiplist; the first token's
+    ColBERT vector is never answered (FlagEmbedding drops it)."""
+    side = Side("", max_length)
+    return Sides(side, side, drop_first=True)

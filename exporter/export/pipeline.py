@@ -35,6 +35,7 @@ from .checkpoint import Checkpoint
 from .embedders import ModelFolder, is_sparse_encoder, poolers
 from .export_report import AttemptRecord, CandidateRecord, ExportReport, Heat, MeasuredRow, Timing, WalkRecord
 from .handler import get_registry
+from .m3_heads import M3Embedder, is_bge_m3
 from .multi_vector import add_markers, is_multi_vector
 from .onnx_export import export_onnx, model_input_names
 from .quantize import scales_per_batch
@@ -174,7 +175,7 @@ def _prepare(options: ExportOptions, source, work: Path) -> Prepared:
     # what the folder says about pooling is read first: a model the export cannot reproduce fails before the walk
     embedder, pooling = poolers(ModelFolder(source.path, task, family.hidden_size(config), family.vocab_size(config),
                                             load_tokenizer(tokenizer_path, max_length), family.max_positions(config),
-                                            options.allow_pickle))
+                                            options.allow_pickle, max_length))
     in_graph = pooling if options.pool_in_graph else None  # each target appends it to its candidates
     if in_graph is None and getattr(embedder, "graph_only", None):
         raise ExportError(f"the python post-processing step does not apply {' or '.join(embedder.graph_only)}: "
@@ -235,11 +236,14 @@ def _served_length(max_length: int, sides: Sides | None) -> int:
 
 
 def _task(options: ExportOptions, source, config):
-    """The task asked for; for ``auto``, sparse embeddings where the folder is a SparseEncoder's, late
-    interaction where it is a MultiVectorEncoder's (PyLate's, Stanford ColBERT's), else the task the
-    config's architectures say (a ``*ForMaskedLM`` architecture alone says dense embeddings)."""
+    """The task asked for; for ``auto``, BGE-M3's three outputs where the folder has its two heads, sparse
+    embeddings where it is a SparseEncoder's, late interaction where it is a MultiVectorEncoder's (PyLate's,
+    Stanford ColBERT's), else the task the config's architectures say (a ``*ForMaskedLM`` architecture alone
+    says dense embeddings)."""
     if options.task != "auto":
         return get_task(options.task)
+    if is_bge_m3(source.path):
+        return get_task("bge-m3")
     if is_sparse_encoder(source.path):
         return get_task("sparse-embedding")
     if is_multi_vector(source.path):
@@ -444,8 +448,9 @@ def _retrieval(prepared: Prepared) -> tuple[dict, dict]:
 
 
 def _embedded_size(prepared: Prepared) -> int:
-    """The served embedding's size: the hidden size, or what the model's Dense modules project it to."""
+    """The served embedding's size: the hidden size, or what the model's Dense modules project it to (a
+    late-interaction or BGE-M3 model: its vectors' size)."""
     hidden = prepared.family.hidden_size(prepared.config)
-    if isinstance(prepared.embedder, MultiVectorEmbedder):
+    if isinstance(prepared.embedder, (MultiVectorEmbedder, M3Embedder)):
         return prepared.embedder.vector_size
     return prepared.embedder.size(hidden) if isinstance(prepared.embedder, Embedder) else hidden

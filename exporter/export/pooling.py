@@ -105,13 +105,14 @@ def _pool(states: str, mode: str) -> tuple[list[onnx.NodeProto], str]:
     return nodes, p + "pooled"
 
 
-def _normalize(vectors: str) -> tuple[list[onnx.NodeProto], str]:
-    p = PREFIX
+def _normalize(vectors: str, name: str = PREFIX + "normalized") -> tuple[list[onnx.NodeProto], str]:
+    """``vectors / max(||vectors||_2, min_norm)`` over the last axis, as ``name`` (its intermediate values named
+    after it, so that one graph may normalise twice)."""
     return [
-        _node("ReduceL2", [vectors], p + "norm", axes=[-1], keepdims=1),
-        _node("Max", [p + "norm", p + "min_norm"], p + "norm_or_min"),
-        _node("Div", [vectors, p + "norm_or_min"], p + "normalized"),
-    ], p + "normalized"
+        _node("ReduceL2", [vectors], name + "_norm", axes=[-1], keepdims=1),
+        _node("Max", [name + "_norm", PREFIX + "min_norm"], name + "_norm_or_min"),
+        _node("Div", [vectors, name + "_norm_or_min"], name),
+    ], name
 
 
 def _tokens(states: str, tokens: str) -> onnx.NodeProto:

@@ -75,7 +75,8 @@ def _download(model_id: str, allow_pickle: bool) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        patterns = _HUB_PATTERNS + (["*.bin"] if allow_pickle else [])
+        # pickle weights (*.bin) and BGE-M3's pickled heads (sparse_linear.pt, colbert_linear.pt)
+        patterns = _HUB_PATTERNS + (["*.bin", "*.pt"] if allow_pickle else [])
         return Path(snapshot_download(model_id, allow_patterns=patterns, etag_timeout=5))
     except Exception as exc:  # the hub client raises many types; all mean "not reachable/found"
         raise ModelSourceError(

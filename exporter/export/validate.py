@@ -202,6 +202,8 @@ class SparseEmbedder:
 
 #: validation.json's ``pooling`` for a late-interaction export (:meth:`MultiVectorEmbedder.record`)
 MULTI_VECTOR_POOLING = "multi-vector"
+#: validation.json's ``pooling`` for a BGE-M3 export (``m3_heads.M3Embedder``)
+M3_POOLING = "bge-m3"
 
 
 @dataclass
@@ -253,6 +255,9 @@ def embedder_from_report(exported: ExportReport) -> Embedder | SparseEmbedder | 
         return SparseEmbedder(exported.splade["strategy"], exported.splade["activation"])
     if not exported.pooling:
         return None
+    if exported.pooling == M3_POOLING:
+        raise ValueError("a bge-m3 export keeps its heads' weights in the graph only: validating it again against "
+                         "its stored reference is not offered; export it again to validate it")
     if exported.pooling == MULTI_VECTOR_POOLING:
         return MultiVectorEmbedder(bool(exported.normalize), [Dense.from_record(r) for r in exported.dense or []])
     return Embedder(exported.pooling, bool(exported.normalize), exported.layer_norm,
@@ -356,17 +361,17 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
     measures = Measures()
     if pooled is not None:
         reference = _pooled_reference(reference, embedder, pooled, tokens)
-        per_token = {tokens, pooled if embedder.per_token else None} - {None}
+        per_token = {tokens, pooled if embedder.per_token else None, *getattr(embedder, "token_outputs", ())} - {None}
     else:
         per_token = set(reference.output_names) if task is not None and task.per_token else set()
     failures = _name_failures(session, reference)
     trimmed = per_token if trims_padding else set()
     if not failures:
         failures = _run_batches(session, reference, embedder, task, backend, measures, trimmed, per_token,
-                                pooled is not None)
+                                pooled is not None, exact="max_abs_diff" in limits)
     if per_batch and not failures:
         failures = _run_batches(session, mixed_batches(reference, per_token), embedder, task, backend, measures,
-                                trimmed, per_token, pooled is not None)
+                                trimmed, per_token, pooled is not None, exact="max_abs_diff" in limits)
     texts = sum(len(b["input_ids"]) for b in reference.batches[reference.first_text:])
     report = ValidationReport.from_measures(precision, backend, limits, texts, measures, failures)
     if not failures:
@@ -453,6 +458,11 @@ def _pooled_reference(reference: Reference, embedder: Embedder | SparseEmbedder 
     token states themselves beside it as ``tokens`` where the graph keeps them."""
     if embedder is None:
         raise ValueError("a graph that pools needs the embedder that says how (pooling, normalisation)")
+    if hasattr(embedder, "answer"):  # several outputs made from the token states (BGE-M3's heads)
+        pooled = Reference(reference.input_names, list(embedder.outputs), text_batches=reference.text_batches)
+        for feeds, outputs in zip(reference.batches, reference.outputs):
+            pooled.add(feeds, embedder.answer(outputs[0], feeds))
+        return pooled
     names = [output, tokens] if tokens else [output]
     pooled = Reference(reference.input_names, names, text_batches=reference.text_batches)
     for feeds, outputs in zip(reference.batches, reference.outputs):
@@ -461,11 +471,13 @@ def _pooled_reference(reference: Reference, embedder: Embedder | SparseEmbedder 
 
 
 def _run_batches(session: Any, reference: Reference, embedder, task: TaskSpec | None, backend: str,
-                 measures: Measures, trimmed: set[str], per_token: set[str], pooled: bool = False) -> list[Failure]:
+                 measures: Measures, trimmed: set[str], per_token: set[str], pooled: bool = False,
+                 exact: bool = False) -> list[Failure]:
     """Every reference batch through ``session``: shapes and values always, fidelity on
     the text batches while nothing has failed.  ``per_token``: the outputs that follow the
     sequence (compared over real tokens only); ``trimmed``: those the graph cuts to the
-    batch's longest real token."""
+    batch's longest real token.  ``exact``: the parity bar (fp32) holds, under which an embedder that keeps
+    terms (BGE-M3's token weights) must keep every term PyTorch keeps."""
     failures: list[Failure] = []
     names = reference.output_names
     for index, (feeds, expected) in enumerate(zip(reference.batches, reference.outputs)):
@@ -483,6 +495,8 @@ def _run_batches(session: Any, reference: Reference, embedder, task: TaskSpec | 
         # pooled vectors have no token axis to mask (a [batch, hidden] could match the mask's shape)
         masks = [scored if name in per_token else None for name in names]
         failures.extend(_compare_outputs(names, got, expected, masks, measures))
+        if exact and not failures and hasattr(embedder, "lost_terms"):
+            failures.extend(ValueMismatch(message) for message in embedder.lost_terms(got, expected))
         if index >= reference.first_text and not failures:
             _measure_fidelity(got, expected, mask, embedder, task, measures, pooled, scored)
     return failures
@@ -510,6 +524,8 @@ def _measure_fidelity(got, expected, mask: np.ndarray, embedder: Embedder | None
         if cosines.ndim == 2:  # [batch, sequence]: one vector per token, judged where it is scored
             cosines = cosines[scored.astype(bool)]
         measures.cosines.extend(cosines.tolist())
+        if hasattr(embedder, "cosines"):  # the outputs beside the first (BGE-M3's weights and ColBERT vectors)
+            measures.cosines.extend(embedder.cosines(got, expected, scored))
     elif embedder is not None:
         a, b = l2_normalize(embedder(got[0], mask)), l2_normalize(embedder(expected[0], mask))
         measures.cosines.extend(np.sum(a * b, axis=-1).tolist())

@@ -41,8 +41,9 @@ class ExportedGraph:
     max_length: int
     #: embeddings pooled in the graph (:mod:`export.pooling`): every candidate ends in the pooling and
     #: answers ``[batch, hidden]`` (and the token states beside it), or SPLADE's ``[batch, vocab]``, or a
-    #: late-interaction model's vectors; None: the candidates answer token states (or logits)
-    pooling: Pooling | SpladePooling | MultiVectorHead | None = None
+    #: late-interaction model's vectors, or BGE-M3's three outputs (``export/m3_heads.py``'s ``M3Head``); None: the
+    #: candidates answer token states (or logits)
+    pooling: Pooling | SpladePooling | MultiVectorHead | Any | None = None
     #: the plain graph is past :data:`onnx_files.EXTERNAL_DATA_THRESHOLD` (its weights in a data file):
     #: targets may offer fewer candidates (:meth:`Target.left_out` says which and why)
     large: bool = False

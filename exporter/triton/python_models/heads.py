@@ -130,6 +130,12 @@ def multi_vector_head(x: dict, params: dict) -> dict:
     return {"MULTI_VECTOR": (vectors * mask).astype(np.float32)}
 
 
+def bge_m3_head(x: dict, params: dict) -> dict:
+    """BGE-M3's heads run inside the encoder graph (``export/m3_heads.py``); this step has no copy of their
+    weights, and an export never writes a BGE-M3 ensemble with a post-processing step."""
+    raise ValueError("BGE-M3's outputs come from its encoder graph: export the model with the heads in the graph")
+
+
 def classification_head(x: dict, params: dict) -> dict:
     scores = class_scores(x["logits"].astype(np.float64), params.get("multi_label") == "true")
     return {"SCORES": scores.astype(np.float32)}
@@ -163,4 +169,5 @@ HEADS = {
     "question-answering": question_answering_head,
     "sparse-embedding": sparse_embedding_head,
     "multi-vector": multi_vector_head,
+    "bge-m3": bge_m3_head,
 }
