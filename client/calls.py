@@ -12,6 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from nexus_sli.tasks import bge_m3, get_task
+from nexus_sli.tasks.multi_vector import DOCUMENT, QUERY
 from nexus_sli.tasks.results import M3Embedding, SparseEmbedding
 from nexus_sli.tasks.spec import TOKEN_MASK, TOKEN_MODEL_PARAMETER, TOKEN_TASK
 
@@ -19,7 +20,7 @@ from . import late_interaction
 from . import protocol as p
 from .error_codes import INPUT_TYPE_PARAMETER, PROMPT_PARAMETER, TOKEN_COUNT_OUTPUT
 from .errors import InvalidInputError, WrongTaskError
-from .model_info import DOCUMENT, QUERY, ModelInfo
+from .model_info import ModelInfo
 
 #: The least norm a vector is divided by (the served pooling's guard, python_models/encoding.py)
 MIN_NORM = 1e-12

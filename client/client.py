@@ -7,9 +7,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from nexus_sli.tasks.multi_vector import DOCUMENT
+
 from . import calls
 from . import protocol as p
-from .model_info import DOCUMENT, ModelInfo
+from .model_info import ModelInfo
 from .replicas import (REFRESH_S, RETRY_S, Fleet, Resolve, Retries, attempts_for, check_attempts, gave_up,
                        retry_budget, retryable, unresolved)
 

@@ -22,14 +22,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from nexus_sli.tasks.multi_vector import INPUT_TYPES
+
 from .error_codes import DECODED_OUTPUT, IDS_INPUT, TOKEN_COUNT_OUTPUT, TOKENS_OUTPUT
 from .errors import DimensionsError, UnknownInputTypeError, UnknownPromptError, WrongTaskError
 
 #: The ensemble parameter listing the tasks a model serves besides its own (comma-separated).
 SERVES_PARAMETER = "serves"
-#: The sides of a late-interaction model's request (its tokenizer step's sides, ``python_models/sides.py``):
-#: a multi-vector model lists the ones it reads in its ``input_types`` parameter.
-QUERY, DOCUMENT = "query", "document"
 
 #: The ensemble parameter naming the precision its encoder was exported in (``fp32``, ``fp16``, ``int8`` ...).
 PRECISION_PARAMETER = "precision"
@@ -170,7 +169,7 @@ class ModelInfo:
     @property
     def input_types(self) -> tuple[str, ...]:
         """The sides a multi-vector model's requests may name (``input_type``)."""
-        return tuple(self.params.get("input_types", f"{QUERY},{DOCUMENT}").split(","))
+        return tuple(self.params.get("input_types", INPUT_TYPES).split(","))
 
     def check_input_type(self, input_type) -> str:
         """``input_type`` if it is one of :attr:`input_types`; else :class:`UnknownInputTypeError`, before

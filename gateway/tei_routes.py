@@ -19,7 +19,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from nexus_sli.client.calls import unit_rows
-from nexus_sli.client.model_info import DOCUMENT, ModelInfo
+from nexus_sli.client.model_info import ModelInfo
+from nexus_sli.tasks.multi_vector import DOCUMENT
 
 from . import tei_info, tei_tokens
 from .discovery import MISS_REFRESH_S, Tasks, named, serving

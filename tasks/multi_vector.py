@@ -24,8 +24,11 @@ from .spec import EMBEDDED, HIDDEN, TaskSpec, Tensor, register, text
 #: The tokenizer step's scoring mask (``python_models/sides.py``'s ``SCORE_MASK``, which this layer
 #: cannot import): a graph input of the encoder and, as ``SCORE_MASK``, an output of the ensemble.
 SCORE_MASK = "score_mask"
-#: The sides a request may name (``input_type``), as the ensemble lists them for clients.
-INPUT_TYPES = "query,document"
+#: The sides a request may name (``input_type``; absent: the document side), and as the ensemble lists
+#: them for clients.  The tokenizer step's copy (``python_models/sides.py``, which imports nothing of
+#: nexus-sli) is held to these names by a test.
+QUERY, DOCUMENT = "query", "document"
+INPUT_TYPES = f"{QUERY},{DOCUMENT}"
 
 
 def parse(answers: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:

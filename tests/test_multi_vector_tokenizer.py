@@ -31,6 +31,7 @@ from nexus_sli.exporter.triton.python_models.sides import (
     DOCUMENT,
     QUERY,
     SCORE_MASK,
+    SIDE_NAMES,
     Expansion,
     Side,
     Sides,
@@ -38,6 +39,7 @@ from nexus_sli.exporter.triton.python_models.sides import (
     sided_arrays,
     sided_encode,
 )
+from nexus_sli.tasks import multi_vector
 
 NAMES = ["input_ids", "attention_mask", "token_type_ids", SCORE_MASK]
 WORDS = ["the", "cat", "dog", "sat", "on", "mat", "what", "is", "where", "did", "go", "search", "query", "hello",
@@ -295,3 +297,11 @@ def test_tokenize_shows_a_sides_text_with_its_marker_untruncated(tokenizer_model
     tokens = json.loads(answer.tensors[TOKENS_OUTPUT][0, 0])
     assert tokens["text"][1] == PROMPTS[side_name].strip()
     assert len(tokens["ids"]) > served.sides.side(side_name).max_length
+
+
+def test_the_tokenizer_step_reads_the_sides_clients_name():
+    """The sides the tokenizer step reads (its copy in the repository imports nothing of nexus-sli) are the
+    ones clients send and ensembles list."""
+    assert (QUERY, DOCUMENT) == SIDE_NAMES == (multi_vector.QUERY, multi_vector.DOCUMENT)
+    assert multi_vector.INPUT_TYPES.split(",") == list(SIDE_NAMES)
+
