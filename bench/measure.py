@@ -14,7 +14,7 @@ CONCURRENT16 = "concurrent16"    # 16 clients, one text per request
 LATENCY1 = "latency1"            # sequential single short queries
 SEQ_LEN = "seq_len"              # batches of 32 texts of one token length
 SHORT32 = "short32"              # client batches of 32 short texts (16 tokens or fewer), in the set's order
-PAIRED32 = "paired32"            # batches of 32 sent in turn with another path, request by request (bench/paired.py)
+PAIRED32 = "paired32"            # batches of 32 sent in turn with other paths, request by request (bench/paired.py)
 
 def in_process_precision(label: str) -> str:
     """The precision column of a served configuration's in-process rows: its label (:func:`exports.variant_label`)

@@ -162,22 +162,24 @@ def gateway_measurements(setup: Setup, run_size: RunSize, gateway, clients: list
 
 
 def paired_measurements(setup: Setup, server, gateway, clients: list) -> list[Measurement]:
-    """The default configuration's batches of 32 over gRPC (``EncoderClient``) and through the OpenAI
-    route (the ``openai`` SDK) sent in turn, request by request, on the same texts (bench/paired.py):
-    target (f) compares the two, and timed as blocks their order would decide it."""
+    """The default configuration's batches of 32 over gRPC (``EncoderClient``), through the OpenAI route
+    with the ``openai`` SDK and through the same route from a plain HTTP client, sent in turn, request
+    by request, on the same texts (bench/paired.py): target (f) compares the SDK's side with gRPC's, and
+    timed as blocks their order would decide it; the plain side reads the route's own cost apart."""
     from .paired import TakingTurns
-    from .served import GatewayEmbedder, ServedEmbedder
+    from .served import GatewayEmbedder, OpenAIPlainEmbedder, ServedEmbedder
 
-    label = gateway_label(setup)
-    grpc = ServedEmbedder(server.url("grpc"), "grpc", setup.names[label])
-    clients.append(grpc)
-    openai = GatewayEmbedder(gateway.url, GATEWAY_PROTOCOL, setup.names[label])
-    clients.append(openai)
-    turns, texts = TakingTurns(grpc.embed, openai.embed), groups(setup)["set"]
-    return [Measurement(path="triton", precision=label, protocol="grpc", mode=PAIRED32, run=turns.side(0),
-                        served=True, **texts),
-            Measurement(path=GATEWAY_PATH, precision=label, protocol=GATEWAY_PROTOCOL, mode=PAIRED32,
-                        run=turns.side(1), served=True, **texts)]
+    label, senders = gateway_label(setup), []
+    sides = (("triton", "grpc", ServedEmbedder, server.url("grpc")),
+             (GATEWAY_PATH, GATEWAY_PROTOCOL, GatewayEmbedder, gateway.url),
+             (GATEWAY_PATH, OPENAI_PLAIN_PROTOCOL, OpenAIPlainEmbedder, gateway.url))
+    for _, protocol, embedder, url in sides:
+        clients.append(embedder(url, protocol, setup.names[label]))  # closed by the caller, even on a failure
+        senders.append(clients[-1].embed)
+    turns, texts = TakingTurns(*senders), groups(setup)["set"]
+    return [Measurement(path=path, precision=label, protocol=protocol, mode=PAIRED32, run=turns.side(which),
+                        served=True, **texts)
+            for which, (path, protocol, _, _) in enumerate(sides)]
 
 
 def served_measurements(setup: Setup, run_size: RunSize, server, clients: list) -> list[Measurement]:

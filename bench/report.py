@@ -14,7 +14,7 @@ from .measure import (
     SEQ_LEN, SHORT32, TEI_PROTOCOL)
 from .targets import (
     GRPC_OVER_GRAPH, OPENAI_BATCHES, OPENAI_OVER_GRPC, Rows, judge, median_text, openai_batches,
-    paired_differences, paired_ratios, sdk_share)
+    paired_differences, paired_ratios, plain_batches, sdk_share)
 
 MODE_TEXT = {BATCH32: "batches of 32", CONCURRENT16: "16 concurrent clients, 1 text each",
              LATENCY1: "sequential single short queries",
@@ -272,9 +272,21 @@ def paired_batches(rows: Rows) -> str:
             "to the next, each path's time the sum of its own requests' (bench/paired.py): "
             f"{openai['texts_per_s']:.1f} texts/s through the route against {grpc['texts_per_s']:.1f} over gRPC; "
             f"the route over gRPC by repetition {', '.join(f'{r:.2f}x' for r in ratios)} (median "
-            f"{float(np.median(ratios)):.2f}x), what target (f)'s batch bound judges. The throughput table's "
-            "batches of 32 are timed as blocks, one path after the other: their ratio also carries which path "
-            "sent to the model first in the repetition.")
+            f"{float(np.median(ratios)):.2f}x), what target (f)'s batch bound judges.{plain_route_batches(rows)} "
+            "The throughput table's batches of 32 are timed as blocks, one path after the other: their ratio "
+            "also carries which path sent to the model first in the repetition.")
+
+
+def plain_route_batches(rows: Rows) -> str:
+    """The same batches through the OpenAI route from a plain HTTP client, sent in turn with the other
+    two: the route's own cost beside the SDK's; "" for a run from before the route was paired so."""
+    plain, ratios = rows.gateway(PAIRED32, OPENAI_PLAIN_PROTOCOL), plain_batches(rows)
+    if not (plain and ratios):
+        return ""
+    return (" The same batches through the route from a plain HTTP client (the SDK's JSON body), sent in turn with "
+            f"both: {plain['texts_per_s']:.1f} texts/s; over gRPC by repetition "
+            f"{', '.join(f'{r:.2f}x' for r in ratios)} (median {float(np.median(ratios)):.2f}x), the route's own "
+            "cost, the rest of the SDK's gap its own work in the caller.")
 
 
 def request_path_section(results: dict) -> list[str]:

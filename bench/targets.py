@@ -310,13 +310,24 @@ def sdk_share(rows: Rows) -> list[float]:
     return paired_differences(_p50s(sdk), _p50s(plain)) if sdk and plain else []
 
 
+def plain_batches(rows: Rows) -> list[float]:
+    """Per repetition, the OpenAI route's batches of 32 from a plain HTTP client over gRPC's, sent in
+    turn with the SDK's (bench/paired.py): the route's own cost, without the SDK's work in the caller."""
+    plain, grpc = rows.gateway(PAIRED32, OPENAI_PLAIN_PROTOCOL), rows.served(PAIRED32, "grpc")
+    return paired_ratios(_rates(plain), _rates(grpc)) if plain and grpc else []
+
+
 def openai_batches(rows: Rows) -> tuple[str, dict | None, dict | None]:
-    """(f)'s batch comparison: its wording, the OpenAI route's row and gRPC's.  The two sent in turn,
-    request by request (bench/paired.py); a run from before they were keeps its blocks, said so."""
+    """(f)'s batch comparison: its wording, the OpenAI route's row (through the SDK) and gRPC's, with
+    the route's own ratio from plain HTTP beside it where a run has it.  The paths sent in turn, request
+    by request (bench/paired.py); a run from before they were keeps its blocks, said so."""
     comparison = "OpenAI route batches of 32 vs gRPC's"
     openai, grpc = rows.gateway(PAIRED32, GATEWAY_PROTOCOL), rows.served(PAIRED32, "grpc")
+    plain = plain_batches(rows)
     if openai or grpc:
-        return f"{comparison} (sent in turn, request by request)", openai, grpc
+        route = (f"; through the openai SDK; the route from plain HTTP over gRPC: {float(np.median(plain)):.2f}x"
+                 if plain else "")
+        return f"{comparison} (sent in turn, request by request{route})", openai, grpc
     return (f"{comparison} (in blocks: a run from before they were sent in turn)",
             rows.gateway(BATCH32, GATEWAY_PROTOCOL), rows.served(BATCH32, "grpc"))
 

@@ -89,14 +89,14 @@ def test_every_path_and_mode_was_measured(quick):
     assert short and all(r["cosine_min"] > 0.9 for r in short if r["precision"] == "fp32")
     assert all(r["ratio_vs_baseline"] == 1.0 for r in rows if r["baseline"])
     assert sorted({r["seq_len"] for r in rows if r["mode"] == "seq_len"}) == results["settings"]["seq_lens"]
-    # the HTTP gateway in front of the default (OpenAI's API through the openai SDK in every mode and sent in
-    # turn with gRPC's batches, TEI's /embed and OpenAI's from a plain HTTP client on single queries) beside
-    # the direct gRPC rows, same vectors
+    # the HTTP gateway in front of the default (OpenAI's API through the openai SDK in every mode, TEI's /embed
+    # and OpenAI's from a plain HTTP client on single queries, both OpenAI clients sent in turn with gRPC's
+    # batches) beside the direct gRPC rows, same vectors
     label = results["default_configuration"]["label"]
     gateway = [r for r in rows if r["path"] == "gateway"]
     assert {(r["precision"], r["protocol"], r["mode"]) for r in gateway} == {
         *((label, "openai-http", m) for m in ("batch32", "concurrent16", "latency1", "paired32")),
-        (label, "tei-http", "latency1"), (label, "openai-http-plain", "latency1")}
+        (label, "tei-http", "latency1"), *((label, "openai-http-plain", m) for m in ("latency1", "paired32"))}
     assert (label, "paired32") in served
     direct = {r["mode"]: r for r in rows if (r["path"], r["precision"], r["protocol"]) == ("triton", label, "grpc")}
     assert all(abs(r["cosine_min"] - direct[r["mode"]]["cosine_min"]) < 1e-4 for r in gateway)

@@ -18,9 +18,17 @@ BATCHES = "OpenAI route batches of 32 vs gRPC's"
 
 
 def test_every_batch_goes_to_both_sides_the_first_alternating():
-    assert turn_order(3, 0) == [(0, 0), (0, 1), (1, 1), (1, 0), (2, 0), (2, 1)]
-    assert turn_order(2, 1) == [(0, 1), (0, 0), (1, 0), (1, 1)]
-    assert turn_order(0, 0) == []
+    assert turn_order(3, 2, 0) == [(0, 0), (0, 1), (1, 1), (1, 0), (2, 0), (2, 1)]
+    assert turn_order(2, 2, 1) == [(0, 1), (0, 0), (1, 0), (1, 1)]
+    assert turn_order(0, 2, 0) == []
+
+
+def test_every_batch_goes_to_every_side_each_taking_each_place_equally_often():
+    order = turn_order(6, 3, 1)
+    assert order[:9] == [(0, 1), (0, 2), (0, 0), (1, 2), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2)]
+    assert all(sorted(s for b, s in order if b == batch) == [0, 1, 2] for batch in range(6))
+    places = [(side, place) for batch in range(6) for place, (_, side) in enumerate(order[3 * batch:3 * batch + 3])]
+    assert all(places.count((side, place)) == 2 for side in range(3) for place in range(3))
 
 
 class _Clock:
@@ -33,8 +41,8 @@ class _Clock:
         return self.now
 
 
-def _scripted(monkeypatch, seconds: tuple[float, float]):
-    """Two senders logging (side, texts) and taking ``seconds[side]`` per request on a fake clock."""
+def _scripted(monkeypatch, seconds: tuple[float, ...]):
+    """A sender a side logging (side, texts) and taking ``seconds[side]`` per request on a fake clock."""
     import nexus_sli.bench.paired as paired
 
     clock, sent = _Clock(), []
@@ -46,7 +54,7 @@ def _scripted(monkeypatch, seconds: tuple[float, float]):
             clock.now += seconds[side]
             return np.full((len(texts), 2), float(side))
         return send
-    return sender(0), sender(1), sent
+    return (*(sender(side) for side in range(len(seconds))), sent)
 
 
 def test_each_side_is_timed_on_its_own_requests_and_the_start_alternates_between_runs(monkeypatch):
@@ -83,6 +91,22 @@ def test_the_side_timed_first_runs_both_and_the_other_takes_its_sample(monkeypat
     assert bench_targets.paired_ratios(openai.rates(), grpc.rates()) == pytest.approx([2.0, 2.0])
 
 
+def test_three_sides_each_take_their_sample_of_the_run_the_first_timed_makes(monkeypatch):
+    *senders, sent = _scripted(monkeypatch, (0.1, 0.2, 0.4))
+    turns = TakingTurns(*senders, batch_size=2)
+    texts = list("abcdef")
+    sides = [Measurement(path, "fp32", protocol, "paired32", texts, [1] * 6, turns.side(which), sliced=True)
+             for which, (path, protocol) in enumerate(
+                 (("triton", "grpc"), ("gateway", "openai-http"), ("gateway", "openai-http-plain")))]
+    # each repetition another side is timed first: it runs all three, the others take their samples
+    for repetition in range(3):
+        for m in sides[repetition:] + sides[:repetition]:
+            m.time_once(repetition, slices=3)
+    assert turns.runs == 3 and [side for side, _ in sent] == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+    assert all(side.samples[r].indices == sides[0].samples[r].indices for side in sides for r in range(3))
+    assert [m.rates() for m in sides] == [pytest.approx([r] * 3) for r in (20.0, 10.0, 5.0)]
+
+
 def test_the_batch_bound_reads_the_batches_sent_in_turn():
     # in blocks the route reads 0.95-0.97x gRPC's; sent in turn 0.8x, repetition by repetition
     rows = run_rows(paired=((200, 216, 208), (250, 270, 260)))
@@ -93,6 +117,15 @@ def test_the_batch_bound_reads_the_batches_sent_in_turn():
     old = by_comparison(bench_targets.evaluate(run_rows(), DEFAULT))[("(f)", BATCHES)]
     assert old["comparison"].endswith("(in blocks: a run from before they were sent in turn)")
     assert old["median"] == pytest.approx(295 / 305)
+
+
+def test_the_plain_routes_batches_are_shown_beside_the_bound_they_do_not_change():
+    # through the SDK 0.8x gRPC's, from plain HTTP 0.96x, repetition by repetition
+    rows = run_rows(paired=((200, 216, 208), (250, 270, 260)), plain_paired=(240, 259.2, 249.6))
+    batches = by_comparison(bench_targets.evaluate(rows, DEFAULT))[("(f)", BATCHES)]
+    assert batches["per_repetition"] == pytest.approx([0.8, 0.8, 0.8]) and batches["status"] == "not met"
+    assert batches["comparison"] == (f"{BATCHES} (sent in turn, request by request; through the openai SDK; "
+                                     "the route from plain HTTP over gRPC: 0.96x)")
 
 
 def test_the_sdks_share_is_shown_beside_the_bound_it_does_not_change():
@@ -113,6 +146,11 @@ def test_the_page_shows_the_plain_route_the_split_and_the_batches_in_turn():
     assert "the route itself, its p50 from a plain HTTP client minus gRPC's, +0.60 ms" in section
     assert "the SDK's p50 minus plain HTTP's, +0.70 ms" in section and "what target (f) bounds, +1.20 ms" in section
     assert "by repetition 0.80x, 0.80x, 0.80x (median 0.80x)" in section
+    assert "from a plain HTTP client (the SDK's JSON body), sent in turn" not in section
+    rows = run_rows(paired=((200, 216, 208), (250, 270, 260)), plain_paired=(240, 259.2, 249.6))
+    section = "\n".join(request_path_section({"rows": rows, "default_configuration": DEFAULT}))
+    assert ("sent in turn with both: 249.6 texts/s; over gRPC by repetition 0.96x, 0.96x, 0.96x (median 0.96x), "
+            "the route's own cost") in section
     # a run without them (kept from before) shows neither line
     old = "\n".join(request_path_section({"rows": run_rows(), "default_configuration": DEFAULT}))
     assert "plain HTTP client minus" not in old and "sent in turn on the same texts" not in old

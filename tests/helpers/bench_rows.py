@@ -22,11 +22,12 @@ def synthetic(path, mode, *, rates=None, p50=None, p99=None, precision="fp32", p
 def run_rows(served_batch=(300, 330, 305), served_concurrent=(240, 250, 245), served_p50=(5.0, 5.2, 5.1),
               served_p99=(6.0, 6.1, 6.0), graph_p50=(3.6, 3.7, 3.6), graph_p99=(), cosine=(0.9999, 0.999),
               peers=True, served_short=(900, 990, 910), gateway_p50=(6.2, 6.5, 6.3),
-              gateway_batch=(290, 320, 295), paired=None, plain_p50=None):
+              gateway_batch=(290, 320, 295), paired=None, plain_p50=None, plain_paired=None):
     """A run on three repetitions: the baseline slows down in the second (a noisy neighbour), the
     served default slows with it, so the paired ratios agree where medians of each alone would not.
     ``paired``: (the OpenAI route's, gRPC's) texts/s of batches sent in turn; ``plain_p50``: the OpenAI
-    route's single queries from a plain HTTP client; a run without them is one from before they were."""
+    route's single queries from a plain HTTP client; ``plain_paired``: the route's texts/s from a plain HTTP
+    client, sent in turn with both ``paired`` sides; a run without them is one from before they were."""
     rows = [
         synthetic("sentence-transformers", "batch32", rates=[100, 110, 101], baseline=True),
         synthetic("sentence-transformers", "latency1", p50=[7.0, 7.4, 7.1], baseline=True),
@@ -46,6 +47,9 @@ def run_rows(served_batch=(300, 330, 305), served_concurrent=(240, 250, 245), se
     if paired:
         rows += [synthetic("gateway", "paired32", rates=list(paired[0]), protocol="openai-http", cosine=cosine),
                  synthetic("triton", "paired32", rates=list(paired[1]), protocol="grpc", cosine=cosine)]
+    if plain_paired:
+        rows.append(synthetic("gateway", "paired32", rates=list(plain_paired), protocol="openai-http-plain",
+                              cosine=cosine))
     if plain_p50:
         rows.append(synthetic("gateway", "latency1", p50=list(plain_p50), protocol="openai-http-plain", cosine=cosine))
     if peers:
