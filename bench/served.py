@@ -6,6 +6,7 @@ routes from a plain HTTP client."""
 
 from __future__ import annotations
 
+import abc
 import base64
 import http.client
 import json
@@ -263,7 +264,7 @@ class GatewayEmbedder(ServedEmbedder):
         return np.array([item.embedding for item in response.data], dtype=np.float32)
 
 
-class PlainHttpEmbedder(ServedEmbedder):
+class PlainHttpEmbedder(ServedEmbedder, abc.ABC):
     """A gateway route called with JSON in and out over one kept connection, the standard library's,
     so that the figures are the gateway's more than a client library's.  A route's subclass says
     where it posts (``ROUTE``), its body and how its answer holds the vectors."""
@@ -277,11 +278,13 @@ class PlainHttpEmbedder(ServedEmbedder):
         _answer(client)
         return client
 
+    @abc.abstractmethod
     def body(self, texts: list[str]) -> dict:
-        raise NotImplementedError
+        """The JSON the route takes for ``texts``."""
 
+    @abc.abstractmethod
     def vectors(self, answer: bytes) -> np.ndarray:
-        raise NotImplementedError
+        """The vectors ``[n, dim]`` in the route's answer."""
 
     def embed_with(self, client, texts: list[str]) -> np.ndarray:
         body = json.dumps(self.body(texts))

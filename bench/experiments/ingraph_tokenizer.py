@@ -85,7 +85,7 @@ AWKWARD = [
     "[CLS] [SEP] [MASK] [PAD] [UNK] literal special tokens",
     "URLs https://example.com/a?b=c&d=e#f and e-mails someone@example.org",
     "!!!???... ---- ((([[[{{{}}}]]]))) $$$ %%% ^^^",
-    "numbers 3.14159 1,000,000 2026-11-27 12:34:56 0x1F",
+    "numbers 3.14159 1,000,000 1999-12-31 12:34:56 0x1F",
     "MiXeD CaSe WORDS and Title Case",
     "a" * 300,
     "supercalifragilisticexpialidocious pneumonoultramicroscopicsilicovolcanoconiosis",

@@ -29,14 +29,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+# the scoring mask input of a late-interaction graph: the cut keeps every position it or the attention mask holds
+from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK
+
 from . import onnx_files
 
 #: The name the trimmed sequence axis of the outputs gets in the graph.
 TRIMMED_AXIS = "trimmed_sequence"
 _PREFIX = "nexus_trim/"
-#: The scoring mask input of a late-interaction graph (``python_models/sides.py``'s ``SCORE_MASK``):
-#: the cut keeps every position it or the attention mask holds.
-SCORE_MASK = "score_mask"
 
 
 def _constant(name: str, value: np.ndarray) -> onnx.TensorProto:
