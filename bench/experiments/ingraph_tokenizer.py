@@ -506,11 +506,14 @@ class TritonPythonModel:
                     session.run(["EMBEDDING"], {"text": np.array([t], dtype=object)})[0] for t in texts])
 
     def execute(self, requests):
-        answers = []
-        for request in requests:
-            texts = pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy().reshape(-1)
-            texts = [t.decode("utf-8") for t in texts]
-            answers.append(pb_utils.InferenceResponse([pb_utils.Tensor("EMBEDDING", self.run(texts))]))
+        # every request of the execution in one run, as the ensemble's encoder step runs them
+        texts = [[t.decode("utf-8") for t in pb_utils.get_input_tensor_by_name(r, "TEXT").as_numpy().reshape(-1)]
+                 for r in requests]
+        vectors = self.run([text for request in texts for text in request])
+        answers, start = [], 0
+        for request in texts:
+            answers.append(pb_utils.InferenceResponse([pb_utils.Tensor("EMBEDDING", vectors[start:start + len(request)])]))
+            start += len(request)
         return answers
 """
 
