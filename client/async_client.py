@@ -65,7 +65,8 @@ class AsyncEncoderClient:
         error; passes over them again, after pauses, while the call's retry budget lasts."""
         retries, tried = Retries(self.retry_s), []
         while (pause := retries.next_pause()) is not None:
-            await asyncio.sleep(pause)
+            if pause:  # the first pass goes at once, without a turn of the event loop
+                await asyncio.sleep(pause)
             self.fleet.refresh(failed=bool(tried))
             order = self.replicas.order()[:self.attempts]
             tried = [] if order else unresolved(self.fleet)

@@ -107,7 +107,8 @@ class EncoderClient:
         passes over them again, after pauses, while the call's retry budget lasts."""
         retries, tried = Retries(self.retry_s), []
         while (pause := retries.next_pause()) is not None:
-            time.sleep(pause)
+            if pause:  # the first pass goes at once: even sleep(0) gives up the CPU
+                time.sleep(pause)
             self.fleet.refresh(failed=bool(tried))
             order = self.replicas.order()[:self.attempts]
             tried = [] if order else unresolved(self.fleet)

@@ -105,3 +105,58 @@ def test_a_call_without_a_model_needs_the_clients_default():
         with pytest.raises(NoModelError, match="pass model=..."):
             client.embed("a text")
     assert EncoderClient("127.0.0.1:1", model="m").model == "m"
+
+
+def _refused_once():
+    """A send that is refused for a full queue once, then answers."""
+    refusals = iter([server_error("Exceeds maximum queue size", "StatusCode.UNAVAILABLE")])
+
+    def send(tritonclient):
+        error = next(refusals, None)
+        if error is not None:
+            raise error
+        return "answer"
+    return send
+
+
+def test_the_first_pass_goes_at_once_and_only_retries_pause(monkeypatch):
+    """A call that succeeds at once never sleeps (a sleep of 0 still gives the CPU away); a retry
+    pauses first."""
+    import nexus_sli.client.client as sync_client
+
+    pauses = []
+    monkeypatch.setattr(sync_client.time, "sleep", pauses.append)
+    with EncoderClient("127.0.0.1:1", retry_s=5) as client:
+        assert client._on_replicas("m", lambda tritonclient: "answer") == "answer"
+        assert pauses == []
+        assert client._on_replicas("m", _refused_once()) == "answer"
+    assert len(pauses) == 1 and pauses[0] > 0
+
+
+def test_the_async_clients_first_pass_goes_at_once_and_only_retries_pause(monkeypatch):
+    import asyncio
+
+    import nexus_sli.client.async_client as async_client
+    from nexus_sli.client import AsyncEncoderClient
+
+    pauses = []
+
+    async def pause(seconds):
+        pauses.append(seconds)
+
+    monkeypatch.setattr(async_client.asyncio, "sleep", pause)
+
+    async def calls():
+        async def answer(tritonclient):
+            return "answer"
+
+        async def refused_once(tritonclient, send=_refused_once()):
+            return send(tritonclient)
+
+        async with AsyncEncoderClient("127.0.0.1:1", retry_s=5) as client:
+            assert await client._on_replicas("m", answer) == "answer"
+            assert pauses == []
+            assert await client._on_replicas("m", refused_once) == "answer"
+
+    asyncio.run(calls())
+    assert len(pauses) == 1 and pauses[0] > 0
