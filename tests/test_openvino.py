@@ -172,9 +172,9 @@ def test_openvino_backend_warms_one_query_of_each_length_at_load(openvino_shim, 
         request = real_request(compiled)
 
         class Recorder:
-            def infer(self, feeds):
+            def infer(self, feeds, **options):
                 ran.append({name: array.shape for name, array in feeds.items()})
-                return request.infer(feeds)
+                return request.infer(feeds, **options)
         return Recorder()
 
     monkeypatch.setattr(openvino_shim.ov.CompiledModel, "create_infer_request", recording)
