@@ -284,28 +284,28 @@ def paired_batches(rows: Rows) -> str:
             "to the next, each path's time the sum of its own requests' (bench/paired.py): "
             f"{openai['texts_per_s']:.1f} texts/s through the route against {grpc['texts_per_s']:.1f} over gRPC; "
             f"the route over gRPC by repetition {', '.join(f'{r:.2f}x' for r in ratios)} (median "
-            f"{float(np.median(ratios)):.2f}x), what target (f)'s batch bound judges.{plain_route_batches(rows)} "
+            f"{float(np.median(ratios)):.2f}x), what target (f)'s batch bound judges."
+            f"{plain_route_batches(rows, ratios)} "
             "The throughput table's batches of 32 are timed as blocks, one path after the other: their ratio "
             "also carries which path sent to the model first in the repetition.")
 
 
-def plain_route_batches(rows: Rows) -> str:
+def plain_route_batches(rows: Rows, sdk: list[float]) -> str:
     """The same batches through the OpenAI route from a plain HTTP client, sent in turn with the other
-    two: the route's own cost beside the SDK's; "" for a run from before the route was paired so."""
+    two: the route's own cost beside the SDK's (``sdk``: the route's ratios over gRPC through the SDK);
+    "" for a run from before the route was paired so."""
     plain, ratios = rows.gateway(PAIRED32, OPENAI_PLAIN_PROTOCOL), plain_batches(rows)
     if not (plain and ratios):
         return ""
     return (" The same batches through the route from a plain HTTP client (the SDK's JSON body), sent in turn with "
             f"both: {plain['texts_per_s']:.1f} texts/s; over gRPC by repetition "
             f"{', '.join(f'{r:.2f}x' for r in ratios)} (median {float(np.median(ratios)):.2f}x), the route's own "
-            f"cost, the rest of the SDK's gap its own work in the caller.{batch_reach(rows, ratios)}")
+            f"cost, the rest of the SDK's gap its own work in the caller.{batch_reach(sdk, ratios)}")
 
 
-def batch_reach(rows: Rows, plain: list[float]) -> str:
-    """Where the route meets (f)'s batch bound from plain HTTP and not through the SDK: the SDK's work is
-    what misses it."""
-    _, openai, grpc = openai_batches(rows)
-    sdk = paired_ratios(openai["texts_per_s_reps"], grpc["texts_per_s_reps"])
+def batch_reach(sdk: list[float], plain: list[float]) -> str:
+    """Where the route meets (f)'s batch bound from plain HTTP (``plain``: its ratios over gRPC) and not
+    through the SDK (``sdk``): the SDK's work is what misses it."""
     if OPENAI_BATCHES.holds(float(np.median(sdk))) or not OPENAI_BATCHES.holds(float(np.median(plain))):
         return ""
     return (f" So the route meets the bound's {OPENAI_BATCHES.value:g}x from plain HTTP and misses it through the "

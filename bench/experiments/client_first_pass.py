@@ -76,10 +76,12 @@ def main() -> None:
         server.terminate()
         server.wait(60)
     for name, values in p50s.items():
-        print(f"{name}: p50 by round {', '.join(f'{v:.3f}' for v in values)} ms; median {statistics.median(values):.3f}")
+        print(f"{name}: p50 by round {', '.join(f'{v:.3f}' for v in values)} ms; "
+              f"median {statistics.median(values):.3f}")
     differences = [a - b for a, b in zip(p50s["sleep(0) first"], p50s["at once"])]
     print(f"sleep(0) first minus at once, by round: {', '.join(f'{d:+.3f}' for d in differences)} ms; median "
-          f"{statistics.median(differences):+.3f}; at once lower in {sum(d > 0 for d in differences)}/{len(differences)}")
+          f"{statistics.median(differences):+.3f}; at once lower in "
+          f"{sum(d > 0 for d in differences)}/{len(differences)}")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ def main() -> None:
     try:
         _ready(args.port)
         _ready(args.port + 10)
-        clients = {"before": EncoderClient(f"127.0.0.1:{args.port}"), "now": EncoderClient(f"127.0.0.1:{args.port + 10}")}
+        clients = {"before": EncoderClient(f"127.0.0.1:{args.port}"),
+                   "now": EncoderClient(f"127.0.0.1:{args.port + 10}")}
         paths = {f"{model} {tag}": (client, model) for model in MODELS for tag, client in clients.items()}
         for client, model in paths.values():
             for _ in range(100):
@@ -87,7 +88,8 @@ def main() -> None:
         for server in servers.values():
             server.wait(60)
     for name, values in p50s.items():
-        print(f"{name}: p50 by round {', '.join(f'{v:.3f}' for v in values)} ms; median {statistics.median(values):.3f}")
+        print(f"{name}: p50 by round {', '.join(f'{v:.3f}' for v in values)} ms; "
+              f"median {statistics.median(values):.3f}")
     for model in MODELS:
         saved = [a - b for a, b in zip(p50s[f"{model} before"], p50s[f"{model} now"])]
         print(f"{model}, before minus now, by round: {', '.join(f'{s:+.3f}' for s in saved)} ms; median "

@@ -512,7 +512,8 @@ class TritonPythonModel:
         vectors = self.run([text for request in texts for text in request])
         answers, start = [], 0
         for request in texts:
-            answers.append(pb_utils.InferenceResponse([pb_utils.Tensor("EMBEDDING", vectors[start:start + len(request)])]))
+            rows = vectors[start:start + len(request)]
+            answers.append(pb_utils.InferenceResponse([pb_utils.Tensor("EMBEDDING", rows)]))
             start += len(request)
         return answers
 """
