@@ -497,7 +497,8 @@ How it measures:
   batching; the PyTorch and ONNX Runtime peers do the same.
 - Served: the exported ensemble (python tokenizer -> encoder, ONNX Runtime or
   OpenVINO as exported, whose graph ends in the pooling and L2 normalisation)
-  on `tritonserver` from `nvidia-pytriton`, loopback, through
+  as `nexus-sli serve` serves it by default (its steps joined in one process,
+  docs/serving.md) on `tritonserver` from `nvidia-pytriton`, loopback, through
   `nexus_sli.client.EncoderClient`. Batches of 32 go in the order of the text
   set; the 16 concurrent clients are threads with their own client objects;
   single queries are texts of at most 16 tokens, sent one after another.

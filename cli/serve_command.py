@@ -24,6 +24,10 @@ def add_parser(commands) -> None:
     serve.add_argument("--gpu-models-on-cpu", action="store_true",
                        help="where there is no GPU, serve KIND_GPU models on the CPU (a logged, temporary "
                             "override; the repository keeps KIND_GPU; docs/gpu.md)")
+    serve.add_argument("--separate-steps", action="store_true",
+                       help="serve each ensemble as exported, its steps in separate processes (by default each "
+                            "batched CPU ensemble's steps run in one process, which a short query crosses faster; "
+                            "docs/serving.md)")
     serve.set_defaults(run=run)
 
 
@@ -33,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     # Path() would fold the '//' of an s3:// URL
     repository = args.model_repository if is_remote(args.model_repository) else Path(args.model_repository)
     return serve_forever(repository, args.http_port, args.grpc_port, args.metrics_port, args.host,
-                         args.gpu_models_on_cpu, beside=gateway_command(args))
+                         args.gpu_models_on_cpu, beside=gateway_command(args), separate_steps=args.separate_steps)
 
 
 def gateway_command(args: argparse.Namespace) -> list[str] | None:

@@ -33,6 +33,10 @@ SERVES_PARAMETER = "serves"
 #: The ensemble parameter naming the precision its encoder was exported in (``fp32``, ``fp16``, ``int8`` ...).
 PRECISION_PARAMETER = "precision"
 
+#: The parameter of an ensemble that ``nexus-sli serve`` serves as one python model, its steps joined in one
+#: process (``exporter/serving/joined_steps.py``): the steps' names, comma-separated, the tokenizer first.
+JOINED_STEPS_PARAMETER = "joined_steps"
+
 
 def _string(value: dict) -> str:
     """One parameter's value.  Triton writes ``string_value``; a config turned into JSON by protobuf's
@@ -89,7 +93,7 @@ class ModelInfo:
     params: dict[str, str] = field(default_factory=dict)
     #: the last dimension of the model's output: an embedding's size, or the number of labels (0: variable)
     dimensions: int = 0
-    #: the ensemble's first step, its tokenizer model (None: not an ensemble)
+    #: the ensemble's first step, its tokenizer model (None: not an ensemble, nor one served joined)
     tokenizer: str | None = None
     #: that step as its own config declares it (None: not read)
     tokenizer_step: TokenizerStep | None = None
@@ -103,9 +107,10 @@ class ModelInfo:
         params = _params(config)
         outputs = config.get("output", [])
         dims = [int(d) for d in outputs[0].get("dims", [])] if outputs else []
-        steps = config.get("ensemble_scheduling", {}).get("step", [])
+        steps = [step["model_name"] for step in config.get("ensemble_scheduling", {}).get("step", [])]
+        steps = steps or [step for step in params.get(JOINED_STEPS_PARAMETER, "").split(",") if step]
         return cls(name, params.get("task", ""), int(config.get("max_batch_size", 0)), params,
-                   dimensions=max(dims[-1], 0) if dims else 0, tokenizer=steps[0]["model_name"] if steps else None,
+                   dimensions=max(dims[-1], 0) if dims else 0, tokenizer=steps[0] if steps else None,
                    outputs=tuple(output.get("name", "") for output in outputs))
 
     def with_tokenizer_step(self, config: dict) -> ModelInfo:

@@ -4,7 +4,8 @@ The names come from Triton's repository index.  ``nexus-sli serve`` restricts
 the repository API to its supervisor (exporter/serving/server.py), so where the
 index is refused the names come from the statistics API instead, which lists
 every loaded model and is not restricted.  Each model's config then says what
-it is: a nexus-sli model is an ensemble with a ``task`` parameter; its first
+it is: a nexus-sli model is an ensemble with a ``task`` parameter (or one
+``nexus-sli serve`` joined into one python model); its first
 step is its tokenizer (asked for token counts where the ensemble answers none),
 its outputs say whether it answers them, and its first output's last dimension
 is the embedding size (or the number of labels).
@@ -16,7 +17,7 @@ import asyncio
 import time
 
 from nexus_sli.client import ModelNotFoundError, ModelUnavailableError
-from nexus_sli.client.model_info import ModelInfo
+from nexus_sli.client.model_info import JOINED_STEPS_PARAMETER, ModelInfo
 from nexus_sli.client.protocol import translate
 from nexus_sli.tasks.spec import TOKEN_TASK
 
@@ -29,10 +30,10 @@ Tasks = str | tuple[str, ...]
 def served_model(name: str, config: dict) -> ModelInfo | None:
     """The model a Triton config (JSON) describes, or None if it is not a nexus-sli task model."""
     model = ModelInfo.from_config(name, config)
-    # the steps carry the task too (the post-processing picks its head by it): only the ensemble is the model
-    if config.get("platform") != "ensemble" or not model.task:
-        return None
-    return model
+    # the steps carry the task too (the post-processing picks its head by it): only the ensemble is the model,
+    # served as exported or joined (``nexus-sli serve``)
+    ensemble = config.get("platform") == "ensemble" or JOINED_STEPS_PARAMETER in model.params
+    return model if ensemble and model.task else None
 
 
 async def model_names(triton, timeout_s: float | None = None) -> list[str]:

@@ -28,13 +28,12 @@ import openai
 import psutil
 import pytest
 import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 from huggingface_hub import InferenceClient
 from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 
-from helpers.servers import serving, start_gateway
+from helpers.servers import serving, start_gateway, step_counts
 from helpers.waiting import wait_until
 from helpers import task_models
 from helpers.exports import MINILM
@@ -318,10 +317,8 @@ def test_tei_embed(gateway, direct):
 def test_each_route_tokenizes_its_texts_once_and_usage_comes_from_the_same_call(gateway, served, reference):
     """/embed reports no usage and /v1/embeddings does: both send their texts through the tokenizer once
     (the ensemble's own step), the ensemble answering the token count with the vectors."""
-    stats = httpclient.InferenceServerClient(served["http"])
-
     def tokenized() -> int:
-        return stats.get_inference_statistics("minilm_tokenizer")["model_stats"][0]["inference_count"]
+        return step_counts(served["http"], "minilm", "tokenizer")[0]
 
     def counted(at_least: int) -> int:  # Triton may answer before a step has counted its execution
         wait_until(lambda: tokenized() >= at_least, f"the tokenizer to count {at_least} texts", timeout=30)
@@ -652,11 +649,8 @@ def test_triton_unavailable_is_503_with_retry_after(orphan):
 # --- batching, metrics, serve -------------------------------------------------------------------
 
 def test_32_concurrent_requests_are_merged_by_triton_and_answered_each(gateway, served, direct):
-    stats = httpclient.InferenceServerClient(served["http"])
-
     def counts():
-        model = stats.get_inference_statistics("minilm_encoder")["model_stats"][0]
-        return model["inference_count"], model["execution_count"]
+        return step_counts(served["http"], "minilm", "encoder")
 
     texts = validation_texts()[:32]
 

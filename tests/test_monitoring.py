@@ -217,7 +217,9 @@ def scraped(tmp_path_factory, exports):
     # the packaged MiniLM, fp32 on ONNX Runtime (the API's defaults: no `auto` search), one model is enough
     exports.copy(MINILM, root / "repo", as_name="minilm")
     http, grpc, metrics = free_ports(3)
-    process = serve.start(root / "repo", http, grpc, metrics)
+    # the steps as exported, as a Kubernetes pod's tritonserver serves them (nexus-sli serve's joined models
+    # are a local path: exporter/serving/joined_steps.py)
+    process = serve.start(root / "repo", http, grpc, metrics, separate_steps=True)
     key = secrets.token_urlsafe(16)
     try:
         with pytest.MonkeyPatch.context() as env:

@@ -50,7 +50,8 @@ def server(tmp_path_factory, tiny_checkpoint):
     repo = tmp_path_factory.mktemp("queue-policy")
     run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name=NAME, out=repo, precision="fp32"))
     _held_ensemble(repo)
-    with serving(repo) as served:
+    # the steps as exported: nexus-sli serve's joined models carry no queue policy (exporter/serving/joined_steps.py)
+    with serving(repo, separate_steps=True) as served:
         yield served
 
 

@@ -66,14 +66,7 @@ def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint):
     """A tiny model per task, exported and served; ``served["process"]`` changes when a test restarts it."""
     root = tmp_path_factory.mktemp("reliability")
     repo = root / "repo"
-    checkpoints = {
-        "embedder": tiny_checkpoint("bert"),
-        "legacy": tiny_checkpoint("bert"),  # exported below with the python post-processing step
-        "classifier": task_models.classifier(tiny_tokenizer, root / "classifier"),
-        "tagger": task_models.tagger(tiny_tokenizer, root / "tagger"),
-        "reranker": task_models.reranker(tiny_tokenizer, root / "reranker"),
-        "reader": task_models.reader(tiny_tokenizer, root / "reader"),
-    }
+    checkpoints = task_models.every_task(tiny_tokenizer, tiny_checkpoint, root)
     for name, path in checkpoints.items():  # the tiny bert is a BertModel: an embedding model
         # "legacy": the earlier embedding ensemble (tokenizer -> encoder -> python pooling), as a repository
         # exported before pooling moved into the graph; "embedder" pools in its encoder graph
@@ -568,16 +561,18 @@ def _embedded_or_none(client):
         return None
 
 
-#: Every python-backend step of an ensemble (the legacy export has the post-processing step)
-STEPS = [("embedder", "tokenizer"), ("embedder", "encoder"), ("legacy", "postprocess")]
+#: The python-backend process that answers an ensemble's calls: under ``nexus-sli serve`` the joined model
+#: (exporter/serving/joined_steps.py), which runs every step (the legacy export's post-processing step too)
+STEPS = [("embedder", ""), ("legacy", "")]
 #: Concurrent clients while a worker is killed
 CLIENTS = 16
 
 
 def _kill_under_load(served, ensemble: str, step: str, probers: list) -> tuple[list, float, float]:
-    """Start ``probers``, SIGKILL the ``ensemble_step`` worker once they all got answers, wait for
-    the supervisor's reload and for every prober to be answered after it; (results, killed, reloaded)."""
-    supervisor, model = served["process"].supervisor, f"{ensemble}_{step}"
+    """Start ``probers``, SIGKILL the ``ensemble_step`` worker (``ensemble``'s own where ``step`` is empty) once
+    they all got answers, wait for the supervisor's reload and for every prober to be answered after it;
+    (results, killed, reloaded)."""
+    supervisor, model = served["process"].supervisor, f"{ensemble}_{step}" if step else ensemble
     for prober in probers:
         prober.start()
     wait_until(lambda: all(prober.results for prober in probers), "every prober to get an answer", TIMEOUT_S)
@@ -610,7 +605,7 @@ def test_killed_worker_costs_latency_not_failed_calls(served, ensemble, step):
     slowest = max(p.slowest for p in probers)
     # the calls that met the dead worker waited for the reload: the fault cost them latency
     assert slowest >= (recovered_at - killed_at) * 0.5, (slowest, recovered_at - killed_at)
-    print(f"{ensemble}_{step}: killed, reloaded after {recovered_at - killed_at:.1f} s; {len(results)} calls, "
+    print(f"{ensemble} {step}: killed, reloaded after {recovered_at - killed_at:.1f} s; {len(results)} calls, "
           f"0 failed, slowest {slowest:.1f} s")
 
 
@@ -631,7 +626,7 @@ def test_killed_worker_without_retries_gives_clear_retryable_errors(served, ense
         assert isinstance(error, RetryableError) and "retry" in str(error), repr(error)
     later = [r for t, r in results if t > recovered_at + 1.0]
     assert later and all(not isinstance(r, Exception) and np.allclose(r, reference, atol=1e-5) for r in later)
-    print(f"{ensemble}_{step}: killed, reloaded after {recovered_at - killed_at:.1f} s; {len(errors)} retryable "
+    print(f"{ensemble} {step}: killed, reloaded after {recovered_at - killed_at:.1f} s; {len(errors)} retryable "
           f"errors, {len(results) - len(errors)} answers")
     secret = process.supervisor._key
     assert secret not in served["log"].read_text() and secret not in caplog.text
@@ -665,13 +660,13 @@ class _SdkProber(threading.Thread):
 
 
 def _gateway_calls_under_fault(served, log, max_retries: int, *gateway_args: str) -> list:
-    """SIGKILL of the encoder's backend process under 16 clients of the ``openai`` SDK through a gateway:
-    every call's result (200, or the SDK's exception)."""
+    """SIGKILL of the backend process that runs the encoder (the joined model's) under 16 clients of the
+    ``openai`` SDK through a gateway: every call's result (200, or the SDK's exception)."""
     from nexus_sli.bench.served import Gateway
 
     with Gateway(served["grpc"], *gateway_args, timeout_s=120, log=log) as gateway:
         probers = [_SdkProber(gateway.url, max_retries) for _ in range(CLIENTS)]
-        results, _, _ = _kill_under_load(served, "embedder", "encoder", probers)
+        results, _, _ = _kill_under_load(served, "embedder", "", probers)
     return [r for _, r in results]
 
 

@@ -11,7 +11,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from sentence_transformers import SentenceTransformer
 
-from helpers.servers import serving
+from helpers.servers import serving, step_counts
 from helpers.waiting import wait_until
 from nexus_sli.exporter.triton import config as triton_config
 from nexus_sli.exporter.export import export_report
@@ -143,11 +143,8 @@ def test_invalid_utf8_is_a_clear_error(server):
 def test_concurrent_single_texts_share_encoder_executions(server):
     """32 clients send one text each at once (texts of different lengths): Triton
     merges them, as the tokenizer pads every row to one width."""
-    stats_client = httpclient.InferenceServerClient(server["http"])
-
     def counts():
-        stats = stats_client.get_inference_statistics(f"{NAME}_encoder")["model_stats"][0]
-        return stats["inference_count"], stats["execution_count"]
+        return step_counts(server["http"], NAME, "encoder")
 
     texts = validation_texts()[:32]
     assert len({len(t.split()) for t in texts}) > 8  # lengths differ: no equal-shape luck

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tritonclient.http as httpclient
 from tokenizers import Tokenizer
 
 from helpers import task_models
 from helpers.fake_triton import ConfigTriton
 from helpers.http_api import call, schema_problems, tei, tei_schema
-from helpers.servers import gateway_to, serving
+from helpers.servers import gateway_to, serving, step_counts
 from helpers.waiting import wait_until
 from nexus_sli.bench.served import Gateway
 from nexus_sli.client import EncoderClient
@@ -246,10 +245,8 @@ def test_openai_usage_is_the_models_tokens_from_the_ensemble_and_from_an_older_e
         gateway, served, tokenizer, prompt_name):
     """The embedder's ensemble answers the count with the vectors; the older copy, without that output, is
     counted by its tokenizer step asked again (twice its texts): both are the model's own tokens, prompt included."""
-    stats = httpclient.InferenceServerClient(served["http"])
-
     def tokenized() -> int:
-        return stats.get_inference_statistics("older_tokenizer")["model_stats"][0]["inference_count"]
+        return step_counts(served["http"], "older", "tokenizer")[0]
 
     body = {"input": TEXTS, **({"prompt_name": prompt_name} if prompt_name else {})}
     expected = sum(len(tokenizer.encode(PROMPTS.get(prompt_name, "") + text).ids) for text in TEXTS)

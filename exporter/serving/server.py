@@ -7,21 +7,25 @@ The public entry of ``nexus-sli serve``; each job lives in its own module:
 - :mod:`flags`: the server's flags, access to its restricted APIs included;
 - :mod:`launcher`: the command, the process, waiting until it is ready, ending it;
 - :mod:`stub_supervisor`: reloading a model whose python-backend process died;
-- :mod:`gpu_on_cpu`: a GPU repository served on the CPU, only when asked.
+- :mod:`gpu_on_cpu`: a GPU repository served on the CPU, only when asked;
+- :mod:`joined_steps`: each CPU ensemble's steps in one process (unless ``separate_steps``).
 """
 
 from __future__ import annotations
 
 import secrets
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 from .backend_folders import SHIM_BACKENDS, STUB_EXECUTABLE, prepare_backends
-from .binary import ServerError
+from .binary import ServerError, system_binary
 from .flags import ADMIN_HEADER, EXIT_TIMEOUT_S, REMOTE_PREFIXES, RESTRICTED_APIS, is_remote, server_args
 from .gpu_on_cpu import servable
+from .joined_steps import join
 from .launcher import ServerCommand, TritonServer, check_identity, client_host, end, server_command, url, wait_ready
 from .stub_supervisor import StubSupervisor
 
@@ -30,35 +34,50 @@ __all__ = ["ADMIN_HEADER", "EXIT_TIMEOUT_S", "REMOTE_PREFIXES", "RESTRICTED_APIS
            "prepare_backends", "serve_forever", "server_args", "server_command", "start", "stop", "wait_ready"]
 
 
-def _repository_to_serve(repository: Path | str, gpu_on_cpu: bool) -> tuple[Path | str, Path | None]:
-    """The repository Triton is given, and the shadow folder made for it (GPU models on the CPU) or None."""
+def _repository_to_serve(repository: Path | str, gpu_on_cpu: bool,
+                         backends: Path | None) -> tuple[Path | str, tuple[Path, ...]]:
+    """The repository Triton is given, and the shadow folder made for it, if any: GPU models on the CPU,
+    else the CPU ensembles' steps joined (where ``backends``, the encoder shims' folder, is given)."""
     if is_remote(repository):
         if gpu_on_cpu:
             raise ServerError("--gpu-models-on-cpu rewrites configs in a local shadow folder and cannot apply to "
                               f"{repository}; publish a CPU export there, or serve a local copy")
-        return repository, None
+        return repository, ()
     repository = Path(repository).resolve()
     if not any(p.joinpath("config.pbtxt").is_file() for p in repository.glob("*")):
         raise ServerError(f"{repository} holds no model (run 'make export' first)")
     shadow = servable(repository, gpu_on_cpu)
-    return shadow or repository, shadow
+    if shadow is None and backends is not None:  # a GPU export tried on the CPU keeps its steps, as on a GPU
+        shadow = join(repository, backends)
+    return shadow or repository, (shadow,) if shadow else ()
 
 
 def start(repository: Path | str, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
           host: str = "127.0.0.1", timeout: float = 180.0, supervise: bool = True, gpu_on_cpu: bool = False,
-          **popen) -> TritonServer:
+          separate_steps: bool = False, **popen) -> TritonServer:
     """Start the server and return once it reports ready; with ``supervise`` (the
     default) a model whose python-backend process dies is reloaded.  ``gpu_on_cpu``:
-    serve GPU models on the CPU where there is no GPU (:mod:`gpu_on_cpu`).
+    serve GPU models on the CPU where there is no GPU (:mod:`gpu_on_cpu`).  Each CPU
+    ensemble runs its steps in one process (:mod:`joined_steps`) unless ``separate_steps``,
+    or unless the server is a ``tritonserver`` on PATH, whose native backends serve the encoders.
 
     ``repository`` may be an object store (``s3://HOST:PORT/bucket/prefix``, credentials
     from the standard AWS environment): Triton reads it itself, so the local checks and
-    the GPU-on-CPU shadow (a local rewrite of configs) do not apply there."""
-    repository, shadow = _repository_to_serve(repository, gpu_on_cpu)
-    admin_key = secrets.token_urlsafe(32)
-    command = server_command(repository, http_port, grpc_port, metrics_port, host, admin_key=admin_key,
-                             reload_models=supervise)
-    process = TritonServer(command, admin_key, (shadow,) if shadow else (), **popen)
+    the shadows (local rewrites of configs) do not apply there."""
+    # the wheel's server gets a backend folder of ours, made now: the joined models load its encoder shims
+    backends = None if system_binary() else Path(tempfile.mkdtemp(prefix="nexus-sli-backends-"))
+    made = [backends] if backends else []
+    try:
+        repository, shadows = _repository_to_serve(repository, gpu_on_cpu, None if separate_steps else backends)
+        made += shadows
+        admin_key = secrets.token_urlsafe(32)
+        command = server_command(repository, http_port, grpc_port, metrics_port, host, backend_dir=backends,
+                                 admin_key=admin_key, reload_models=supervise)
+        process = TritonServer(command, admin_key, tuple(made), **popen)
+    except BaseException:  # nothing started: the folders made for it go
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
     try:
         wait_ready(http_port, process, timeout, host)
         check_identity(host, http_port, admin_key)
@@ -93,14 +112,15 @@ def _wait_any(processes: list[subprocess.Popen]) -> int:
 
 
 def serve_forever(repository: Path, http_port: int, grpc_port: int, metrics_port: int, host: str,
-                  gpu_on_cpu: bool = False, beside: list[str] | None = None) -> int:
+                  gpu_on_cpu: bool = False, beside: list[str] | None = None, separate_steps: bool = False) -> int:
     """The ``serve`` command: start, print the URLs, stop cleanly on Ctrl-C / SIGTERM (exit code 0).
 
     ``beside``: the command of a process started once Triton is ready (the HTTP
     gateway); whichever of the two ends first, the other is stopped too, and the
     exit code is the one that ended first's: its own, or 128 + the signal that
     killed it (the shell's convention; a negative code would become 256 - n)."""
-    process = start(repository, http_port, grpc_port, metrics_port, host, gpu_on_cpu=gpu_on_cpu)
+    process = start(repository, http_port, grpc_port, metrics_port, host, gpu_on_cpu=gpu_on_cpu,
+                    separate_steps=separate_steps)
     print(f"Triton is ready: HTTP http://{host}:{http_port}  gRPC {host}:{grpc_port}  "
           f"metrics http://{host}:{metrics_port}/metrics", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

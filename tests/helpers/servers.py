@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Iterator
 
 import psutil
+import tritonclient.http as httpclient
 
 from nexus_sli.bench.served import Gateway, free_ports
+from nexus_sli.client.model_info import JOINED_STEPS_PARAMETER
 from nexus_sli.exporter.serving import server as serve
 
 
@@ -26,6 +28,21 @@ def serving(repository: Path | str, **options) -> Iterator[dict]:
                "metrics": f"127.0.0.1:{metrics}"}
     finally:
         end_now(process)
+
+
+def step_counts(http: str, model: str, step: str) -> tuple[int, int]:
+    """(inferences, executions) that Triton's statistics count for the work of ``model``'s ``step``
+    (``tokenizer``, ``encoder``): the step model's own, plus, where ``nexus-sli serve`` joined the ensemble's
+    steps in one model (its default), that model's, which runs every step of each of its requests."""
+    stats = httpclient.InferenceServerClient(http)
+    try:
+        config = stats.get_model_config(model)
+        joined = JOINED_STEPS_PARAMETER in config.get("parameters", {})
+        counted = [f"{model}_{step}", *([model] if joined else [])]
+        found = [stats.get_inference_statistics(name)["model_stats"][0] for name in counted]
+    finally:
+        stats.close()
+    return sum(int(m["inference_count"]) for m in found), sum(int(m["execution_count"]) for m in found)
 
 
 def start_gateway(triton: str, *args: str, log: Path) -> Gateway:

@@ -16,6 +16,16 @@ NER_LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
 QA_MARKER = "water"
 
 
+def every_task(tokenizer, tiny_checkpoint, root: Path) -> dict[str, Path]:
+    """A tiny checkpoint per served task, by the name tests export it under: ``embedder`` and ``legacy`` (the
+    same tiny BertModel, an embedding model; tests export ``legacy`` with the python pooling step, as
+    repositories were before pooling moved into the graph), ``classifier``, ``tagger``, ``reranker``, ``reader``.
+    ``tiny_checkpoint``: the session fixture of that name."""
+    return {"embedder": tiny_checkpoint("bert"), "legacy": tiny_checkpoint("bert"),
+            "classifier": classifier(tokenizer, root / "classifier"), "tagger": tagger(tokenizer, root / "tagger"),
+            "reranker": reranker(tokenizer, root / "reranker"), "reader": reader(tokenizer, root / "reader")}
+
+
 def save(model, tokenizer, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
