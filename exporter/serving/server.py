@@ -8,7 +8,7 @@ The public entry of ``nexus-sli serve``; each job lives in its own module:
 - :mod:`launcher`: the command, the process, waiting until it is ready, ending it;
 - :mod:`stub_supervisor`: reloading a model whose python-backend process died;
 - :mod:`gpu_on_cpu`: a GPU repository served on the CPU, only when asked;
-- :mod:`joined_steps`: each CPU ensemble's steps in one process (unless ``separate_steps``).
+- :mod:`joined_steps`: each batched CPU ensemble's steps in one process (unless ``separate_steps``).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def start(repository: Path | str, http_port: int = 8000, grpc_port: int = 8001, 
           separate_steps: bool = False, **popen) -> TritonServer:
     """Start the server and return once it reports ready; with ``supervise`` (the
     default) a model whose python-backend process dies is reloaded.  ``gpu_on_cpu``:
-    serve GPU models on the CPU where there is no GPU (:mod:`gpu_on_cpu`).  Each CPU
+    serve GPU models on the CPU where there is no GPU (:mod:`gpu_on_cpu`).  Each batched CPU
     ensemble runs its steps in one process (:mod:`joined_steps`) unless ``separate_steps``,
     or unless the server is a ``tritonserver`` on PATH, whose native backends serve the encoders.
 
