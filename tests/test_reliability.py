@@ -83,8 +83,10 @@ def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint):
 def _start(state):
     log = open(state["log"], "a")  # the server's whole output, checked for secrets
     try:
+        # the steps as exported: the faults below kill each step's worker (a SIGKILL of a joined model's worker
+        # once aborted Triton 2.51's python backend, docs/reliability.md)
         return serve.start(state["repo"], state["ports"]["http"], state["ports"]["grpc"], state["ports"]["metrics"],
-                           stdout=log, stderr=subprocess.STDOUT)
+                           stdout=log, stderr=subprocess.STDOUT, separate_steps=True)
     finally:
         log.close()
 
@@ -561,18 +563,16 @@ def _embedded_or_none(client):
         return None
 
 
-#: The python-backend process that answers an ensemble's calls: under ``nexus-sli serve`` the joined model
-#: (exporter/serving/joined_steps.py), which runs every step (the legacy export's post-processing step too)
-STEPS = [("embedder", ""), ("legacy", "")]
+#: Every python-backend step of an ensemble (the legacy export has the post-processing step)
+STEPS = [("embedder", "tokenizer"), ("embedder", "encoder"), ("legacy", "postprocess")]
 #: Concurrent clients while a worker is killed
 CLIENTS = 16
 
 
 def _kill_under_load(served, ensemble: str, step: str, probers: list) -> tuple[list, float, float]:
-    """Start ``probers``, SIGKILL the ``ensemble_step`` worker (``ensemble``'s own where ``step`` is empty) once
-    they all got answers, wait for the supervisor's reload and for every prober to be answered after it;
-    (results, killed, reloaded)."""
-    supervisor, model = served["process"].supervisor, f"{ensemble}_{step}" if step else ensemble
+    """Start ``probers``, SIGKILL the ``ensemble_step`` worker once they all got answers, wait for
+    the supervisor's reload and for every prober to be answered after it; (results, killed, reloaded)."""
+    supervisor, model = served["process"].supervisor, f"{ensemble}_{step}"
     for prober in probers:
         prober.start()
     wait_until(lambda: all(prober.results for prober in probers), "every prober to get an answer", TIMEOUT_S)
@@ -605,7 +605,7 @@ def test_killed_worker_costs_latency_not_failed_calls(served, ensemble, step):
     slowest = max(p.slowest for p in probers)
     # the calls that met the dead worker waited for the reload: the fault cost them latency
     assert slowest >= (recovered_at - killed_at) * 0.5, (slowest, recovered_at - killed_at)
-    print(f"{ensemble} {step}: killed, reloaded after {recovered_at - killed_at:.1f} s; {len(results)} calls, "
+    print(f"{ensemble}_{step}: killed, reloaded after {recovered_at - killed_at:.1f} s; {len(results)} calls, "
           f"0 failed, slowest {slowest:.1f} s")
 
 
@@ -626,7 +626,7 @@ def test_killed_worker_without_retries_gives_clear_retryable_errors(served, ense
         assert isinstance(error, RetryableError) and "retry" in str(error), repr(error)
     later = [r for t, r in results if t > recovered_at + 1.0]
     assert later and all(not isinstance(r, Exception) and np.allclose(r, reference, atol=1e-5) for r in later)
-    print(f"{ensemble} {step}: killed, reloaded after {recovered_at - killed_at:.1f} s; {len(errors)} retryable "
+    print(f"{ensemble}_{step}: killed, reloaded after {recovered_at - killed_at:.1f} s; {len(errors)} retryable "
           f"errors, {len(results) - len(errors)} answers")
     secret = process.supervisor._key
     assert secret not in served["log"].read_text() and secret not in caplog.text
@@ -660,13 +660,13 @@ class _SdkProber(threading.Thread):
 
 
 def _gateway_calls_under_fault(served, log, max_retries: int, *gateway_args: str) -> list:
-    """SIGKILL of the backend process that runs the encoder (the joined model's) under 16 clients of the
-    ``openai`` SDK through a gateway: every call's result (200, or the SDK's exception)."""
+    """SIGKILL of the encoder's backend process under 16 clients of the ``openai`` SDK through a gateway:
+    every call's result (200, or the SDK's exception)."""
     from nexus_sli.bench.served import Gateway
 
     with Gateway(served["grpc"], *gateway_args, timeout_s=120, log=log) as gateway:
         probers = [_SdkProber(gateway.url, max_retries) for _ in range(CLIENTS)]
-        results, _, _ = _kill_under_load(served, "embedder", "", probers)
+        results, _, _ = _kill_under_load(served, "embedder", "encoder", probers)
     return [r for _, r in results]
 
 
