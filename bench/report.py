@@ -510,12 +510,12 @@ How it measures:
 
 #: What was tried for the targets not met: hand-written from experiments on the packaged model
 #: (their scripts left the package once recorded; tried.md says where they are).  The pages link
-#: it (and docs/benchmarks.md's short table of it) instead of carrying it: a BENCHMARKS page is
-#: the latest run's results.
+#: it (its table of levers first) instead of carrying it: a BENCHMARKS page is the latest run's
+#: results.
 TRIED = Path(__file__).with_name("data") / "tried.md"
-TRIED_LINK = ("What was tried for the targets, lever by lever: the table in "
-              "[docs/benchmarks.md](docs/benchmarks.md#what-was-tried), each attempt in full with its "
-              f"command and machine in [bench/data/tried.md](bench/data/{TRIED.name}).\n")
+TRIED_LINK = ("What was tried for the targets, lever by lever: the table at the top of "
+              f"[bench/data/tried.md](bench/data/{TRIED.name}), each attempt in full below it with its "
+              "command and machine.\n")
 
 
 def benchmarks_page(results: dict, page: str) -> str:

@@ -206,7 +206,7 @@ def test_benchmarks_page_carries_the_latest_run_and_what_was_tried(quick):
     # the packaged model's page (BENCHMARKS.md) carries what was tried on it
     page = benchmarks_page({**results, "layout": layout(None).record()}, latest)
     assert page.startswith("# Benchmarks\n") and "## Latest run" in page and "### Targets\n" in page
-    # a results page: what was tried is linked (its short table and the full record), not carried
+    # a results page: what was tried is linked (tried.md: its table of levers and the full record), not carried
     assert page.rstrip().endswith(TRIED_LINK.rstrip()) and TRIED.read_text().strip() not in page
     assert "## What was tried" in TRIED.read_text() and f"(bench/data/{TRIED.name})" in page
     # this run's model is another (the tiny checkpoint): its own page links the default's instead
