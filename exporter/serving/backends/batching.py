@@ -7,11 +7,13 @@ cost of a run many times.  :func:`length_groups` sorts the rows by real length a
 splits them into the groups that minimise the estimated cost, each group
 run at its own longest real length.
 
-The cost model: a run costs a fixed price, expressed as
-:data:`RUN_COST_TOKENS` tokens, and each token costs more as the sequence
-grows (attention is quadratic), by a factor ``1 + length / QUADRATIC_LENGTH``.
-The constants were fitted by timing encoder runs; the grouping is not
-sensitive to them (bench/data/tried.md, "The length groups' cost model").
+The cost model: a run costs a fixed price, expressed as ``run_cost_tokens``
+tokens, and each token costs more as the sequence grows (attention is quadratic),
+by a factor ``1 + length / QUADRATIC_LENGTH``.  On a CPU the fixed price is small
+(:data:`RUN_COST_TOKENS`, fitted by timing encoder runs; the grouping is not
+sensitive to it: bench/data/tried.md, "The length groups' cost model").  On a
+GPU it is large (:data:`GPU_RUN_COST_TOKENS`): a launch costs what thousands of
+tokens do, and rows of a batch run side by side (docs/gpu.md, "No padding computed").
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 RUN_COST_TOKENS = 32.0
+#: A GPU run's fixed price: on the H100, 16 rows padded from 16 to 256 tokens (4,096 token positions)
+#: ran in 0.9-1.2x the time of the 16-token batch, so a run costs more than that many tokens.
+GPU_RUN_COST_TOKENS = 8192.0
 QUADRATIC_LENGTH = 600.0
 
 
@@ -30,28 +35,31 @@ def real_lengths(attention_mask: np.ndarray) -> np.ndarray:
     return np.where(mask.any(axis=1), last, 1).astype(np.int64)
 
 
-def _run_cost(rows: np.ndarray, length: float) -> np.ndarray:
-    return RUN_COST_TOKENS + rows * length * (1.0 + length / QUADRATIC_LENGTH)
+def run_cost(rows: np.ndarray, length: float, run_cost_tokens: float) -> np.ndarray:
+    """The model's estimate of one run of ``rows`` rows at ``length`` tokens, in tokens."""
+    return run_cost_tokens + rows * length * (1.0 + length / QUADRATIC_LENGTH)
 
 
-def length_groups(lengths: np.ndarray) -> list[np.ndarray]:
+def length_groups(lengths: np.ndarray, run_cost_tokens: float = RUN_COST_TOKENS) -> list[np.ndarray]:
     """Groups of row indices, each run as one batch at its longest length.
 
-    Optimal for the cost model among groupings of the length-sorted rows
-    (dynamic programming: ``best[j]`` is the cheapest way to run the ``j``
-    shortest rows, the last group being rows ``i..j-1``)."""
+    Optimal for the cost model among groupings of the length-sorted rows (dynamic programming:
+    ``best[j]`` is the cheapest way to run the rows of the ``j`` shortest lengths, the last group
+    holding those of lengths ``i..j-1``).  Groups split only between two lengths: moving rows of a
+    group's longest length into it from the next group never costs more, so an optimum splits there,
+    and the work grows with the distinct lengths of an execution, not with its rows."""
     order = np.argsort(lengths, kind="stable")
-    ordered = np.asarray(lengths, dtype=np.float64)[order]
-    n = len(order)
+    distinct, counts = np.unique(np.asarray(lengths)[order], return_counts=True)
+    rows_before = np.concatenate([[0], np.cumsum(counts)])
+    n = len(distinct)
     best = np.zeros(n + 1)
     start = np.zeros(n + 1, dtype=np.int64)
     for j in range(1, n + 1):
-        firsts = np.arange(j)
-        costs = best[:j] + _run_cost(j - firsts, ordered[j - 1])
+        costs = best[:j] + run_cost(rows_before[j] - rows_before[:j], float(distinct[j - 1]), run_cost_tokens)
         start[j] = int(np.argmin(costs))
         best[j] = costs[start[j]]
     groups, j = [], n
     while j > 0:
-        groups.append(order[start[j]:j])
+        groups.append(order[rows_before[start[j]]:rows_before[j]])
         j = start[j]
     return groups[::-1]
