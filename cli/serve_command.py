@@ -26,7 +26,7 @@ def add_parser(commands) -> None:
                             "override; the repository keeps KIND_GPU; docs/gpu.md)")
     serve.add_argument("--separate-steps", action="store_true",
                        help="serve each ensemble as exported, its steps in separate processes (by default each "
-                            "batched CPU ensemble's steps run in one process, which a short query crosses faster; "
+                            "batched ensemble's steps run in one process, which a short query crosses faster; "
                             "docs/serving.md)")
     serve.set_defaults(run=run)
 

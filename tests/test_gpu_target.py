@@ -40,8 +40,13 @@ def test_the_packaged_model_exports_fp16_for_tensorrt_at_full_fidelity(minilm):
     assert "not fp16 arithmetic" in report.validated_on
     assert config.platform == "onnxruntime_onnx"
     assert config.instance_group[0].kind == tc.pb.ModelInstanceGroup.KIND_GPU
-    # a GPU encoder waits a little for concurrent requests to merge; a CPU one does not (test_serving)
-    assert config.dynamic_batching.max_queue_delay_microseconds == tc.GPU_QUEUE_DELAY_US > 0
+    assert config.dynamic_batching.max_queue_delay_microseconds == tc.GPU_QUEUE_DELAY_US
+    # a GPU batch merges up to a client's batch of 256 and runs on several instances: the whole repository's
+    # steps follow the encoder (a CPU repository's keep 64 and one instance: test_serving)
+    assert config.max_batch_size == tc.GPU_MAX_BATCH_SIZE > tc.MAX_BATCH_SIZE
+    assert config.instance_group[0].count == tc.GPU_INSTANCES > 1
+    out, _, _ = minilm
+    assert {tc.read(path).max_batch_size for path in out.glob("*/config.pbtxt")} == {tc.GPU_MAX_BATCH_SIZE}
 
 
 def test_the_tensorrt_accelerator_carries_fp16_and_profiles_from_the_model_limits(minilm):
@@ -52,8 +57,8 @@ def test_the_tensorrt_accelerator_carries_fp16_and_profiles_from_the_model_limit
     assert params["precision_mode"] == "FP16" and params["trt_engine_cache_enable"] == "1"
     names, length = report.inputs, report.max_length
     assert params["trt_profile_min_shapes"] == ",".join(f"{n}:1x1" for n in names)
-    assert params["trt_profile_max_shapes"] == ",".join(f"{n}:64x{length}" for n in names)
-    assert config.max_batch_size == 64 and length == 256
+    assert params["trt_profile_max_shapes"] == ",".join(f"{n}:{tc.GPU_MAX_BATCH_SIZE}x{length}" for n in names)
+    assert length == 256
 
 
 def test_the_gpu_tokenizer_pads_to_buckets_not_to_one_width(minilm):

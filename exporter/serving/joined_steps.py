@@ -1,10 +1,11 @@
 """An ensemble's steps joined into one process, on the local ``nexus-sli serve`` path.
 
-An exported CPU ensemble runs two or three python-backend processes one after
+An exported ensemble runs two or three python-backend processes one after
 the other (tokenizer, encoder, post-processing), and every hop through Triton
 costs a short query time; under load the separate tokenizer process does not
 win it back (bench/data/tried.md, "The tokenizer step under concurrent
-load").  So where the encoder step runs on one of our Python-based backends
+load").  On a GPU the hops and copies are most of a call: the encoder's own
+run takes a fraction of a millisecond (docs/gpu.md, "Served on a GPU").  So where the encoder step runs on one of our Python-based backends
 (the wheel's ``tritonserver``, whose python backend sees this environment's
 packages), ``nexus-sli serve`` serves each such batched ensemble as one python model,
 ``backends/joined_model.py``, that loads the steps' own code (the exported
@@ -15,7 +16,8 @@ and answers, without the hops.
 It does so in a shadow of the repository, a temporary folder: the ensemble's
 folder is rewritten there (a python model with the ensemble's name, inputs,
 outputs and parameters, dynamically batched with the longest of the steps'
-delays but without their queue policy, and the encoder's instance group), every other entry
+delays but without their queue policy, and the encoder's instance group: on a GPU
+encoder, each instance is a process on that GPU), every other entry
 is a link into the repository, and the repository on disk is unchanged: an
 NGC container serves it as exported.  The step models stay served too (the
 gateway's ``/tokenize`` calls the tokenizer model).  ``nexus-sli serve
@@ -45,7 +47,6 @@ log = logging.getLogger(__name__)
 BACKENDS_PARAMETER = "joined_backends"
 #: The joined model's parameter holding the ensemble's steps as its config schedules them (JSON).
 SCHEDULE_PARAMETER = "joined_schedule"
-_CPU = tc.pb.ModelInstanceGroup.KIND_CPU
 _INT64 = (json_format.descriptor.FieldDescriptor.CPPTYPE_INT64, json_format.descriptor.FieldDescriptor.CPPTYPE_UINT64)
 
 
@@ -104,11 +105,14 @@ def _shim(config: tc.pb.ModelConfig) -> str | None:
     return name
 
 
-def step_sources(repository: Path, schedule: list[dict], backends: Path) -> list[dict]:
+def step_sources(repository: Path, schedule: list[dict], backends: Path, instance_kind: str = "CPU",
+                 device_id: str = "0") -> list[dict]:
     """For each step of ``schedule`` (the ensemble's steps, as :func:`joined_config` records them): the
     ``model.py`` that serves it here, the folder its helper modules are imported from, the ``args`` Triton
     would initialize it with, and its ``input_map`` and ``output_map``.  Read from ``repository`` when the
-    joined model loads, so a reload reads the steps as they are then."""
+    joined model loads, so a reload reads the steps as they are then.  ``instance_kind`` and ``device_id``:
+    the joined instance's (Triton's ``model_instance_kind`` and ``model_instance_device_id``), which every
+    step shares: the encoder's session opens on that GPU."""
     sources = []
     for step in schedule:
         folder = repository / step["model_name"]
@@ -117,8 +121,8 @@ def step_sources(repository: Path, schedule: list[dict], backends: Path) -> list
         shim = _shim(config)
         code = (backends / shim if shim else folder / version) / "model.py"
         args = {"model_config": json.dumps(triton_json(config)), "model_repository": str(folder),
-                "model_version": version, "model_name": config.name, "model_instance_kind": "CPU",
-                "model_instance_name": f"{config.name}_0", "model_instance_device_id": "0"}
+                "model_version": version, "model_name": config.name, "model_instance_kind": instance_kind,
+                "model_instance_name": f"{config.name}_0", "model_instance_device_id": device_id}
         sources.append({"code": code, "args": args, "input_map": dict(step.get("input_map", {})),
                         "output_map": dict(step.get("output_map", {}))})
     return sources
@@ -149,7 +153,9 @@ def joined_config(ensemble: tc.pb.ModelConfig, steps: list[tc.pb.ModelConfig], b
 
 
 def _joinable(repository: Path, ensemble: tc.pb.ModelConfig) -> list[tc.pb.ModelConfig] | None:
-    """The configs of ``ensemble``'s steps, where one process can run them all on the CPU; else None.
+    """The configs of ``ensemble``'s steps, where one process can run them all; else None.  The process
+    runs where the encoder's instances do (on a GPU for a ``KIND_GPU`` encoder); the other steps are
+    python models, which run on the CPU wherever their process is.
 
     Not joined either: an ensemble without a batch dimension (reranking, question answering: the encoder's
     batcher merges the rows of concurrent requests, which one request per execution would not), and the
@@ -166,8 +172,6 @@ def _joinable(repository: Path, ensemble: tc.pb.ModelConfig) -> list[tc.pb.Model
         try:
             shims += _shim(config) is not None
         except ValueError:  # a TensorRT plan ...
-            return None
-        if any(group.kind not in (_CPU, tc.pb.ModelInstanceGroup.KIND_AUTO) for group in config.instance_group):
             return None
         steps.append(config)
     return steps if shims == 1 else None
@@ -188,7 +192,7 @@ def _write_shadow(repository: Path, shadow: Path, ensembles: dict[str, tc.pb.Mod
 
 
 def join(repository: Path, backends: Path) -> Path | None:
-    """A shadow of ``repository`` whose CPU ensembles are joined models, or None where none can be joined.
+    """A shadow of ``repository`` whose batched ensembles are joined models, or None where none can be joined.
     ``backends``: the backend folder the server starts with (the encoder shims the joined models load)."""
     ensembles = {}
     for path in sorted(Path(repository).glob("*/config.pbtxt")):

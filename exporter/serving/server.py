@@ -8,7 +8,7 @@ The public entry of ``nexus-sli serve``; each job lives in its own module:
 - :mod:`launcher`: the command, the process, waiting until it is ready, ending it;
 - :mod:`stub_supervisor`: reloading a model whose python-backend process died;
 - :mod:`gpu_on_cpu`: a GPU repository served on the CPU, only when asked;
-- :mod:`joined_steps`: each batched CPU ensemble's steps in one process (unless ``separate_steps``).
+- :mod:`joined_steps`: each batched ensemble's steps in one process (unless ``separate_steps``).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ __all__ = ["ADMIN_HEADER", "EXIT_TIMEOUT_S", "REMOTE_PREFIXES", "RESTRICTED_APIS
 
 def _repository_to_serve(repository: Path | str, gpu_on_cpu: bool,
                          backends: Path | None) -> tuple[Path | str, tuple[Path, ...]]:
-    """The repository Triton is given, and the shadow folder made for it, if any: GPU models on the CPU,
-    else the CPU ensembles' steps joined (where ``backends``, the encoder shims' folder, is given)."""
+    """The repository Triton is given, and the shadow folders made for it: GPU models on the CPU (when
+    asked), then the batched ensembles' steps joined (where ``backends``, the encoder shims' folder, is given)."""
     if is_remote(repository):
         if gpu_on_cpu:
             raise ServerError("--gpu-models-on-cpu rewrites configs in a local shadow folder and cannot apply to "
@@ -46,10 +46,15 @@ def _repository_to_serve(repository: Path | str, gpu_on_cpu: bool,
     repository = Path(repository).resolve()
     if not any(p.joinpath("config.pbtxt").is_file() for p in repository.glob("*")):
         raise ServerError(f"{repository} holds no model (run 'make export' first)")
-    shadow = servable(repository, gpu_on_cpu)
-    if shadow is None and backends is not None:  # a GPU export tried on the CPU keeps its steps, as on a GPU
-        shadow = join(repository, backends)
-    return shadow or repository, (shadow,) if shadow else ()
+    shadows = [shadow for shadow in [servable(repository, gpu_on_cpu)] if shadow]
+    try:  # a GPU export tried on the CPU is joined as it is on a GPU: over the shadow that moved it
+        joined = join(shadows[-1] if shadows else repository, backends) if backends is not None else None
+    except BaseException:
+        for shadow in shadows:
+            shutil.rmtree(shadow, ignore_errors=True)
+        raise
+    shadows += [joined] if joined else []
+    return (shadows[-1] if shadows else repository), tuple(shadows)
 
 
 def start(repository: Path | str, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
@@ -57,7 +62,7 @@ def start(repository: Path | str, http_port: int = 8000, grpc_port: int = 8001, 
           separate_steps: bool = False, **popen) -> TritonServer:
     """Start the server and return once it reports ready; with ``supervise`` (the
     default) a model whose python-backend process dies is reloaded.  ``gpu_on_cpu``:
-    serve GPU models on the CPU where there is no GPU (:mod:`gpu_on_cpu`).  Each batched CPU
+    serve GPU models on the CPU where there is no GPU (:mod:`gpu_on_cpu`).  Each batched
     ensemble runs its steps in one process (:mod:`joined_steps`) unless ``separate_steps``,
     or unless the server is a ``tritonserver`` on PATH, whose native backends serve the encoders.
 

@@ -17,13 +17,20 @@ from tritonclient.grpc import model_config_pb2 as pb
 from nexus_sli.client.error_codes import DECODED_OUTPUT, IDS_INPUT, TOKEN_COUNT_OUTPUT, TOKENS_OUTPUT
 from nexus_sli.tasks import get_task, spec
 
-#: Requests Triton may merge into one execution of each step.
+#: Requests Triton may merge into one execution of each step of a CPU repository, and the most texts
+#: a client sends in one request.
 MAX_BATCH_SIZE = 64
-#: How long a GPU encoder waits for more requests to merge (microseconds), so that
-#: concurrent single texts share one kernel launch.  Short: a lone request pays it,
-#: and under load requests queue up while the step runs anyway (Triton then merges
-#: everything waiting).  Not measured on a GPU.
-GPU_QUEUE_DELAY_US = 500
+#: The same for a GPU repository: a GPU runs the rows of a batch side by side, so one execution of up to
+#: a client's batch of 256 costs about what one of 32 does, and a call of 256 texts is one request
+#: (docs/gpu.md, "Served on a GPU").
+GPU_MAX_BATCH_SIZE = 256
+#: Instances of a GPU encoder (each a CUDA context and a session on that GPU; with ``nexus-sli serve``,
+#: each one process that also tokenizes): while one copies and tokenizes, another computes.
+GPU_INSTANCES = 2
+#: How long a GPU encoder waits for more requests to merge (microseconds).  None: a lone
+#: request would pay it, and under load requests queue up while the instances run anyway
+#: (Triton then merges everything waiting), as they do on the CPU (docs/gpu.md, "Served on a GPU").
+GPU_QUEUE_DELAY_US = 0
 #: A CPU encoder does not wait: its time grows with the rows it runs, so waiting
 #: only delays a lone query, and under load it merges what queued while it ran
 #: (bench/data/tried.md, "The CPU encoder's queue delay").
@@ -98,6 +105,16 @@ class EncoderServing:
     def queue_delay_us(self) -> int:
         """How long the encoder's batcher waits for requests to merge: the device decides."""
         return GPU_QUEUE_DELAY_US if self.device == "KIND_GPU" else CPU_QUEUE_DELAY_US
+
+    @property
+    def max_batch_size(self) -> int:
+        """The rows one execution of each step of the repository may merge: the device decides."""
+        return GPU_MAX_BATCH_SIZE if self.device == "KIND_GPU" else MAX_BATCH_SIZE
+
+    @property
+    def instances(self) -> int:
+        """The encoder's instances: the device decides."""
+        return GPU_INSTANCES if self.device == "KIND_GPU" else 1
 
     def widths(self, max_length: int) -> list[int]:
         """The tokenizer's pad widths for a model that takes ``max_length`` tokens."""
@@ -192,8 +209,9 @@ def _io(cls, tensor: Tensor):
     return cls(name=tensor.name, data_type=tensor.data_type, dims=list(tensor.dims))
 
 
-def _model(name: str, inputs, outputs, batched: bool, params: dict | None, queue_delay_us: int) -> pb.ModelConfig:
-    config = pb.ModelConfig(name=name, max_batch_size=MAX_BATCH_SIZE if batched else 0)
+def _model(name: str, inputs, outputs, batched: bool, params: dict | None, queue_delay_us: int,
+           max_batch_size: int = MAX_BATCH_SIZE) -> pb.ModelConfig:
+    config = pb.ModelConfig(name=name, max_batch_size=max_batch_size if batched else 0)
     config.input.extend(_io(pb.ModelInput, t) for t in inputs)
     config.output.extend(_io(pb.ModelOutput, t) for t in outputs)
     for key, value in (params or {}).items():
@@ -214,10 +232,10 @@ def queue_policy() -> pb.ModelQueuePolicy:
 
 def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, truncate: bool,
                      pad_widths: list[int] | None = None, prompts: dict[str, str] | None = None,
-                     sides: str | None = None) -> pb.ModelConfig:
+                     sides: str | None = None, max_batch_size: int = MAX_BATCH_SIZE) -> pb.ModelConfig:
     """``prompts``: the model's named prompts (``prompts``: JSON, ``default_prompt_name``), applied by the step;
     ``sides``: a late-interaction model's two sides (``python_models/sides.py``'s ``Sides.to_json()``), which
-    the ``sided`` mode reads."""
+    the ``sided`` mode reads; ``max_batch_size``: the encoder's (:attr:`EncoderServing.max_batch_size`)."""
     widths = pad_widths or [min(PAD_WIDTH, max_length)]
     params = {"mode": lay.mode, "max_length": max_length, "pad_id": pad_id, "truncate": str(truncate).lower(),
               "pad_widths": ",".join(map(str, widths)), **(prompts or {})}
@@ -226,9 +244,9 @@ def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, trunc
     if sides is not None:
         params["sides"] = sides
     if not lay.batched:  # one request becomes many encoder rows: the tokenizer refuses more than it takes
-        params["max_rows"] = MAX_BATCH_SIZE
+        params["max_rows"] = max_batch_size
     config = _model(name, lay.inputs, [*(lay.rows(t) for t in lay.tokens), *lay.counts], lay.batched, params,
-                    TOKENIZER_QUEUE_DELAY_US)
+                    TOKENIZER_QUEUE_DELAY_US, max_batch_size)
     config.backend = "python"
     if lay.mode in ("single", "sided"):
         _text_modes(config)
@@ -249,12 +267,14 @@ def _text_modes(config: pb.ModelConfig) -> None:
 def encoder_config(name: str, lay: Layout, input_names: list[str], serving: EncoderServing,
                    model_filename: str = "model.onnx", max_length: int = PAD_WIDTH) -> pb.ModelConfig:
     inputs = [t for t in lay.tokens if t.name in input_names]
-    config = _model(name, inputs, lay.encoder_outputs, True, serving.parameters, serving.queue_delay_us)
+    config = _model(name, inputs, lay.encoder_outputs, True, serving.parameters, serving.queue_delay_us,
+                    serving.max_batch_size)
     if serving.platform:
         config.platform = serving.platform
     else:
         config.backend = serving.backend
     config.instance_group[0].kind = pb.ModelInstanceGroup.Kind.Value(serving.device)
+    config.instance_group[0].count = serving.instances
     _accelerate(config, serving.accelerators, input_names, max_length)
     config.default_model_filename = model_filename
     warmup = config.model_warmup.add(name="warmup", batch_size=1)
@@ -291,20 +311,21 @@ def _accelerate(config: pb.ModelConfig, accelerators, input_names: list[str], ma
         entry.parameters.update(parameters)
 
 
-def postprocess_config(name: str, lay: Layout, params: dict[str, str]) -> pb.ModelConfig:
+def postprocess_config(name: str, lay: Layout, params: dict[str, str],
+                       max_batch_size: int = MAX_BATCH_SIZE) -> pb.ModelConfig:
     config = _model(name, [lay.tensor(n) for n in lay.post_inputs], lay.computed, lay.batched, params,
-                    POSTPROCESS_QUEUE_DELAY_US)
+                    POSTPROCESS_QUEUE_DELAY_US, max_batch_size)
     config.backend = "python"
     return config
 
 
 def ensemble_config(name: str, task: str, lay: Layout, input_names: list[str], steps: tuple[str, ...],
-                    params: dict[str, str]) -> pb.ModelConfig:
+                    params: dict[str, str], max_batch_size: int = MAX_BATCH_SIZE) -> pb.ModelConfig:
     """Raw strings in, the task's output out: tokenizer -> encoder -> postprocess, or
     tokenizer -> encoder where the encoder answers (``lay.encoder_answers``; ``steps`` has two).
     The tokenizer's token count, where it answers one (``lay.counts``), is an output too, after the task's;
     so are the tokenizer outputs a task answers (``lay.echoed``), which the later steps read under that name."""
-    config = pb.ModelConfig(name=name, max_batch_size=MAX_BATCH_SIZE if lay.batched else 0, platform="ensemble")
+    config = pb.ModelConfig(name=name, max_batch_size=max_batch_size if lay.batched else 0, platform="ensemble")
     config.input.extend(_io(pb.ModelInput, t) for t in lay.inputs)
     config.output.extend(_io(pb.ModelOutput, t) for t in (*lay.outputs, *lay.counts))
     for key, value in {"task": task, **params}.items():
@@ -331,14 +352,14 @@ def ensemble_config(name: str, task: str, lay: Layout, input_names: list[str], s
 
 
 def token_ensemble_config(name: str, lay: Layout, input_names: list[str], steps: tuple[str, str],
-                          params: dict[str, str]) -> pb.ModelConfig:
+                          params: dict[str, str], max_batch_size: int = MAX_BATCH_SIZE) -> pb.ModelConfig:
     """The second ensemble of a graph that keeps its token states (``lay.token_states``): raw strings in,
     tokenizer -> the same encoder, out the token states ``[-1, hidden]`` and the tokenizer's attention
     mask (:data:`spec.TOKEN_MASK`), by which a client cuts each text's real tokens."""
     if lay.token_states is None:
         raise ValueError(f"ensemble {name}: the encoder keeps no token states to serve")
     mask = _tensor(spec.TOKEN_MASK, 0, 0)
-    config = pb.ModelConfig(name=name, max_batch_size=MAX_BATCH_SIZE if lay.batched else 0, platform="ensemble")
+    config = pb.ModelConfig(name=name, max_batch_size=max_batch_size if lay.batched else 0, platform="ensemble")
     config.input.extend(_io(pb.ModelInput, t) for t in lay.inputs)
     config.output.extend(_io(pb.ModelOutput, t) for t in (lay.token_states, mask))
     for key, value in {"task": spec.TOKEN_TASK, **params}.items():

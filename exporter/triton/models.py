@@ -121,23 +121,24 @@ def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenize
     steps = (tokenizer, encoder) if lay.encoder_answers else (tokenizer, encoder, postprocess)
     _copy_python_model("tokenizer_model", root / tokenizer, {"tokenizer.json": tokenizer_json})
     sides = facts.sides.to_json() if facts.sides is not None else None
+    rows = facts.encoder.max_batch_size  # every step of the repository merges as many rows as the encoder
     tc.write(tc.tokenizer_config(tokenizer, lay, facts.max_length, facts.pad_id, facts.truncate,
-                                 facts.encoder.widths(facts.max_length), facts.prompts, sides), root / tokenizer)
+                                 facts.encoder.widths(facts.max_length), facts.prompts, sides, rows), root / tokenizer)
     (root / encoder / "1").mkdir(parents=True, exist_ok=True)
     tc.write(tc.encoder_config(encoder, lay, facts.input_names, facts.encoder, facts.model_filename,
                                facts.max_length), root / encoder)
     if not lay.encoder_answers:
         _copy_python_model("postprocess_model", root / postprocess)
         head = {"task": task, "head": get_task(task).head}
-        tc.write(tc.postprocess_config(postprocess, lay, {**head, **facts.post_params}), root / postprocess)
+        tc.write(tc.postprocess_config(postprocess, lay, {**head, **facts.post_params}, rows), root / postprocess)
     tokens = name + TOKEN_MODEL_SUFFIX if lay.token_states is not None else None
     described = {**facts.described, **({TOKEN_MODEL_PARAMETER: tokens} if tokens else {}),
                  **({PRECISION_PARAMETER: facts.precision} if facts.precision else {})}
     _write_ensemble(root, tc.ensemble_config(name, task, lay, facts.input_names, steps,
-                                             {**facts.post_params, **facts.prompts, **described}))
+                                             {**facts.post_params, **facts.prompts, **described}, rows))
     if tokens:  # the same prompts: a token request is tokenised as an embedding request is
         _write_ensemble(root, tc.token_ensemble_config(tokens, lay, facts.input_names, (tokenizer, encoder),
-                                                       {**facts.prompts, "embedding_model": name}))
+                                                       {**facts.prompts, "embedding_model": name}, rows))
     return [name, *([tokens] if tokens else [])]
 
 

@@ -32,8 +32,9 @@ from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from batching import length_groups, real_lengths
+from batching import GPU_RUN_COST_TOKENS, RUN_COST_TOKENS, length_groups, real_lengths
 from error_codes import INFERENCE_FAILED, INVALID_INPUT, mark
+from onnxruntime_providers import instance_kind
 
 #: A late-interaction graph's scoring mask input (``python_models/sides.py``'s ``SCORE_MASK``, not copied here).
 SCORE_MASK = "score_mask"
@@ -62,6 +63,8 @@ class EncoderBackend(ABC):
         self.inputs = [i["name"] for i in config["input"]]
         # Outputs whose first non-batch dim is variable follow the sequence length.
         self.outputs = {o["name"]: o["dims"][0] == -1 for o in config["output"]}
+        # a GPU runs a batch's rows side by side: only much longer rows are worth a run of their own
+        self.run_cost_tokens = GPU_RUN_COST_TOKENS if instance_kind(config) == "KIND_GPU" else RUN_COST_TOKENS
 
     @abstractmethod
     def load(self, path: Path, params: dict) -> None:
@@ -101,7 +104,7 @@ class EncoderBackend(ABC):
         lengths = real_lengths(mask) if mask is not None else np.full(len(batch[self.inputs[0]]), width)
         longest = int(lengths.max())
         results = {}
-        for rows in length_groups(lengths):
+        for rows in length_groups(lengths, self.run_cost_tokens):
             length = int(lengths[rows].max())
             group = {name: np.ascontiguousarray(array[rows, :length]) for name, array in batch.items()}
             got = self.infer(group, names)

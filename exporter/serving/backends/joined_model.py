@@ -1,7 +1,7 @@
 """Triton python model: an ensemble's steps run in turn in this one process (``nexus-sli serve``).
 
 :mod:`nexus_sli.exporter.serving.joined_steps` writes this file as the model of
-an exported CPU ensemble, with the ensemble's name, inputs, outputs and
+an exported ensemble, with the ensemble's name, inputs, outputs and
 parameters, and its steps' schedule.  It loads each step's own code, as Triton
 would (the exported tokenizer and post-processing ``model.py`` files, the
 encoder shim of the backend folder), and for each execution hands every step
@@ -91,7 +91,8 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         repository = Path(args["model_repository"]).parent
-        sources = step_sources(repository, json.loads(params[SCHEDULE_PARAMETER]), Path(params[BACKENDS_PARAMETER]))
+        sources = step_sources(repository, json.loads(params[SCHEDULE_PARAMETER]), Path(params[BACKENDS_PARAMETER]),
+                               args.get("model_instance_kind", "CPU"), args.get("model_instance_device_id", "0"))
         self.steps = [_Step(number, source) for number, source in enumerate(sources)]
         self.outputs = [output["name"] for output in config["output"]]
 
