@@ -1,26 +1,29 @@
-"""The GPU repository's checks on a GPU host: fidelity and speed of the fp16 graph on ONNX Runtime's
-CUDA provider, beside sentence-transformers fp16 on the same GPU.
+"""The GPU repository's checks on a GPU host: the served path beside the exported graph in process and
+sentence-transformers fp16 on the same GPU, and the graph's fidelity.
 
 Run where ``onnxruntime-gpu``, PyTorch with CUDA and sentence-transformers are installed, on a
 repository written by ``nexus-sli export --target gpu --accelerator cuda``::
 
     python -m nexus_sli.bench.gpu_check --repository REPO --model NAME --weights MODEL_DIR --out record.json
 
-Its steps (``--steps``; the first four by default):
+Its steps (``--steps``; by default all but ``padding``, in this order, the most important first):
 
 - ``environment``: versions, the GPU, the providers this onnxruntime has;
-- ``validate``: ``nexus-sli validate`` on the repository (the stored PyTorch fp32 reference through
-  the providers the encoder's config names);
-- ``fidelity``: the same reference inputs through sentence-transformers fp16 on the GPU, held to the
-  same reference, so both fp16 paths are read side by side;
-- ``speed``: batches of 32 texts and single short queries, tokenizer included on both sides, the
-  paths interleaved in every round;
-- ``served``: the repository served by Triton on the GPU, through the client over gRPC and HTTP,
-  beside the graph in process;
+- ``speed``: the graph in process (the tokenizer step's bucket padding, then one ``session.run`` per
+  batch) and sentence-transformers fp16, interleaved round by round: short texts in batches of 32 and
+  256, long texts in batches of 32, and single short queries (p50, p99);
+- ``served``: the repository served by ``nexus-sli serve`` on this GPU (bench/gpu_served.py), each
+  variant of the served configuration in turn: throughput from client processes, single queries paired
+  with the graph in process, GPU utilisation, the GPU memory the server holds, and the served vectors
+  against the PyTorch fp32 reference the export stored;
+- ``validate``: ``nexus-sli validate`` on the repository;
+- ``fidelity``: the stored reference's inputs through the graph and through sentence-transformers fp16;
+- ``levers``: the graph in process with ONNX Runtime's I/O binding, and with CUDA graphs at one bucket
+  (last: a provider that refuses a capture may abort the process);
 - ``padding``: what padding a batch to wider widths costs on the GPU.
 
-Every step writes its part of the record as it ends, so a step that fails leaves the others' results
-(docs/gpu.md, "Measured on a GPU").
+Every cell of the record is written as it finishes (``--out``), so a run cut short keeps what it measured
+(docs/gpu.md, "Served on a GPU").
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import argparse
 import contextlib
 import json
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -41,37 +43,59 @@ import numpy as np
 
 from nexus_sli.bench.measure import cosines
 
-BATCH = 32
+#: Texts per call of the batch workloads.
+BATCHES = (32, 256)
 SINGLE_QUERIES = 64
+#: A short text has at most this many tokens (the bench set's sentences and queries: 17 on average).
+SHORT_TOKENS = 32
+#: Short texts joined into one long text (about 150 tokens).
+LONG_JOINED = 10
+
+
+class Record:
+    """The JSON record, written to ``path`` whenever a cell is added."""
+
+    def __init__(self, path: Path, command: str):
+        self.path, self.data = path, {"command": command}
+
+    def cell(self, step: str, name: str, value) -> None:
+        self.data.setdefault(step, {})[name] = value
+        self.save()
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repository", type=Path, required=True)
     parser.add_argument("--model", required=True, help="the model's name in the repository")
-    parser.add_argument("--weights", type=Path, help="the sentence-transformers model folder (fidelity, speed)")
+    parser.add_argument("--weights", type=Path, help="the sentence-transformers model folder (speed, fidelity)")
     parser.add_argument("--out", type=Path, required=True, help="the JSON record to write")
-    parser.add_argument("--rounds", type=int, default=6, help="interleaved timing rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds in process")
+    parser.add_argument("--seconds", type=float, default=4.0, help="each served load's window")
     parser.add_argument("--device", default="cuda", help="torch device for sentence-transformers (cpu: a dry run)")
-    parser.add_argument("--steps", default="environment,validate,fidelity,speed",
+    parser.add_argument("--serve-python", type=Path, default=Path(sys.executable),
+                        help="the interpreter that runs nexus-sli serve (one with numpy<2: the python backend's)")
+    parser.add_argument("--variants", default="", help="the served variants to run, comma-separated "
+                                                       "(default: all, bench/gpu_served.py VARIANTS)")
+    parser.add_argument("--steps", default=",".join(s for s in STEPS if s != "padding"),
                         help=f"which of {', '.join(STEPS)}, comma-separated")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    record: dict = {"command": "python -m nexus_sli.bench.gpu_check " + " ".join(argv)}
-    steps = [(name, STEPS[name]) for name in args.steps.split(",")]
-    for name, step in steps:
+    record = Record(args.out, "python -m nexus_sli.bench.gpu_check " + " ".join(argv))
+    for name in args.steps.split(","):
         started = time.perf_counter()
         try:
-            record[name] = step(args)
+            STEPS[name](args, lambda cell, value, step=name: record.cell(step, cell, value))
         except Exception:  # one failed step must not cost the others' results
-            record[name] = {"error": traceback.format_exc()}
-        record[name]["seconds"] = round(time.perf_counter() - started, 1)
-        args.out.write_text(json.dumps(record, indent=2))
-        print(f"gpu_check: {name} done in {record[name]['seconds']} s", flush=True)
+            record.cell(name, "error", traceback.format_exc())
+        record.cell(name, "seconds", round(time.perf_counter() - started, 1))
+        print(f"gpu_check: {name} done in {record.data[name]['seconds']} s", flush=True)
     return 0
 
 
-def environment(args) -> dict:
+def environment(args, cell) -> None:
     found = {"python": platform.python_version(), "cpu": cpu_name()}
     with contextlib.suppress(ImportError):
         import torch  # first: its CUDA libraries are the ones the CUDA provider then finds
@@ -80,15 +104,21 @@ def environment(args) -> dict:
         if args.device == "cuda":
             found.update(gpu=torch.cuda.get_device_name(0), capability=list(torch.cuda.get_device_capability(0)),
                          cuda=torch.version.cuda)
-    with contextlib.suppress(PackageNotFoundError):  # read, not imported: the served steps run without it
-        found["sentence_transformers"] = package_version("sentence-transformers")
+    for package in ("sentence-transformers", "numpy", "nvidia-pytriton", "tritonclient"):
+        with contextlib.suppress(PackageNotFoundError):  # read, not imported
+            found[package] = package_version(package)
     import onnxruntime as ort
 
     from nexus_sli.exporter.serving.backends.onnxruntime_providers import load_gpu_libraries
 
     found.update(onnxruntime=ort.__version__, onnxruntime_providers=ort.get_available_providers(),
                  gpu_libraries=load_gpu_libraries(ort) or "loaded")
-    return found
+    from nexus_sli.exporter.triton import config as tc
+
+    encoder = tc.read(args.repository / f"{args.model}_encoder" / "config.pbtxt")
+    found["accelerators"] = [a.name for a in encoder.optimization.execution_accelerators.gpu_execution_accelerator]
+    for key, value in found.items():
+        cell(key, value)
 
 
 def cpu_name() -> str:
@@ -99,15 +129,18 @@ def cpu_name() -> str:
     return platform.machine()
 
 
-def validate(args) -> dict:
+def validate(args, cell) -> None:
     """What ``nexus-sli validate`` runs, in this process (where the CUDA libraries are loaded)."""
     from nexus_sli.exporter.errors import ValidationError
     from nexus_sli.exporter.export.revalidate import revalidate
 
     try:
-        return {"passed": True, "revalidation": revalidate(args.repository, args.model)}
+        cell("passed", True)
+        cell("revalidation", revalidate(args.repository, args.model))
     except ValidationError as failed:
-        return {"passed": False, "error": str(failed), "revalidation": failed.report}
+        cell("passed", False)
+        cell("failure", str(failed))
+        cell("revalidation", failed.report)
 
 
 def reference_batches(repository: Path, model: str) -> list[tuple[dict, np.ndarray]]:
@@ -126,7 +159,25 @@ def reference_batches(repository: Path, model: str) -> list[tuple[dict, np.ndarr
                                        reference.outputs[reference.first_text:])]
 
 
-def fidelity(args) -> dict:
+def reference_embeddings(repository: Path, model: str, tokenizer) -> tuple[list[str], np.ndarray]:
+    """The validation texts and their PyTorch fp32 sentence embeddings as the export stored them, each text
+    found by its tokens (the stored batches are sorted by length); a ValueError where one is missing."""
+    from nexus_sli.exporter.export.validate import validation_texts
+
+    stored = {}
+    for inputs, want in reference_batches(repository, model):
+        for ids, mask, vector in zip(inputs["input_ids"], inputs["attention_mask"], want):
+            stored[tuple(ids[mask.astype(bool)].tolist())] = vector
+    texts = validation_texts()
+    keys = [tuple(e.ids) for e in tokenizer.encode_batch(texts)]
+    missing = sum(key not in stored for key in keys)
+    if missing:
+        raise ValueError(f"{missing} of {len(texts)} validation texts are not in the stored reference: export the "
+                         "repository with this version of nexus-sli")
+    return texts, np.stack([stored[key] for key in keys])
+
+
+def fidelity(args, cell) -> None:
     """Sentence embeddings of the 240 validation texts against PyTorch fp32, for both fp16 paths."""
     import torch
 
@@ -139,12 +190,14 @@ def fidelity(args) -> dict:
             features = {k: torch.from_numpy(v).to(args.device) for k, v in inputs.items()}
             got = model(features)["sentence_embedding"].float().cpu().numpy()
         found["sentence-transformers fp16"].append(cosines(got, want))
-    summary = {name: {"texts": int(sum(len(c) for c in cs)), "cosine_min": float(np.concatenate(cs).min()),
-                      "cosine_mean": float(np.concatenate(cs).mean())} for name, cs in found.items()}
-    return {"reference": "PyTorch fp32 (stored at export)", "providers": providers, **summary}
+    cell("reference", "PyTorch fp32 (stored at export)")
+    cell("providers", providers)
+    for name, values in found.items():
+        cell(name, {"texts": int(sum(len(c) for c in values)), "cosine_min": float(np.concatenate(values).min()),
+                    "cosine_mean": float(np.concatenate(values).mean())})
 
 
-def encoder_session(repository: Path, model: str):
+def encoder_session(repository: Path, model: str, **provider_options):
     """The encoder's session as ``nexus-sli validate`` opens it: the providers its config.pbtxt names."""
     from google.protobuf import json_format
 
@@ -152,9 +205,14 @@ def encoder_session(repository: Path, model: str):
     from nexus_sli.exporter.triton import config as tc
 
     folder = repository / f"{model}_encoder"
-    config = tc.read(folder / "config.pbtxt")
-    session = TARGETS["onnxruntime-cuda"].open(folder / "1" / "model.onnx", {}, config=json_format.MessageToDict(
-        config, preserving_proto_field_name=True))
+    config = json_format.MessageToDict(tc.read(folder / "config.pbtxt"), preserving_proto_field_name=True)
+    session = TARGETS["onnxruntime-cuda"].open(folder / "1" / "model.onnx", {}, config=config)
+    if provider_options:  # the same providers, the CUDA provider's options changed
+        import onnxruntime as ort
+
+        providers = [(name, {**options, **provider_options}) if name == "CUDAExecutionProvider" else (name, options)
+                     for name, options in zip(session.get_providers(), session.get_provider_options().values())]
+        session = ort.InferenceSession(str(folder / "1" / "model.onnx"), providers=providers)
     return session, session.get_providers()
 
 
@@ -164,108 +222,132 @@ def st_model(weights: Path, device: str):
     return SentenceTransformer(str(weights), device=device).half().eval()
 
 
-def speed(args) -> dict:
-    """Texts per second on batches of 32 and single-query latency, the two paths interleaved."""
-    paths = {"onnxruntime fp16 graph": graph_embedder(args.repository, args.model),
-             "sentence-transformers fp16": st_embedder(args.weights, args.device)}
-    return interleaved(paths, args.rounds)
+class Texts:
+    """The workloads' texts: the bench set's short texts (at most :data:`SHORT_TOKENS` tokens), long texts of
+    :data:`LONG_JOINED` short ones joined, and the shortest as single queries."""
+
+    def __init__(self, tokenizer):
+        from nexus_sli.bench.texts import bench_texts
+
+        texts = bench_texts()
+        counts = [len(e.ids) for e in tokenizer.encode_batch(texts)]
+        self.short = [t for t, n in zip(texts, counts) if n <= SHORT_TOKENS]
+        self.long = [" ".join(self.short[i:i + LONG_JOINED]) for i in range(0, len(self.short) - LONG_JOINED + 1,
+                                                                             LONG_JOINED)]
+        self.singles = sorted(self.short, key=len)[:SINGLE_QUERIES]
+
+    def batches(self, kind: str, size: int, count: int) -> list[list[str]]:
+        """``count`` calls of ``size`` texts of ``kind`` (short, long), going round the texts."""
+        pool = self.short if kind == "short" else self.long
+        return [[pool[(n * size + i) % len(pool)] for i in range(size)] for n in range(count)]
+
+    def workloads(self) -> dict[str, list[list[str]]]:
+        """name -> its calls: short texts in batches of 32 and 256, long ones in batches of 32."""
+        return {f"short, batch {size}": self.batches("short", size, max(4, 1024 // size)) for size in BATCHES} | {
+            "long, batch 32": self.batches("long", 32, 8)}
 
 
-def workload() -> tuple[list[list[str]], list[str]]:
-    """Eight batches of 32 texts spread over the bench set (its length mix), and its 64 shortest texts."""
-    from nexus_sli.bench.texts import bench_texts, subset
-
-    texts = subset(bench_texts(), 8 * BATCH)
-    return [texts[i:i + BATCH] for i in range(0, len(texts), BATCH)], sorted(texts, key=len)[:SINGLE_QUERIES]
-
-
-def interleaved(paths: dict, rounds: int) -> dict:
-    """Each path (texts -> vectors) on the batches, then on the single queries one at a time; the paths'
-    order alternates round by round, so a drift of the machine falls on all of them."""
-    batches, singles = workload()
-    for embed in paths.values():  # warm-up: every bucket width and the CUDA kernels' first launches
-        for batch in batches:
-            embed(batch)
-    timed = {name: {"batch_s": [], "single_ms": []} for name in paths}
-    for r in range(rounds):
-        for name in (list(paths) if r % 2 == 0 else list(reversed(paths))):
-            started = time.perf_counter()
-            for batch in batches:
-                paths[name](batch)
-            timed[name]["batch_s"].append(time.perf_counter() - started)
-            for text in singles:
-                started = time.perf_counter()
-                paths[name]([text])
-                timed[name]["single_ms"].append((time.perf_counter() - started) * 1e3)
-    texts = sum(len(b) for b in batches)
-    return {"texts": texts, "batch": BATCH, "single_queries": len(singles), "rounds": rounds,
-            **{name: summarize(t, texts) for name, t in timed.items()}}
-
-
-def summarize(rounds: dict, texts: int) -> dict:
-    per_round = [texts / s for s in rounds["batch_s"]]
-    single = np.asarray(rounds["single_ms"])
-    return {"batch_texts_per_s_median": float(np.median(per_round)), "batch_texts_per_s_rounds": per_round,
-            "single_p50_ms": float(np.percentile(single, 50)), "single_p99_ms": float(np.percentile(single, 99))}
-
-
-def graph_embedder(repository: Path, model: str):
+class GraphPath:
     """Texts -> EMBEDDING as the served path computes them: the tokenizer step's bucket padding, then
-    the encoder graph on its config's providers."""
-    from nexus_sli.exporter.triton import config as tc
-    from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer, padded_length, to_arrays
+    the encoder graph on its config's providers, one ``session.run`` per call."""
 
-    session, providers = encoder_session(repository, model)
-    print(f"gpu_check: the encoder graph runs on {providers}", flush=True)
-    parameters = tc.read(repository / f"{model}_tokenizer" / "config.pbtxt").parameters
-    max_length = int(parameters["max_length"].string_value)
-    widths = [int(w) for w in parameters["pad_widths"].string_value.split(",")]
-    pad_id = int(parameters["pad_id"].string_value)
-    tokenizer = load_tokenizer(str(repository / f"{model}_tokenizer" / "1" / "tokenizer.json"), max_length)
-    names = [i.name for i in session.get_inputs()]
+    def __init__(self, repository: Path, model: str, **provider_options):
+        from nexus_sli.exporter.triton import config as tc
+        from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
 
-    def embed(texts: list[str]) -> np.ndarray:
-        encodings = tokenizer.encode_batch(texts)
-        width = padded_length(max(len(e.ids) for e in encodings), widths, max_length)
-        return session.run(["EMBEDDING"], to_arrays(encodings, names, pad_id, width))[0]
+        self.session, providers = encoder_session(repository, model, **provider_options)
+        print(f"gpu_check: the encoder graph runs on {providers}", flush=True)
+        parameters = tc.read(repository / f"{model}_tokenizer" / "config.pbtxt").parameters
+        self.max_length = int(parameters["max_length"].string_value)
+        self.widths = [int(w) for w in parameters["pad_widths"].string_value.split(",")]
+        self.pad_id = int(parameters["pad_id"].string_value)
+        self.tokenizer = load_tokenizer(str(repository / f"{model}_tokenizer" / "1" / "tokenizer.json"),
+                                        self.max_length)
+        self.names = [i.name for i in self.session.get_inputs()]
 
-    return embed
+    def feeds(self, texts: list[str]) -> dict[str, np.ndarray]:
+        from nexus_sli.exporter.triton.python_models.encoding import padded_length, to_arrays
+
+        encodings = self.tokenizer.encode_batch(texts)
+        width = padded_length(max(len(e.ids) for e in encodings), self.widths, self.max_length)
+        return to_arrays(encodings, self.names, self.pad_id, width)
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        return self.session.run(["EMBEDDING"], self.feeds(texts))[0]
 
 
 def st_embedder(weights: Path, device: str):
     model = st_model(weights, device)
-    return lambda texts: model.encode(texts, batch_size=BATCH, convert_to_numpy=True)
+    return lambda texts: model.encode(texts, batch_size=len(texts), convert_to_numpy=True)
 
 
-def served(args) -> dict:
-    """The repository served by Triton (``nexus-sli serve``'s server) on this GPU, through the client over
-    gRPC and HTTP: its vectors against the graph in process, the providers the encoder's instance opened
-    (its log lines), and the speed of the three paths, interleaved."""
-    from nexus_sli.bench.served import free_ports
-    from nexus_sli.client import EncoderClient
-    from nexus_sli.exporter.serving import server
-
-    http, grpc, metrics = free_ports(3)
-    log = args.out.with_name("triton.log")
-    with log.open("w") as sink:
-        process = server.start(args.repository, http, grpc, metrics, gpu_on_cpu=args.device == "cpu", stdout=sink,
-                               stderr=subprocess.STDOUT)
-        try:
-            clients = {"Triton gRPC": EncoderClient(f"127.0.0.1:{grpc}", "grpc", model=args.model),
-                       "Triton HTTP": EncoderClient(f"127.0.0.1:{http}", "http", model=args.model)}
-            in_process = graph_embedder(args.repository, args.model)
-            batch = workload()[0][0]
-            agreement = {name: float(cosines(client.embed(batch), in_process(batch)).min())
-                         for name, client in clients.items()}
-            paths = {"in process": in_process, **{name: client.embed for name, client in clients.items()}}
-            speeds = interleaved(paths, args.rounds)
-        finally:
-            server.stop(process)
-    encoder_lines = [line for line in log.read_text().splitlines() if "nexus-sli onnxruntime backend" in line]
-    return {"cosine_min_vs_in_process": agreement, "encoder_log": encoder_lines, "speed": speeds}
+def texts_per_s(embed, calls: list[list[str]]) -> float:
+    started = time.perf_counter()
+    for texts in calls:
+        embed(texts)
+    return sum(len(t) for t in calls) / (time.perf_counter() - started)
 
 
-def padding(args) -> dict:
+def singles_ms(embed, texts: list[str]) -> list[float]:
+    times = []
+    for text in texts:
+        started = time.perf_counter()
+        embed([text])
+        times.append((time.perf_counter() - started) * 1e3)
+    return times
+
+
+def latency(times: list[float]) -> dict:
+    return {"p50_ms": float(np.percentile(times, 50)), "p99_ms": float(np.percentile(times, 99)), "queries": len(times)}
+
+
+def interleaved(paths: dict, calls: list[list[str]], rounds: int) -> dict:
+    """Texts per second of each path (texts -> vectors) on ``calls``, the paths' order alternating round by
+    round so that a drift of the machine falls on all of them; the median of the rounds, and the rounds."""
+    for embed in paths.values():  # warm-up: every bucket width and the CUDA kernels' first launches
+        texts_per_s(embed, calls)
+    found: dict[str, list[float]] = {name: [] for name in paths}
+    for r in range(rounds):
+        for name in (list(paths) if r % 2 == 0 else list(reversed(paths))):
+            found[name].append(texts_per_s(paths[name], calls))
+    return {name: {"texts_per_s": float(np.median(v)), "rounds": v} for name, v in found.items()}
+
+
+def speed(args, cell) -> None:
+    """The graph in process and sentence-transformers fp16: each workload, then single queries."""
+    graph = GraphPath(args.repository, args.model)
+    texts = Texts(graph.tokenizer)
+    paths = {"graph in process": graph}
+    try:
+        paths["sentence-transformers fp16"] = st_embedder(args.weights, args.device)
+    except Exception:  # the graph's figures are still worth having
+        cell("sentence-transformers error", traceback.format_exc())
+    for name, calls in texts.workloads().items():
+        cell(name, interleaved(paths, calls, args.rounds))
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for r in range(3):
+        for name in (list(paths) if r % 2 == 0 else list(reversed(paths))):
+            times[name] += singles_ms(paths[name], texts.singles)
+    cell("single queries", {name: latency(t) for name, t in times.items()})
+
+
+def served(args, cell) -> None:
+    from nexus_sli.bench.gpu_served import measure_variants
+
+    measure_variants(args, cell)
+
+
+def levers(args, cell) -> None:
+    """The graph with ONNX Runtime's I/O binding (inputs copied to the GPU in one call each, the output left
+    there and copied out once) and with CUDA graphs (captured at one batch shape, replayed), each beside
+    the plain ``session.run`` on the same inputs, interleaved."""
+    from nexus_sli.bench.gpu_served import cuda_graph_runs, io_binding_runs
+
+    cell("io binding", io_binding_runs(args, args.rounds))
+    cell("cuda graphs", cuda_graph_runs(args, args.rounds))
+
+
+def padding(args, cell) -> None:
     """What computing the padding costs on this GPU: 16 rows of 12 tokens padded to each width, the
     widths interleaved, the median of 50 runs each after 5 warm-ups."""
     session, providers = encoder_session(args.repository, args.model)
@@ -286,12 +368,14 @@ def padding(args) -> dict:
             if repetition >= 5:
                 times[width].append((time.perf_counter() - started) * 1e3)
     medians = {width: float(np.median(t)) for width, t in times.items()}
-    return {"providers": providers, "rows": rows, "tokens": tokens, "median_ms": medians,
-            "vs_bucket": {width: m / medians[16] for width, m in medians.items()}}
+    cell("providers", providers)
+    cell("median_ms", medians)
+    cell("vs_bucket", {width: m / medians[16] for width, m in medians.items()})
 
 
-STEPS = {"environment": environment, "validate": validate, "fidelity": fidelity, "speed": speed,
-         "served": served, "padding": padding}
+#: In the order they run: a step that crashes the process (a GPU driver's abort) costs only those after it.
+STEPS = {"environment": environment, "speed": speed, "served": served, "validate": validate, "fidelity": fidelity,
+         "levers": levers, "padding": padding}
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,14 +1,29 @@
 #!/usr/bin/env bash
-# On the GPU host: join the parts bench/gpu_parts.sh made, install its wheels and this project's
-# beside the host's PyTorch (first on PYTHONPATH, shadowing a CPU onnxruntime), run the check.
-# Usage: bash bench/gpu_run.sh PARTS_DIR OUT_DIR
+# On the GPU host: join the parts bench/gpu_parts.sh made and run the GPU check in two environments.
+# - The host's Python (its numpy 2, which its scipy and so sentence-transformers need), with the carried
+#   wheels but numpy and the server first on PYTHONPATH: the in-process figures and the fidelity.
+# - A venv of its own that sees the host's packages after its own, numpy<2 among them (the python
+#   backend's: nexus-sli serve's): the served figures and the in-process levers.
+# Usage: bash bench/gpu_run.sh PARTS_DIR OUT_DIR [gpu_check options for both]
 set -euo pipefail
 parts=${1:?usage: gpu_run.sh PARTS_DIR OUT_DIR}; out=${2:?usage: gpu_run.sh PARTS_DIR OUT_DIR}
-work=/tmp/nexus-sli-gpu-check; rm -rf "$work"; mkdir -p "$work"
+work=/tmp/nexus-sli-gpu-check; rm -rf "$work"; mkdir -p "$work" "$out"
 cat "$parts"/part-* | tar -C "$work" -xf -
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" \
-  "$work"/whl/*.whl "$parts"/nexus_sli-*.whl
-export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+pip_install=(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target)
+host_wheels=()
+for wheel in "$work"/whl/*.whl; do
+  case "$(basename "$wheel")" in numpy-*|nvidia_pytriton-*) ;; *) host_wheels+=("$wheel");; esac
+done
+"${pip_install[@]}" "$work/site" "${host_wheels[@]}"
+host_site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+python3 -m venv --without-pip "$work/env"  # python3 may itself be a venv's: its packages come through a .pth
+env_site=$("$work/env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+"${pip_install[@]}" "$env_site" "$work"/whl/*.whl
+echo "$host_site" > "$env_site/host-packages.pth"
+export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/nvidia-smi.csv" || true
-python3 -m nexus_sli.bench.gpu_check --repository "$work/repo" --model all_minilm_l6_v2 \
-  --weights "$work/weights" --out "$out/gpu-check.json" "${@:3}"
+check=(-m nexus_sli.bench.gpu_check --repository "$work/repo" --model all_minilm_l6_v2 --weights "$work/weights")
+PYTHONPATH="$work/site" python3 "${check[@]}" --out "$out/gpu-check-in-process.json" \
+  --steps environment,speed,fidelity,validate "${@:3}"
+"$work/env/bin/python" "${check[@]}" --out "$out/gpu-check-served.json" --serve-python "$work/env/bin/python" \
+  --steps environment,served,levers "${@:3}"
