@@ -192,4 +192,5 @@ def test_a_dense_module_is_read_as_sentence_transformers_runs_it(tmp_path, safe)
     with_bias = np.concatenate([x.numpy(), np.ones((3, 1), np.float32)], axis=1)
     rounding = matmul_atol(with_bias, np.vstack([read.weight.T, read.bias])) + matmul_atol(x.numpy(), read.residual.T)
     assert_within(read(x.numpy()), expected, rounding, rtol=2 * EPS32)
+    # the record keeps the float32 weights exactly, and the same arithmetic runs on them: the same bits
     assert np.array_equal(dense.Dense.from_record(json.loads(json.dumps(read.record())))(x.numpy()), read(x.numpy()))

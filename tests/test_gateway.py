@@ -211,6 +211,7 @@ def test_base64_is_little_endian_float32_of_the_same_vector(gateway):
                                {"model": "minilm", "input": "one text", "encoding_format": "base64"})
     assert status == status64 == 200 and len(as_floats["data"]) == 1
     decoded = np.frombuffer(base64.b64decode(as_b64["data"][0]["embedding"]), dtype="<f4")
+    # one text asked twice runs alone both times (the same kernels, the same bits), and JSON keeps a float32 exact
     assert np.array_equal(decoded, np.array(as_floats["data"][0]["embedding"], dtype=np.float32))
     # TEI describes the same OpenAI-compatible route: the answer fits its schema too
     assert schema_problems(as_b64, tei_schema("OpenAICompatResponse")) == []

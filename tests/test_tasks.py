@@ -254,6 +254,7 @@ def test_unreachable_server_is_retryable_error():
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_a_clients_default_model_serves_the_calls_that_name_none(served, protocol):
     with EncoderClient(served[protocol], protocol=protocol, model="minilm") as client:
+        # the same request twice: the same batch, kernels and order of summation, so the same bits
         assert np.array_equal(client.embed("a text"), client.embed("a text", model="minilm"))
         with pytest.raises(WrongTaskError, match="serves task 'embedding'"):
             client.classify("a text")
