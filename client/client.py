@@ -65,6 +65,10 @@ class EncoderClient:
     then :class:`ReplicasFailedError` lists the last pass's tries, or, where that pass had one
     try (one URL, ``attempts=1``), the error itself is raised.
 
+    ``timeout_s`` is each request's deadline: gRPC's, the HTTP connection's timeouts, and Triton's
+    queue timeout for it.  A request that outlives it raises
+    :class:`~nexus_sli.client.DeadlineExceededError` and is not sent again.
+
     ``url="dns:///NAME:PORT"`` (a Kubernetes headless Service) makes every address of ``NAME``
     a replica, resolved again every ``refresh_s`` seconds and after a pass that failed
     everywhere, so pods that come and go are followed within ``refresh_s`` plus the DNS
@@ -91,6 +95,10 @@ class EncoderClient:
         retry_s = retry_budget(retry_s, check_attempts(attempts))
         self.timeout_s = timeout_s
         options = client_kwargs(self._triton, protocol)
+        if protocol == "http" and timeout_s is not None:
+            # tritonclient's HTTP calls take no deadline of their own: the connection's timeouts (60 s by
+            # default) bound the wait to connect and each wait for the server's answer
+            options.update(connection_timeout=timeout_s, network_timeout=timeout_s)
         #: the replicas and a connection to each (kept current for a ``dns:///`` name)
         self.fleet = Fleet(url, default_url(protocol), lambda u: self._triton.InferenceServerClient(u, **options),
                            resolve, refresh_s)
@@ -113,10 +121,12 @@ class EncoderClient:
             order = self.replicas.order()[:self.attempts]
             tried = [] if order else unresolved(self.fleet)
             for url in order:
+                started = time.monotonic()
                 try:
                     result = send(self.fleet.clients[url])
                 except Exception as exc:
-                    tried.append((url, retryable(exc, model, self.replicas, url)))
+                    late = p.past_deadline(started, self.timeout_s)
+                    tried.append((url, retryable(exc, model, self.replicas, url, late)))
                     continue
                 self.replicas.succeeded(url)
                 return result

@@ -41,7 +41,7 @@ from helpers.http_api import call, schema_problems, tei, tei_schema
 from helpers.vectors import cosines
 from nexus_sli.bench.served import Gateway, free_ports
 from nexus_sli.cli.main import build_parser
-from nexus_sli.client import EncoderClient, ReplicasFailedError, ServerUnavailableError
+from nexus_sli.client import DeadlineExceededError, EncoderClient, ReplicasFailedError, ServerUnavailableError
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.export.validate import validation_texts
@@ -725,7 +725,7 @@ def test_serve_starts_the_gateway_beside_triton_and_stopping_one_stops_both(serv
 def test_every_retryable_client_error_is_a_503():
     down = ServerUnavailableError("down")
     failed = ReplicasFailedError([("a:8001", down), ("b:8001", down)])
-    for exc in (failed, ServerUnavailableError("down")):
+    for exc in (failed, ServerUnavailableError("down"), DeadlineExceededError("too slow")):  # a deadline as before
         error = from_client(exc, retry_after=5)
         assert (error.status("openai"), error.status("tei"), error.retry_after) == (503, 503, 5)
 
