@@ -214,13 +214,13 @@ def graph_embedder(repository: Path, model: str):
     the encoder graph on its config's providers."""
     from nexus_sli.exporter.triton import config as tc
     from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer, padded_length, to_arrays
+    from nexus_sli.tasks.model_parameters import TokenizerParameters, message_strings
 
     session, providers = encoder_session(repository, model)
     print(f"gpu_check: the encoder graph runs on {providers}", flush=True)
-    parameters = tc.read(repository / f"{model}_tokenizer" / "config.pbtxt").parameters
-    max_length = int(parameters["max_length"].string_value)
-    widths = [int(w) for w in parameters["pad_widths"].string_value.split(",")]
-    pad_id = int(parameters["pad_id"].string_value)
+    tokenizer_config = tc.read(repository / f"{model}_tokenizer" / "config.pbtxt")
+    step = TokenizerParameters.read(message_strings(tokenizer_config.parameters))
+    max_length, widths, pad_id = step.max_length, list(step.widths), step.pad_id
     tokenizer = load_tokenizer(str(repository / f"{model}_tokenizer" / "1" / "tokenizer.json"), max_length)
     names = [i.name for i in session.get_inputs()]
 

@@ -13,7 +13,6 @@ Every other module does one step and knows nothing of the others.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,6 +27,7 @@ from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
 from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK, SIDE_NAMES, Sides, row_width
 from nexus_sli.exporter.triton.staging import Staging
 from nexus_sli.tasks import get_task, infer_task
+from nexus_sli.tasks.model_parameters import MATRYOSHKA_DIMS, Prompts, write
 from nexus_sli.tasks.spec import TOKEN_MODEL_SUFFIX
 
 from . import export_report, onnx_files, stored_reference
@@ -430,21 +430,18 @@ def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: 
 PROMPTED_TASKS = ("embedding", "sparse-embedding", "multi-vector")
 
 
-def _retrieval(prepared: Prepared) -> tuple[dict, dict]:
+def _retrieval(prepared: Prepared) -> tuple[Prompts, dict[str, str]]:
     """(prompts, described): a retrieval model's named prompts, for its tokenizer step and its ensemble,
     and the Matryoshka sizes a dense one was trained for, for clients (empty where the model names none)."""
     if prepared.task.name not in PROMPTED_TASKS:
-        return {}, {}
+        return Prompts(), {}
     named, default = prompts(prepared.source.path)
-    given = {"prompts": json.dumps(named)} if named else {}
-    if default is not None:
-        given["default_prompt_name"] = default
     if named:
         log.info("prompts %s (applied by the tokenizer step; default: %s)", ", ".join(named), default or "none")
     if prepared.task.name != "embedding":
-        return given, {}
+        return Prompts(named, default), {}
     dims = matryoshka_dims(prepared.source.path, _embedded_size(prepared))
-    return given, ({"matryoshka_dims": json.dumps(dims)} if dims else {})
+    return Prompts(named, default), write({MATRYOSHKA_DIMS: dims or None})
 
 
 def _embedded_size(prepared: Prepared) -> int:
