@@ -59,9 +59,9 @@ def _installed() -> dict[str, Requirement]:
 def _in_server(tree: ast.Module) -> list[ast.AST]:
     """The nodes of a python model's file that run in the server: all but the body of ``if __package__:``,
     which runs only where the file is imported from the nexus_sli package (validation, tests)."""
-    package_only = {id(node) for branch in ast.walk(tree)
-                    if isinstance(branch, ast.If) and isinstance(branch.test, ast.Name) and branch.test.id == "__package__"
-                    for statement in branch.body for node in ast.walk(statement)}
+    branches = [node for node in ast.walk(tree)
+                if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "__package__"]
+    package_only = {id(node) for branch in branches for statement in branch.body for node in ast.walk(statement)}
     return [node for node in ast.walk(tree) if id(node) not in package_only]
 
 
