@@ -23,7 +23,7 @@ from sentence_transformers.sentence_transformer import modules
 from nexus_sli.bench.served import Gateway
 from nexus_sli.client import EncoderClient
 from nexus_sli.exporter.errors import ExportError, NexusError
-from nexus_sli.exporter.export import dense
+from nexus_sli.exporter.export import dense, st_folder
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.revalidate import revalidate
 from nexus_sli.exporter.export.validate import validation_texts
@@ -182,7 +182,7 @@ def test_a_dense_module_is_read_as_sentence_transformers_runs_it(tmp_path, safe)
             parameter.uniform_(-1.0, 1.0)
     module.save(str(tmp_path), safe_serialization=safe)
     assert (tmp_path / ("model.safetensors" if safe else "pytorch_model.bin")).is_file()
-    read = dense.read(tmp_path, dense.SENTENCE)
+    read = st_folder.read_dense(tmp_path, dense.SENTENCE)
     x = torch.randn(3, 8)
     with torch.no_grad():
         expected = module({"sentence_embedding": x})["sentence_embedding"].numpy()

@@ -183,7 +183,7 @@ def test_graph_log1p_keeps_the_smallest_weights():
     used = {i for n in nodes for i in n.input}
     graph = helper.make_graph(nodes, "log1p", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
                               [helper.make_tensor_value_info(out, TensorProto.FLOAT, [None])],
-                              [c for c in pooling._constants() if c.name in used])
+                              [c for c in pooling.pooling_constants() if c.name in used])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(model)
     x = np.array([0.0, 1e-12, 3e-8, 1e-4, 0.5, 3.0, 1e6], np.float32)

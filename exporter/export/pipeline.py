@@ -32,7 +32,7 @@ from nexus_sli.tasks.spec import TOKEN_MODEL_SUFFIX
 
 from . import export_report, onnx_files, stored_reference
 from .checkpoint import Checkpoint
-from .embedders import ModelFolder, is_sparse_encoder, poolers
+from .embedders import ModelFolder, poolers
 from .export_report import AttemptRecord, CandidateRecord, ExportReport, Heat, MeasuredRow, Timing, WalkRecord
 from .handler import get_registry
 from .m3_heads import M3Embedder, is_bge_m3
@@ -40,8 +40,8 @@ from .multi_vector import add_markers, is_multi_vector
 from .onnx_export import export_onnx, model_input_names
 from .quantize import scales_per_batch
 from .report import ValidationReport
-from .source import (check_name, load_config, matryoshka_dims, max_sequence_length, prompts, resolve_model,
-                     tokenizer_file)
+from .source import check_name, load_config, max_sequence_length, resolve_model, tokenizer_file
+from .st_folder import is_sparse_encoder, matryoshka_dims, prompts
 from .timing import DEFAULT_OBJECTIVE, Heats, Workload, check_objective, footprint, memory_budget, time_in_heats, workloads
 from .validate import (Embedder, MultiVectorEmbedder, Reference, SparseEmbedder, build_reference, compare,
                        parity_cases, sided_text_batches, text_batches, with_auto_bar, with_score_masks)
