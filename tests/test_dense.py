@@ -24,6 +24,7 @@ from nexus_sli.bench.served import Gateway
 from nexus_sli.client import EncoderClient
 from nexus_sli.exporter.errors import ExportError, NexusError
 from nexus_sli.exporter.export import dense, st_folder
+from nexus_sli.exporter.export.export_report import DenseRecord
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.revalidate import revalidate
 from nexus_sli.exporter.export.validate import validation_texts
@@ -193,4 +194,5 @@ def test_a_dense_module_is_read_as_sentence_transformers_runs_it(tmp_path, safe)
     rounding = matmul_atol(with_bias, np.vstack([read.weight.T, read.bias])) + matmul_atol(x.numpy(), read.residual.T)
     assert_within(read(x.numpy()), expected, rounding, rtol=2 * EPS32)
     # the record keeps the float32 weights exactly, and the same arithmetic runs on them: the same bits
-    assert np.array_equal(dense.Dense.from_record(json.loads(json.dumps(read.record())))(x.numpy()), read(x.numpy()))
+    stored = DenseRecord.from_dict(json.loads(json.dumps(read.record().to_dict())))
+    assert np.array_equal(dense.Dense.from_record(stored)(x.numpy()), read(x.numpy()))

@@ -115,7 +115,7 @@ def test_exports_validate_and_describe_the_sparse_ensemble(served):
     for name, report in served["reports"].items():
         assert report.task == "sparse-embedding" and report.validation.passed and report.validation.max_abs_diff <= 1e-4
         assert report.outputs == ["SPARSE_EMBEDDING"] and report.pooled_in_graph is True
-        assert report.splade == {"strategy": "max", "activation": "relu"}
+        assert (report.splade.strategy, report.splade.activation) == ("max", "relu")
         assert report.walk.tensors > 0 and not report.walk.absent_optional
         ensemble = tc.read(served["repo"] / name / "config.pbtxt")
         assert [(o.name, list(o.dims)) for o in ensemble.output] == [("SPARSE_EMBEDDING", [VOCAB])]

@@ -16,11 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from nexus_sli.exporter.errors import NexusError
+
+from .export_report import DenseRecord
 
 #: The features a Dense module may read: the pooled vector, or the token states before the pooling.
 SENTENCE, TOKENS = "sentence_embedding", "token_embeddings"
@@ -70,20 +71,23 @@ class Dense:
             out = out + (wide if self.residual is None else wide @ self.residual.T.astype(np.float64))
         return out.astype(np.float32)
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> DenseRecord:
         """What validation.json keeps of it (:meth:`from_record` reads it back): weights as nested lists."""
-        return {"weight": _listed(self.weight), "bias": _listed(self.bias), "activation": self.activation,
-                "input": self.input, "use_residual": self.use_residual, "residual": _listed(self.residual)}
+        return DenseRecord(weight=_listed(self.weight), bias=_listed(self.bias), activation=self.activation,
+                           input=self.input, use_residual=self.use_residual, residual=_listed(self.residual))
 
     @classmethod
-    def from_record(cls, record: dict[str, Any]) -> Dense:
-        arrays = {key: None if record.get(key) is None else np.asarray(record[key], np.float32)
-                  for key in ("weight", "bias", "residual")}
-        return cls(**{**record, **arrays})
+    def from_record(cls, record: DenseRecord) -> Dense:
+        return cls(_array(record.weight), _array(record.bias), record.activation, record.input, record.use_residual,
+                   _array(record.residual))
 
 
 def _listed(array: np.ndarray | None) -> list | None:
     return None if array is None else array.tolist()
+
+
+def _array(values: list | None) -> np.ndarray | None:
+    return None if values is None else np.asarray(values, np.float32)
 
 
 def activation_name(dotted: str, where: Path) -> str:

@@ -60,8 +60,8 @@ def _sentence(model: ModelFolder) -> tuple[Embedder, Pooling]:
     on_tokens, on_pooled = dense_modules(path)
     embedder = Embedder(pooling_mode(path), normalizes(path), layer_norm(path), [*on_tokens, *on_pooled])
     size = chained_size(embedder.dense, hidden_size, path)
-    if embedder.layer_norm is not None and len(embedder.layer_norm["weight"]) != size:
-        raise NexusError(f"{path}: the LayerNorm module normalises {len(embedder.layer_norm['weight'])} values; "
+    if embedder.layer_norm is not None and len(embedder.layer_norm.weight) != size:
+        raise NexusError(f"{path}: the LayerNorm module normalises {len(embedder.layer_norm.weight)} values; "
                          f"the vectors before it have {size}")
     tokens = task.token_states.name if task.token_states is not None else None
     return embedder, Pooling(embedder.pooling, embedder.normalize, task.output_names()[0], task.client_output,

@@ -59,6 +59,7 @@ from nexus_sli.exporter.triton.python_models.encoding import (MASKED_OUT, MIN_CO
 
 from . import onnx_files
 from .dense import ACTIVATIONS, SENTENCE, TOKENS, Dense
+from .export_report import LayerNormRecord
 
 #: Every node and constant this step adds is named with this prefix.
 PREFIX = "nexus_pool/"
@@ -169,13 +170,13 @@ def _splade(logits: str, strategy: str, activation: str) -> tuple[list[onnx.Node
     return nodes + more + [prefixed_node("ReduceSum", [weights, p + "axis1"], p + "pooled", keepdims=0)], p + "pooled"
 
 
-def _layer_norm(vectors: str, norm: dict) -> tuple[list[onnx.NodeProto], str, list[onnx.TensorProto]]:
+def _layer_norm(vectors: str, norm: LayerNormRecord) -> tuple[list[onnx.NodeProto], str, list[onnx.TensorProto]]:
     """sentence-transformers' LayerNorm module on the pooled vectors: (nodes, output, its weights)."""
     p = PREFIX
-    weights = [numpy_helper.from_array(np.asarray(norm[key], np.float32), p + f"layer_norm_{key}")
-               for key in ("weight", "bias")]
+    weights = [numpy_helper.from_array(np.asarray(values, np.float32), p + f"layer_norm_{key}")
+               for key, values in (("weight", norm.weight), ("bias", norm.bias))]
     node = helper.make_node("LayerNormalization", [vectors, p + "layer_norm_weight", p + "layer_norm_bias"],
-                            [p + "layer_normed"], name=p + "layer_norm", axis=-1, epsilon=float(norm["eps"]))
+                            [p + "layer_normed"], name=p + "layer_norm", axis=-1, epsilon=float(norm.eps))
     return [node], p + "layer_normed", weights
 
 
@@ -206,7 +207,7 @@ def _dense(x: str, module: Dense, name: str) -> tuple[list[onnx.NodeProto], str,
 
 
 def add_pooling(source: Path, target: Path, states: str, output: str, mode: str, normalize: bool,
-                size: int, tokens: str | None = None, layer_norm: dict | None = None,
+                size: int, tokens: str | None = None, layer_norm: LayerNormRecord | None = None,
                 dense: tuple[Dense, ...] = ()) -> Path:
     """Write ``source`` as ``target`` with its token-state output ``states`` pooled (``mode``, one of
     :data:`POOLING_MODES`), projected by sentence-transformers' ``dense`` modules (those on the token
@@ -358,7 +359,7 @@ class Pooling:
     #: the output that keeps the token states beside the embedding (None: not kept)
     tokens: str | None = None
     #: sentence-transformers' LayerNorm module between the pooling and the normalisation (None: none)
-    layer_norm: dict | None = None
+    layer_norm: LayerNormRecord | None = None
     #: sentence-transformers' Dense modules in order (on the token states, then on the pooled vector)
     dense: tuple[Dense, ...] = ()
 

@@ -27,6 +27,7 @@ from nexus_sli.exporter.triton.python_models.encoding import POOLING_MODES, SPLA
 
 from . import dense
 from .dense import Dense
+from .export_report import LayerNormRecord
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ def pooling_mode(path: Path) -> str:
     return modes[0]
 
 
-def layer_norm(path: Path) -> dict | None:
+def layer_norm(path: Path) -> LayerNormRecord | None:
     """The weight, bias and epsilon of the pipeline's LayerNorm module (between the pooling and the
     normalisation: a Matryoshka model's vectors are then cut after it), None where it has none."""
     folder = module_folder(path, "LayerNorm")
@@ -194,8 +195,8 @@ def layer_norm(path: Path) -> dict | None:
     tensors = load_file(str(weights))
     if {"norm.weight", "norm.bias"} - set(tensors):
         raise NexusError(f"{weights} lacks norm.weight or norm.bias (it has {', '.join(sorted(tensors))})")
-    return {"weight": tensors["norm.weight"].astype("float32").tolist(),
-            "bias": tensors["norm.bias"].astype("float32").tolist(), "eps": LAYER_NORM_EPS}
+    return LayerNormRecord(weight=tensors["norm.weight"].astype("float32").tolist(),
+                           bias=tensors["norm.bias"].astype("float32").tolist(), eps=LAYER_NORM_EPS)
 
 
 def normalizes(path: Path) -> bool:
