@@ -29,6 +29,10 @@ MAX_DEAD_WORKERS = 16
 #: A server that had to be started again this many times within :data:`RESTART_WINDOW_S` is left down (a
 #: repository that crashes it at once would otherwise be started forever).
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 600.0
+#: What a server stopped for its dead workers gives its requests in flight before it is killed: the rest of
+#: Triton's own exit timeout would go on waiting for the dead workers' models, which never unload, while
+#: every client waits for the server to be back (bench/data/tried.md, "A killed joined worker under load").
+STOP_GRACE_S = 2.0
 
 
 class KeptServer:
@@ -82,7 +86,8 @@ class KeptServer:
                 self.returncode = process.returncode
                 return
             log.error("tritonserver %s; starting it again on the same ports", why)
-            stop(process)  # the supervisor, what is left of the server, its workers and their shared memory
+            # the supervisor, the server, what is left of it: its workers and their shared memory
+            stop(process, STOP_GRACE_S)
             if self._stopping.is_set():
                 return
             try:
@@ -107,7 +112,7 @@ class KeptServer:
                 code = process.wait(self._interval)
             except subprocess.TimeoutExpired:
                 dead = process.supervisor.dead_workers() if process.supervisor is not None else 0
-                if dead >= self.max_dead_workers:
+                if dead >= self.max_dead_workers and self._may_restart():  # else it serves on, with them
                     return f"holds {dead} dead python-backend workers (zombies)"
                 continue
             if self._stopping.is_set():
