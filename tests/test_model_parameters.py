@@ -67,7 +67,8 @@ def _splade(root: Path, tokenizer) -> Path:
 
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory, tiny_tokenizer, tiny_checkpoint, exports) -> Path:
-    """One repository: the shared exports, and a tiny model of each task they do not cover."""
+    """One repository: the shared exports, and a tiny model of each task whose configs hold keys they lack
+    (the reader's windows cover the reranker's keys too: both are one-query modes)."""
     root = tmp_path_factory.mktemp("parameters")
     repo = root / "repo"
     for name in SHARED:
@@ -75,7 +76,6 @@ def repository(tmp_path_factory, tiny_tokenizer, tiny_checkpoint, exports) -> Pa
     models = {
         "retriever": (_retriever(root / "retriever", tiny_checkpoint("bert")), {}),
         "classifier": (task_models.classifier(tiny_tokenizer, root / "classifier"), {}),
-        "reranker": (task_models.reranker(tiny_tokenizer, root / "reranker"), {}),
         "reader": (task_models.reader(tiny_tokenizer, root / "reader"), {}),
         "splade": (_splade(root, tiny_tokenizer), {}),
         "colbert": (colbert_folder(root / "colbert", prompts={"search": "search query: "}), {}),
