@@ -254,13 +254,13 @@ class GraphPath:
     def __init__(self, repository: Path, model: str, **provider_options):
         from nexus_sli.exporter.triton import config as tc
         from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
+        from nexus_sli.tasks.model_parameters import TokenizerParameters, message_strings
 
         self.session, providers = encoder_session(repository, model, **provider_options)
         print(f"gpu_check: the encoder graph runs on {providers}", flush=True)
-        parameters = tc.read(repository / f"{model}_tokenizer" / "config.pbtxt").parameters
-        self.max_length = int(parameters["max_length"].string_value)
-        self.widths = [int(w) for w in parameters["pad_widths"].string_value.split(",")]
-        self.pad_id = int(parameters["pad_id"].string_value)
+        step = TokenizerParameters.read(message_strings(tc.read(repository / f"{model}_tokenizer" / "config.pbtxt")
+                                                        .parameters))
+        self.max_length, self.widths, self.pad_id = step.max_length, list(step.widths), step.pad_id
         self.tokenizer = load_tokenizer(str(repository / f"{model}_tokenizer" / "1" / "tokenizer.json"),
                                         self.max_length)
         self.names = [i.name for i in self.session.get_inputs()]

@@ -20,6 +20,7 @@ from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.triton import config as triton_config
 from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer, to_arrays
 from nexus_sli.exporter.export.validate import Embedder
+from nexus_sli.tasks.model_parameters import TokenizerParameters, message_strings
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +43,10 @@ class ServedFacts:
     @classmethod
     def read(cls, repository: Path, name: str) -> "ServedFacts":
         report = export_report.read(repository / f"{name}_encoder")
-        params = triton_config.read(repository / f"{name}_tokenizer" / "config.pbtxt").parameters
+        step = TokenizerParameters.read(message_strings(
+            triton_config.read(repository / f"{name}_tokenizer" / "config.pbtxt").parameters))
         return cls(name, repository / f"{name}_tokenizer" / "1" / "tokenizer.json", list(report.inputs),
-                   int(params["max_length"].string_value), int(params["pad_id"].string_value),
+                   step.max_length, step.pad_id,
                    report.pooling, bool(report.normalize))
 
     def tokenizer(self):
@@ -183,8 +185,7 @@ class GraphEncoder:
         model = repository / f"{facts.name}_encoder" / "1" / (config.default_model_filename or "model.onnx")
         kind = triton_config.pb.ModelInstanceGroup.Kind.Name(config.instance_group[0].kind)
         target = serving_target(config.platform, config.backend, kind)
-        params = {k: v.string_value for k, v in config.parameters.items()}
-        return cls(target.open(model, params), facts, target.name)
+        return cls(target.open(model, message_strings(config.parameters)), facts, target.name)
 
     def __call__(self, texts: list[str]) -> np.ndarray:
         encodings = self.tokenizer.encode_batch(list(texts))

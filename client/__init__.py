@@ -4,6 +4,7 @@ from .async_client import AsyncEncoderClient
 from .client import EncoderClient
 from .errors import (
     ClientError,
+    DeadlineExceededError,
     InferenceError,
     InvalidInputError,
     ModelNotFoundError,
@@ -17,7 +18,7 @@ from .errors import (
 )
 from .results import Answer, Entity, Label, M3Embedding, Ranked, SparseEmbedding
 
-__all__ = ["AsyncEncoderClient", "EncoderClient", "ClientError", "InferenceError", "InvalidInputError",
-           "ModelNotFoundError", "ModelUnavailableError", "NoModelError", "ReplicasFailedError", "RetryableError",
-           "ServerBusyError", "ServerUnavailableError", "WrongTaskError",
+__all__ = ["AsyncEncoderClient", "EncoderClient", "ClientError", "DeadlineExceededError", "InferenceError",
+           "InvalidInputError", "ModelNotFoundError", "ModelUnavailableError", "NoModelError", "ReplicasFailedError",
+           "RetryableError", "ServerBusyError", "ServerUnavailableError", "WrongTaskError",
            "Answer", "Entity", "Label", "M3Embedding", "Ranked", "SparseEmbedding"]

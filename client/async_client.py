@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,8 +35,8 @@ class AsyncEncoderClient:
     given here is used by every call that names none.  ``url`` may list replicas, with the
     same turns and retries as :class:`~nexus_sli.client.EncoderClient` (``attempts``,
     ``retry_s``).  ``timeout_s`` bounds every call to the server (None: no bound); a server
-    that does not answer in time is a :class:`~nexus_sli.client.ServerUnavailableError`,
-    retryable like one that is down."""
+    that does not answer in time is a :class:`~nexus_sli.client.DeadlineExceededError` (a
+    :class:`~nexus_sli.client.ServerUnavailableError`), not sent again."""
 
     def __init__(self, url: str | Sequence[str] | None = None, protocol: str = "grpc", model: str | None = None,
                  attempts: int | None = None, timeout_s: float | None = 60.0, retry_s: float = RETRY_S,
@@ -71,10 +72,12 @@ class AsyncEncoderClient:
             order = self.replicas.order()[:self.attempts]
             tried = [] if order else unresolved(self.fleet)
             for url in order:
+                started = time.monotonic()
                 try:
                     result = await send(self.fleet.clients[url])
                 except Exception as exc:
-                    tried.append((url, retryable(exc, model, self.replicas, url)))
+                    late = p.past_deadline(started, self.timeout_s)
+                    tried.append((url, retryable(exc, model, self.replicas, url, late)))
                     continue
                 self.replicas.succeeded(url)
                 return result

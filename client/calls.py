@@ -14,7 +14,7 @@ import numpy as np
 from nexus_sli.tasks import bge_m3, get_task
 from nexus_sli.tasks.multi_vector import DOCUMENT, QUERY
 from nexus_sli.tasks.results import M3Embedding, SparseEmbedding
-from nexus_sli.tasks.spec import TOKEN_MASK, TOKEN_MODEL_PARAMETER, TOKEN_TASK
+from nexus_sli.tasks.spec import TOKEN_MASK, TOKEN_TASK
 
 from . import late_interaction
 from . import protocol as p
@@ -167,7 +167,7 @@ def embed_m3(texts, info: ModelInfo, dense: bool = True, sparse: bool = True, mu
 def embed_tokens(texts, info: ModelInfo, prompt_name: str | None = None) -> Call:
     """Each text's token vectors ``[tokens, hidden]`` (special tokens included), from the embedding
     model's ``NAME_tokens`` ensemble (its ``token_model`` parameter)."""
-    tokens_model = info.params.get(TOKEN_MODEL_PARAMETER)
+    tokens_model = info.token_model
     if not tokens_model:
         raise WrongTaskError(f"model {info.name!r} serves no token embeddings: it is not an embedding model, or "
                              "it was exported before they were served (export it again)")

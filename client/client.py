@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from nexus_sli.tasks.multi_vector import DOCUMENT
 
-from . import calls
+from . import calls, fan_out
 from . import protocol as p
 from .model_info import ModelInfo
 from .replicas import (REFRESH_S, RETRY_S, Fleet, Resolve, Retries, attempts_for, check_attempts, gave_up,
@@ -65,6 +66,14 @@ class EncoderClient:
     then :class:`ReplicasFailedError` lists the last pass's tries, or, where that pass had one
     try (one URL, ``attempts=1``), the error itself is raised.
 
+    ``timeout_s`` is each request's deadline: gRPC's, the HTTP connection's timeouts, and Triton's
+    queue timeout for it.  A request that outlives it raises
+    :class:`~nexus_sli.client.DeadlineExceededError` and is not sent again.
+
+    A list larger than the model's ``max_batch_size`` is sent as several requests at once (up to
+    :data:`~nexus_sli.client.fan_out.IN_FLIGHT`), each retried on its own; the answers come back in
+    order, and a failure raises the error of the first request, in order, that failed.
+
     ``url="dns:///NAME:PORT"`` (a Kubernetes headless Service) makes every address of ``NAME``
     a replica, resolved again every ``refresh_s`` seconds and after a pass that failed
     everywhere, so pods that come and go are followed within ``refresh_s`` plus the DNS
@@ -91,6 +100,18 @@ class EncoderClient:
         retry_s = retry_budget(retry_s, check_attempts(attempts))
         self.timeout_s = timeout_s
         options = client_kwargs(self._triton, protocol)
+        if protocol == "http":
+            # a connection for each request of a call in flight (tritonclient's default, one, would send a
+            # call's chunks one after another all the same)
+            options["concurrency"] = fan_out.IN_FLIGHT
+            if timeout_s is not None:
+                # tritonclient's HTTP calls take no deadline of their own: the connection's timeouts (60 s by
+                # default) bound the wait to connect and each wait for the server's answer
+                options.update(connection_timeout=timeout_s, network_timeout=timeout_s)
+        # gRPC: the threads that send a call's other chunks (started when first needed); HTTP sends them
+        # as greenlets instead (fan_out says why)
+        self._workers = (ThreadPoolExecutor(fan_out.IN_FLIGHT - 1, thread_name_prefix="nexus-sli-chunks")
+                         if protocol == "grpc" else None)
         #: the replicas and a connection to each (kept current for a ``dns:///`` name)
         self.fleet = Fleet(url, default_url(protocol), lambda u: self._triton.InferenceServerClient(u, **options),
                            resolve, refresh_s)
@@ -108,19 +129,29 @@ class EncoderClient:
         retries, tried = Retries(self.retry_s), []
         while (pause := retries.next_pause()) is not None:
             if pause:  # the first pass goes at once: even sleep(0) gives up the CPU
-                time.sleep(pause)
+                self._pause(pause)
             self.fleet.refresh(failed=bool(tried))
             order = self.replicas.order()[:self.attempts]
             tried = [] if order else unresolved(self.fleet)
             for url in order:
+                started = time.monotonic()
                 try:
                     result = send(self.fleet.clients[url])
                 except Exception as exc:
-                    tried.append((url, retryable(exc, model, self.replicas, url)))
+                    late = p.past_deadline(started, self.timeout_s)
+                    tried.append((url, retryable(exc, model, self.replicas, url, late)))
                     continue
                 self.replicas.succeeded(url)
                 return result
         raise gave_up(tried) from None
+
+    def _pause(self, seconds: float) -> None:
+        if self._workers is None:  # HTTP: a call's other requests are greenlets of this thread: let them run
+            import gevent
+
+            gevent.sleep(seconds)
+        else:
+            time.sleep(seconds)
 
     def info(self, model: str) -> ModelInfo:
         """The model's task and batch limit, read once from its Triton config."""
@@ -143,7 +174,15 @@ class EncoderClient:
     def _run(self, model: str, call: calls.Call):
         model = call.model or model
         self.info(model).expect(call.task)
-        return call.read([self._infer(model, call, index) for index in range(len(call.requests))])
+        return call.read(self._send_all(len(call.requests), lambda index: self._infer(model, call, index)))
+
+    def _send_all(self, count: int, send) -> list:
+        """``send(i)`` for each of a call's ``count`` requests, at once (:mod:`fan_out`); the answers in order."""
+        if count <= 1:  # one request goes from this thread as it is: no worker to start or wait for
+            return [send(index) for index in range(count)]
+        if self._workers is None:
+            return fan_out.in_greenlets(count, send)
+        return fan_out.in_threads(self._workers, count, send)
 
     def _infer(self, model: str, call: calls.Call, index: int) -> tuple[np.ndarray, ...]:
         inputs = []
@@ -229,6 +268,8 @@ class EncoderClient:
         return self._call(model, lambda info: calls.rerank(query, documents, info, top_k))
 
     def close(self) -> None:
+        if self._workers is not None:
+            self._workers.shutdown()
         for client in self.fleet.connections():
             client.close()
 

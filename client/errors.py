@@ -13,6 +13,17 @@ class ServerUnavailableError(RetryableError, ConnectionError):
     """The server could not be reached. Retryable: the same client works once it is back."""
 
 
+class DeadlineExceededError(ServerUnavailableError):
+    """The call's own deadline (the client's ``timeout_s``) passed before the server answered: the
+    server is up but slow or overloaded, or hangs.  Also raised when a step's queue dropped the request
+    because that deadline passed (the client sends it as Triton's per-request queue timeout).
+
+    Never sent again by the client, to any replica: the first copy may still be queued or running,
+    and a second would only lengthen an overloaded server's queue.  A :class:`ServerUnavailableError`,
+    so that handlers of an outage (and the gateway's 503) still catch it; a caller that tells the two
+    apart may retry later, with a longer ``timeout_s`` or fewer calls at once."""
+
+
 class ServerBusyError(RetryableError):
     """The server refused the request because its queue was full, or dropped it from its queue when
     the queue's timeout passed (the model's queue policy): the request was not run.  Retryable, best

@@ -1,6 +1,7 @@
 """What a served model is, read from its Triton config: the one description the client and the gateway share.
 
-A nexus-sli model is an ensemble whose string ``parameters`` say what it serves
+A nexus-sli model is an ensemble whose string ``parameters`` (their keys and types:
+:mod:`nexus_sli.tasks.model_parameters`) say what it serves
 (``task``, and ``serves`` where it answers other tasks' calls too), its named
 prompts (``prompts``, ``default_prompt_name``), the sizes it was trained for
 (``matryoshka_dims``), whether it normalises (``normalize``), its labels
@@ -17,35 +18,15 @@ the typed errors into its own API's shape.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from nexus_sli.tasks.multi_vector import INPUT_TYPES
+from nexus_sli.tasks import model_parameters as parameters
+from nexus_sli.tasks import multi_vector
 
 from .error_codes import DECODED_OUTPUT, IDS_INPUT, TOKEN_COUNT_OUTPUT, TOKENS_OUTPUT
 from .errors import DimensionsError, UnknownInputTypeError, UnknownPromptError, WrongTaskError
-
-#: The ensemble parameter listing the tasks a model serves besides its own (comma-separated).
-SERVES_PARAMETER = "serves"
-
-#: The ensemble parameter naming the precision its encoder was exported in (``fp32``, ``fp16``, ``int8`` ...).
-PRECISION_PARAMETER = "precision"
-
-#: The parameter of an ensemble that ``nexus-sli serve`` serves as one python model, its steps joined in one
-#: process (``exporter/serving/joined_steps.py``): the steps' names, comma-separated, the tokenizer first.
-JOINED_STEPS_PARAMETER = "joined_steps"
-
-
-def _string(value: dict) -> str:
-    """One parameter's value.  Triton writes ``string_value``; a config turned into JSON by protobuf's
-    default (camelCase) names writes ``stringValue``: both are the same field."""
-    return value.get("string_value", value.get("stringValue", ""))
-
-
-def _params(config: dict) -> dict[str, str]:
-    return {k: _string(v) for k, v in config.get("parameters", {}).items()}
 
 
 @dataclass(frozen=True)
@@ -66,12 +47,12 @@ class TokenizerStep:
     @classmethod
     def from_config(cls, config: dict) -> TokenizerStep:
         config = config.get("config", config)
-        params = _params(config)
+        params = parameters.strings(config)
         instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", []))
-        rows = int(params.get("max_rows", config.get("max_batch_size", 0)))
+        rows = parameters.MAX_ROWS.read(params, int(config.get("max_batch_size", 0)))
         names = {side: tuple(tensor["name"] for tensor in config.get(side, [])) for side in ("input", "output")}
-        return cls(int(params.get("max_length", 0)), params.get("truncate", "true") == "true", max(instances, 1), rows,
-                   names["input"], names["output"])
+        return cls(parameters.MAX_LENGTH.read(params, 0), parameters.TRUNCATE.read(params, True), max(instances, 1),
+                   rows, names["input"], names["output"])
 
     @property
     def tokenizes(self) -> bool:
@@ -104,12 +85,12 @@ class ModelInfo:
     def from_config(cls, name: str, config: dict) -> "ModelInfo":
         """The model ``name`` as its Triton config (JSON, or gRPC's ``{"config": ...}`` around it) describes it."""
         config = config.get("config", config)
-        params = _params(config)
+        params = parameters.strings(config)
         outputs = config.get("output", [])
         dims = [int(d) for d in outputs[0].get("dims", [])] if outputs else []
         steps = [step["model_name"] for step in config.get("ensemble_scheduling", {}).get("step", [])]
-        steps = steps or [step for step in params.get(JOINED_STEPS_PARAMETER, "").split(",") if step]
-        return cls(name, params.get("task", ""), int(config.get("max_batch_size", 0)), params,
+        steps = steps or list(parameters.JOINED_STEPS.read(params, ()))
+        return cls(name, parameters.TASK.read(params, ""), int(config.get("max_batch_size", 0)), params,
                    dimensions=max(dims[-1], 0) if dims else 0, tokenizer=steps[0] if steps else None,
                    outputs=tuple(output.get("name", "") for output in outputs))
 
@@ -121,7 +102,7 @@ class ModelInfo:
     def tasks(self) -> tuple[str, ...]:
         """The tasks whose calls the model answers: its own, then those its ``serves`` parameter lists (a model
         with several heads, such as BGE-M3, serves embeddings, sparse weights and multi-vectors)."""
-        others = [t for t in self.params.get(SERVES_PARAMETER, "").split(",") if t and t != self.task]
+        others = [t for t in parameters.SERVES.read(self.params, ()) if t != self.task]
         return (self.task, *others)
 
     def serves(self, task: str) -> bool:
@@ -140,41 +121,56 @@ class ModelInfo:
     @property
     def prompts(self) -> dict[str, str]:
         """The model's named prompts (an embedding model's sentence-transformers prompts; empty: none)."""
-        return json.loads(self.params.get("prompts", "{}"))
+        return parameters.PROMPTS.read(self.params, {})
 
     @property
     def default_prompt_name(self) -> str | None:
         """The prompt the server applies when a request names none (None: no prompt)."""
-        return self.params.get("default_prompt_name")
+        return parameters.DEFAULT_PROMPT_NAME.read(self.params, None)
 
     @property
     def trained_dimensions(self) -> list[int]:
         """The sizes the model was trained for (Matryoshka), largest first, where its card names them."""
-        return json.loads(self.params.get("matryoshka_dims", "[]"))
+        return parameters.MATRYOSHKA_DIMS.read(self.params, [])
 
     @property
     def normalizes(self) -> bool:
         """Whether the served model already normalises its vectors (the export's choice)."""
-        return self.params.get("normalize", "false") == "true"
+        return parameters.NORMALIZE.read(self.params, False)
 
     @property
     def precision(self) -> str | None:
         """The precision the encoder was exported in (None: an export that did not record it)."""
-        return self.params.get(PRECISION_PARAMETER)
+        return parameters.PRECISION.read(self.params, None)
+
+    @property
+    def pooling(self) -> str | None:
+        """How an embedding model pools its token states (``mean``, ``cls``, ``max``; None: not said)."""
+        return parameters.POOLING.read(self.params, None)
+
+    @property
+    def token_model(self) -> str | None:
+        """The ensemble serving an embedding model's token states (None: it serves none)."""
+        return parameters.TOKEN_MODEL.read(self.params, None) or None
+
+    @property
+    def joined(self) -> bool:
+        """Whether ``nexus-sli serve`` serves this ensemble as one python model running its steps."""
+        return parameters.JOINED_STEPS.key in self.params
 
     @property
     def id2label(self) -> dict[int, str]:
-        return {int(k): v for k, v in json.loads(self.params.get("id2label", "{}")).items()}
+        return {int(k): v for k, v in parameters.ID2LABEL.read(self.params, {}).items()}
 
     @property
     def similarity(self) -> str | None:
         """A multi-vector model's late-interaction score (``maxsim`` or ``meanmaxsim``; None: not one)."""
-        return self.params.get("similarity")
+        return parameters.SIMILARITY.read(self.params, None)
 
     @property
     def input_types(self) -> tuple[str, ...]:
         """The sides a multi-vector model's requests may name (``input_type``)."""
-        return tuple(self.params.get("input_types", INPUT_TYPES).split(","))
+        return parameters.INPUT_TYPES.read(self.params, tuple(multi_vector.INPUT_TYPES.split(",")))
 
     def check_input_type(self, input_type) -> str:
         """``input_type`` if it is one of :attr:`input_types`; else :class:`UnknownInputTypeError`, before

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import http.client
 import re
+import time
 
 import numpy as np
 
 from . import error_codes
 from .errors import (
+    DeadlineExceededError,
     InferenceError,
     InvalidInputError,
     ModelNotFoundError,
@@ -67,9 +69,7 @@ _BY_CODE = {error_codes.INVALID_INPUT: InvalidInputError, error_codes.INFERENCE_
 #: Triton's own errors, by the transport's status: gRPC status name or HTTP status code.
 _BY_STATUS = {"StatusCode.NOT_FOUND": ModelNotFoundError, "404": ModelNotFoundError,
               "StatusCode.INVALID_ARGUMENT": InvalidInputError, "400": InvalidInputError,
-              "StatusCode.UNAVAILABLE": ServerUnavailableError,
-              # the client's deadline passed: a server that hangs is treated as one that is down (retryable)
-              "StatusCode.DEADLINE_EXCEEDED": ServerUnavailableError}
+              "StatusCode.UNAVAILABLE": ServerUnavailableError}
 #: A python-backend worker that died (and is being restarted), or a model being loaded
 #: again, is reported by Triton with an INTERNAL status and only these words; they are
 #: Triton's, not ours, so they cannot carry a code.
@@ -80,6 +80,9 @@ _TRITON_MODEL_RESTARTING = re.compile(
 #: A model's queue policy refusing a request: its queue full, or the request's time in it past the
 #: policy's timeout.  Triton's words with an UNAVAILABLE status, which alone would read as a server down.
 _TRITON_QUEUE_REFUSED = re.compile(r"Exceeds maximum queue size|Request timeout expired", re.IGNORECASE)
+#: The second of those: the request's timeout in the queue passed.  Its words do not say whose timeout,
+#: the policy's own or the shorter one the client sent (:func:`queue_timeout`); the call's clock does.
+_TRITON_QUEUE_TIMED_OUT = re.compile(r"Request timeout expired", re.IGNORECASE)
 
 
 def queue_timeout(timeout_s: float | None) -> dict:
@@ -96,13 +99,24 @@ def _status(exc: Exception) -> str | None:
 
 
 def timed_out(exc: Exception) -> bool:
-    """Whether ``exc`` is the client's own deadline passing: the server may still hold the request
-    (queued, or running), so sending it again would add a second copy to an overloaded server."""
+    """Whether ``exc`` is the transport's deadline passing (gRPC's ``DEADLINE_EXCEEDED``, a socket's or
+    aiohttp's timeout): the server may still hold the request (queued, or running)."""
     return isinstance(exc, TimeoutError) or _status(exc) == "StatusCode.DEADLINE_EXCEEDED"
 
 
-def translate(exc: Exception, model: str) -> Exception:
-    """A tritonclient / transport exception as one of ours."""
+def past_deadline(started: float, timeout_s: float | None) -> bool:
+    """Whether a request sent at ``started`` (``time.monotonic()``) has outlived the deadline ``timeout_s``
+    it carried.  A step drops it at that deadline counted from when it entered the step's queue, which is
+    after it was sent: a drop the client's deadline caused always comes this late, one by a queue
+    policy's shorter timeout sooner."""
+    return timeout_s is not None and time.monotonic() - started >= timeout_s
+
+
+def translate(exc: Exception, model: str, deadline_passed: bool = False) -> Exception:
+    """A tritonclient / transport exception as one of ours.  ``deadline_passed``: the call's own deadline
+    had passed when it failed (:func:`past_deadline`), so a step's queue that dropped it for its time
+    there dropped it at that deadline, a :class:`DeadlineExceededError`, not an overloaded server's
+    :class:`ServerBusyError`."""
     text = str(exc)
     code = error_codes.code_of(text)
     if code is not None:
@@ -110,6 +124,11 @@ def translate(exc: Exception, model: str) -> Exception:
     if _TRITON_MODEL_RESTARTING.search(text):
         return ModelUnavailableError(f"model {model!r} cannot serve right now (a worker is being restarted or the "
                                      f"model reloaded); retry in a few seconds. Server said: {text}")
+    if timed_out(exc) or (deadline_passed and _TRITON_QUEUE_TIMED_OUT.search(text)):
+        said = text.splitlines()[0] if text else type(exc).__name__
+        return DeadlineExceededError(f"Triton server did not answer within the client's timeout ({said}); it may "
+                                     "be overloaded or stuck: retry later, with a longer timeout_s or fewer calls "
+                                     "at once")
     if _TRITON_QUEUE_REFUSED.search(text):
         return ServerBusyError(f"model {model!r} is overloaded: the server's queue refused the request or dropped "
                                f"it unrun; retry after a pause. Server said: {text}")
@@ -118,10 +137,6 @@ def translate(exc: Exception, model: str) -> Exception:
     # that died while answering: geventhttpclient's HTTPConnectionClosed), both retryable
     transport = isinstance(exc, (OSError, http.client.HTTPException))
     kind = ServerUnavailableError if transport else _BY_STATUS.get(str(status), InferenceError)
-    if timed_out(exc):
-        said = text.splitlines()[0] if text else type(exc).__name__
-        return ServerUnavailableError(f"Triton server did not answer within the client's timeout ({said}); "
-                                      "check that it is not stuck or overloaded, then retry")
     if kind is ServerUnavailableError:
         return kind(f"Triton server unreachable ({text.splitlines()[0] if text else type(exc).__name__}); "
                     "check that it runs and the URL is right, then retry")

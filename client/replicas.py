@@ -10,7 +10,8 @@ A call that every replica failed with retryable errors (one replica as well as
 several: a worker restarting, a model reloading, a replica gone) is tried
 again, with growing pauses, until its retry budget is spent (:class:`Retries`):
 a fault then costs the call latency, not a failure.  A call whose own deadline
-passed is the exception: it is not sent again (:func:`retryable`).
+passed is the exception: it is not sent again (:func:`retryable`), and raises
+:class:`~nexus_sli.client.DeadlineExceededError`.
 
 A URL ``dns:///NAME:PORT`` (gRPC's syntax; a Kubernetes headless Service's
 name) stands for every address the name resolves to, each a replica.  The
@@ -32,7 +33,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from . import protocol as p
-from .errors import ClientError, ReplicasFailedError, RetryableError, ServerUnavailableError
+from .errors import ClientError, DeadlineExceededError, ReplicasFailedError, RetryableError, ServerUnavailableError
 
 #: How long a replica that failed is tried only after the others.
 DOWN_FOR_S = 5.0
@@ -183,19 +184,22 @@ def retry_budget(retry_s: float, attempts: int | None) -> float:
     return 0.0 if attempts == 1 else float(retry_s)
 
 
-def retryable(exc: Exception, model: str, replicas: Replicas, url: str) -> RetryableError:
+def retryable(exc: Exception, model: str, replicas: Replicas, url: str,
+              deadline_passed: bool = False) -> RetryableError:
     """The failure of one attempt on ``url``: the client's error when the request may be tried
-    again, raised at once otherwise.  A retryable failure sets the replica aside.
+    again, raised at once otherwise.  A retryable failure sets the replica aside.  ``deadline_passed``:
+    the attempt outlived its deadline (:func:`~nexus_sli.client.protocol.past_deadline`).
 
-    A call whose own deadline passed is not sent again, though its error is retryable for the
-    caller: its first copy may still wait in an overloaded server's queue, and a second copy would
-    only lengthen that queue.  A refusal for a full queue (:class:`~nexus_sli.client.ServerBusyError`) is retried:
-    the server did not keep that request."""
-    error = exc if isinstance(exc, ClientError) else p.translate(exc, model)
+    A call whose own deadline passed (:class:`~nexus_sli.client.DeadlineExceededError`) is not sent
+    again, to this replica or another, though its error is retryable for the caller: its first copy may
+    still wait in an overloaded server's queue, and a second copy would only lengthen that queue.  A
+    refusal for a full queue, or a drop at a queue policy's timeout shorter than the call's deadline
+    (:class:`~nexus_sli.client.ServerBusyError`), is retried: the server did not keep that request."""
+    error = exc if isinstance(exc, ClientError) else p.translate(exc, model, deadline_passed)
     if not isinstance(error, RetryableError):
         raise error from None
     replicas.failed_on(url)
-    if p.timed_out(exc):
+    if isinstance(error, DeadlineExceededError):
         raise error from None
     return error
 

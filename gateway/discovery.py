@@ -17,7 +17,7 @@ import asyncio
 import time
 
 from nexus_sli.client import ModelNotFoundError, ModelUnavailableError
-from nexus_sli.client.model_info import JOINED_STEPS_PARAMETER, ModelInfo
+from nexus_sli.client.model_info import ModelInfo
 from nexus_sli.client.protocol import translate
 from nexus_sli.tasks.spec import TOKEN_TASK
 
@@ -32,7 +32,7 @@ def served_model(name: str, config: dict) -> ModelInfo | None:
     model = ModelInfo.from_config(name, config)
     # the steps carry the task too (the post-processing picks its head by it): only the ensemble is the model,
     # served as exported or joined (``nexus-sli serve``)
-    ensemble = config.get("platform") == "ensemble" or JOINED_STEPS_PARAMETER in model.params
+    ensemble = config.get("platform") == "ensemble" or model.joined
     return model if ensemble and model.task else None
 
 

@@ -34,7 +34,7 @@ def model_type(model: ModelInfo) -> dict:
     if model.task == "multi-vector":
         return {"embedding": {"pooling": "none"}}
     if model.task in ("embedding", "sparse-embedding") or model.serves("embedding"):
-        pooling = "splade" if model.task == "sparse-embedding" else model.params.get("pooling", "mean")
+        pooling = "splade" if model.task == "sparse-embedding" else model.pooling or "mean"
         return {"embedding": {"pooling": pooling}}
     id2label = {str(index): label for index, label in sorted(model.id2label.items())}
     labels = {"id2label": id2label, "label2id": {label: int(index) for index, label in id2label.items()}}

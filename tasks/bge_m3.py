@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import embedding
+from . import embedding, model_parameters
+from .model_parameters import NORMALIZE, POOLING, SIMILARITY, VECTOR_SIZE, write
 from .multi_vector import INPUT_TYPES, SCORE_MASK
 from .spec import EMBEDDED, HIDDEN, TaskSpec, Tensor, register, text
 
@@ -48,8 +49,9 @@ def lexical(weights: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarra
 def post_params(config, embedder) -> dict[str, str]:
     """What clients read: the outputs it serves, the ColBERT vectors' similarity and size, the sides a
     request may name, and how the sparse weights come."""
-    return {"serves": SERVES, "similarity": embedder.similarity, "vector_size": str(embedder.vector_size),
-            "input_types": INPUT_TYPES, "sparse_form": SPARSE_FORM, "pooling": "cls", "normalize": "true"}
+    return write({model_parameters.SERVES: SERVES, SIMILARITY: embedder.similarity,
+                  VECTOR_SIZE: embedder.vector_size, model_parameters.INPUT_TYPES: INPUT_TYPES,
+                  model_parameters.SPARSE_FORM: SPARSE_FORM, POOLING: "cls", NORMALIZE: True})
 
 
 SPEC = register(TaskSpec(

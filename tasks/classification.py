@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
+from .model_parameters import MULTI_LABEL, write
 from .results import Label
 from .spec import LABELS, TaskSpec, Tensor, label_params, register, sequence_classifier, text
 
@@ -21,7 +20,7 @@ def parse(outputs: list[np.ndarray], id2label: dict[int, str], top_k: int) -> li
 
 def post_params(config, embedder) -> dict[str, str]:
     multi_label = getattr(config, "problem_type", None) == "multi_label_classification"
-    return {**label_params(config), "multi_label": json.dumps(multi_label)}
+    return {**label_params(config), **write({MULTI_LABEL: multi_label})}
 
 
 SPEC = register(TaskSpec(

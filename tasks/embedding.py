@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .model_parameters import NORMALIZE, POOLING, write
 from .spec import EMBEDDED, HIDDEN, TaskSpec, Tensor, register, text
 
 
@@ -13,7 +14,7 @@ def parse(outputs: list[np.ndarray]) -> np.ndarray:
 
 
 def post_params(config, embedder) -> dict[str, str]:
-    return {"pooling": embedder.pooling, "normalize": str(embedder.normalize).lower()}
+    return write({POOLING: embedder.pooling, NORMALIZE: embedder.normalize})
 
 
 SPEC = register(TaskSpec(

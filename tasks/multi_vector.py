@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import model_parameters
+from .model_parameters import NORMALIZE, SIMILARITY, VECTOR_SIZE, write
 from .spec import EMBEDDED, HIDDEN, TaskSpec, Tensor, register, text
 
 #: The tokenizer step's scoring mask (``python_models/sides.py``'s ``SCORE_MASK``, which this layer
@@ -39,8 +41,8 @@ def parse(answers: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
 def post_params(config, embedder) -> dict[str, str]:
     """How the vectors are made and compared: the model's similarity (``maxsim`` or ``meanmaxsim``), the
     vectors' size and the sides a request may name; ``normalize`` for the post-processing head."""
-    return {"similarity": embedder.similarity, "vector_size": str(embedder.vector_size),
-            "input_types": INPUT_TYPES, "normalize": str(embedder.normalize).lower()}
+    return write({SIMILARITY: embedder.similarity, VECTOR_SIZE: embedder.vector_size,
+                  model_parameters.INPUT_TYPES: INPUT_TYPES, NORMALIZE: embedder.normalize})
 
 
 SPEC = register(TaskSpec(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .model_parameters import SPLADE_ACTIVATION, SPLADE_POOLING, VOCAB_SIZE, write
 from .spec import VOCAB, TaskSpec, Tensor, register, text
 
 
@@ -22,8 +23,8 @@ def parse(outputs: list[np.ndarray]) -> np.ndarray:
 
 def post_params(config, embedder) -> dict[str, str]:
     """How the head pools (a graph that pools ignores them), and the vocabulary size clients index into."""
-    return {"splade_pooling": embedder.strategy, "splade_activation": embedder.activation,
-            "vocab_size": str(int(config.vocab_size))}
+    return write({SPLADE_POOLING: embedder.strategy, SPLADE_ACTIVATION: embedder.activation,
+                  VOCAB_SIZE: int(config.vocab_size)})
 
 
 SPEC = register(TaskSpec(

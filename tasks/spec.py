@@ -10,9 +10,10 @@ and parses the answer with it.  Adding a task is one module of this package
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from .model_parameters import ID2LABEL, write
 
 #: Symbolic dims, resolved against the model when the Triton config is written.  ``EMBEDDED``: the
 #: served embedding's size, the hidden size unless the model's Dense modules project it.
@@ -44,9 +45,9 @@ def text(name: str, dims: tuple[int, ...] = (1,)) -> Tensor:
 
 #: A graph that keeps its token states (:attr:`TaskSpec.token_states`) is served twice: ``NAME``
 #: answers the task, ``NAME + TOKEN_MODEL_SUFFIX`` answers the token states, and ``NAME``'s ensemble
-#: parameter ``TOKEN_MODEL_PARAMETER`` names it.  That second ensemble's ``task`` parameter is
+#: parameter ``model_parameters.TOKEN_MODEL`` names it.  That second ensemble's ``task`` parameter is
 #: :data:`TOKEN_TASK` (not a task of its own: it is exported with the one it serves).
-TOKEN_MODEL_SUFFIX, TOKEN_MODEL_PARAMETER, TOKEN_TASK = "_tokens", "token_model", "token-embedding"
+TOKEN_MODEL_SUFFIX, TOKEN_TASK = "_tokens", "token-embedding"
 #: The second ensemble's other output: the tokenizer's attention mask, padded as the tokenizer pads.
 #: Row i's real tokens are ``token_states[i, :TOKEN_MASK[i].sum()]`` (the states may be cut shorter
 #: than the mask, never shorter than the longest real row of the batch).
@@ -127,7 +128,7 @@ class TaskSpec:
 def label_params(config: Any) -> dict[str, str]:
     """The label names a checkpoint's config carries, as the post-processing and clients read them."""
     labels = getattr(config, "id2label", None) or {}
-    return {"id2label": json.dumps({str(k): v for k, v in labels.items()})}
+    return write({ID2LABEL: {str(k): v for k, v in labels.items()}})
 
 
 def sequence_classifier(architecture: str) -> bool:

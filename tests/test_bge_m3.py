@@ -116,7 +116,9 @@ def test_the_client_answers_flag_embeddings_outputs_from_one_pass(served, refere
     assert info.serves("embedding") and info.serves("sparse-embedding") and info.serves("multi-vector")
     assert info.similarity == "meanmaxsim" and len(found) == len(texts)
     assert isinstance(only_dense, M3Embedding) and only_dense.sparse is None and only_dense.vectors is None
-    np.testing.assert_allclose(only_dense.dense, found[0].dense, rtol=1e-6)
+    # alone, the text runs at another padded width than in the batch: the same sums in other SIMD lanes, so the
+    # vector agrees to rounding on its own scale (unit norm), not on each component's, some near zero
+    np.testing.assert_allclose(only_dense.dense, found[0].dense, rtol=0, atol=1e-6)
     for i, got in enumerate(found):
         _same_vectors(got.dense, expected["dense"][i])
         _same_vectors(dense[i], expected["dense"][i])
@@ -124,6 +126,7 @@ def test_the_client_answers_flag_embeddings_outputs_from_one_pass(served, refere
         _same_lexical(sparse[i], _lexical(expected["lexical_weights"][i]))
         assert got.vectors.shape[1] == COLBERT_DIM
         _same_vectors(got.vectors, expected["colbert"][i])
+        # the same requests in the same batches as embed_m3's: the same kernels in the same order, the same bits
         np.testing.assert_allclose(vectors[i], got.vectors, rtol=1e-6, atol=1e-7)
     queries, documents = found[:3], found[3:]
     colbert = late_interaction.score(info.similarity, [q.vectors for q in queries], [d.vectors for d in documents])

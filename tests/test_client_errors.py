@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from tritonclient.utils import InferenceServerException
 
 from nexus_sli.client import (
+    AsyncEncoderClient,
+    DeadlineExceededError,
     EncoderClient,
     InferenceError,
     InvalidInputError,
@@ -49,10 +54,11 @@ def test_tritons_own_errors_are_sorted_by_transport_status():
     assert type(translate(server_error("whatever", "400"), "m")) is InvalidInputError
     assert type(translate(server_error("whatever", "StatusCode.UNAVAILABLE"), "m")) is ServerUnavailableError
     assert type(translate(ConnectionRefusedError(111, "Connection refused"), "m")) is ServerUnavailableError
-    # a server that hangs past the client's deadline is treated as one that is down: retryable
+    # a server that does not answer within the client's deadline: its own error, caught where an outage is
     for slow in (server_error("Deadline Exceeded", "StatusCode.DEADLINE_EXCEEDED"), TimeoutError()):
         error = translate(slow, "m")
-        assert type(error) is ServerUnavailableError and "did not answer within" in str(error)
+        assert type(error) is DeadlineExceededError and "did not answer within" in str(error)
+        assert isinstance(error, ServerUnavailableError) and isinstance(error, RetryableError)
 
 
 #: Triton's words for a request its model's queue policy refused (the queue full) or dropped unrun (its
@@ -68,6 +74,10 @@ def test_a_full_queue_is_its_own_retryable_error_not_an_unreachable_server(messa
     error = translate(server_error(message, status), "m")
     assert type(error) is ServerBusyError and isinstance(error, RetryableError)
     assert "overloaded" in str(error) and "unreachable" not in str(error) and message in str(error)
+    # once the call's deadline passed, a drop for the time in the queue was that deadline's (the client
+    # sends it as the queue's timeout); a full queue stays a busy server
+    late = translate(server_error(message, status), "m", deadline_passed=True)
+    assert type(late) is (DeadlineExceededError if "timeout expired" in message else ServerBusyError)
 
 
 class _Refusing:
@@ -92,6 +102,54 @@ def test_a_refusal_for_a_full_queue_is_sent_again_until_the_retry_budget_is_spen
         with pytest.raises(ServerBusyError):
             client.embed("a text", model="m")
     assert refusing.calls > 1
+
+
+class _DroppedFromTheQueue:
+    """A tritonclient stand-in whose request waits ``wait_s`` in a step's queue, then is dropped there."""
+
+    def __init__(self, wait_s: float):
+        self.wait_s, self.calls = wait_s, 0
+
+    def is_model_ready(self, *args, **kwargs):
+        self.calls += 1
+        time.sleep(self.wait_s)
+        raise server_error("in ensemble 'm', Request timeout expired", "StatusCode.UNAVAILABLE")
+
+    def close(self):
+        pass
+
+
+class _AsyncDroppedFromTheQueue(_DroppedFromTheQueue):
+    async def is_model_ready(self, *args, **kwargs):
+        self.calls += 1
+        await asyncio.sleep(self.wait_s)
+        raise server_error("Request timeout expired", "StatusCode.UNAVAILABLE")
+
+    async def close(self):
+        pass
+
+
+def test_a_request_dropped_from_the_queue_at_the_calls_deadline_is_that_deadline_and_not_sent_again():
+    with EncoderClient("127.0.0.1:1", timeout_s=0.05, retry_s=5) as client:
+        dropped = client.fleet.clients["127.0.0.1:1"] = _DroppedFromTheQueue(wait_s=0.05)
+        with pytest.raises(DeadlineExceededError, match="Request timeout expired"):
+            client.embed("a text", model="m")
+    assert dropped.calls == 1
+    # dropped sooner, at a queue policy's own shorter timeout: an overloaded server, whose request is sent again
+    with EncoderClient("127.0.0.1:1", timeout_s=60, retry_s=0.3) as client:
+        dropped = client.fleet.clients["127.0.0.1:1"] = _DroppedFromTheQueue(wait_s=0.0)
+        with pytest.raises(ServerBusyError):
+            client.embed("a text", model="m")
+    assert dropped.calls > 1
+
+    async def late_async_call():
+        async with AsyncEncoderClient("127.0.0.1:1", timeout_s=0.05, retry_s=5) as client:
+            client.fleet.clients["127.0.0.1:1"] = dropped_async
+            await client.embed("a text", model="m")
+    dropped_async = _AsyncDroppedFromTheQueue(wait_s=0.05)
+    with pytest.raises(DeadlineExceededError):
+        asyncio.run(late_async_call())
+    assert dropped_async.calls == 1
 
 
 def test_marking_refuses_unknown_codes_and_finds_none_in_plain_text():

@@ -11,7 +11,8 @@ from helpers.reports import FP32, version_1
 from nexus_sli.exporter.errors import ExportReportError
 from nexus_sli.exporter.export import build_plan as bp
 from nexus_sli.exporter.export import export_report
-from nexus_sli.exporter.export.export_report import VERSION, ExportReport, MeasuredRow, PlanRecord, Timing
+from nexus_sli.exporter.export.export_report import (VERSION, DenseRecord, ExportReport, LayerNormRecord, MeasuredRow,
+                                                      PlanRecord, SpladeRecord, Timing)
 from nexus_sli.exporter.export.report import FidelityShortfall, UnknownFailure, ValidationReport
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton import staging
@@ -73,6 +74,38 @@ def test_older_layouts_read_with_the_defaults_the_code_has_always_assumed():
     assert report.measured[0].extra == {"score_ms": 1.0}
     written = report.to_dict()
     assert "outputs" not in written and written["timing"] == {} and written["measured"][0]["score_ms"] == 1.0
+
+
+#: An embedding pipeline's records as the exports write them: a LayerNorm, a Dense module on the token states
+#: (bias-free) and one on the pooled vector with a projected residual; a sparse encoder's SpladePooling.
+MODULES = {"layer_norm": {"weight": [1.0, 2.0], "bias": [0.0, -1.0], "eps": 1e-05},
+           "dense": [{"weight": [[1.0, 0.0], [0.0, 1.0]], "bias": None, "activation": "Identity",
+                      "input": "token_embeddings", "use_residual": False, "residual": None},
+                     {"weight": [[0.5, 0.5]], "bias": [0.1], "activation": "Tanh", "input": "sentence_embedding",
+                      "use_residual": True, "residual": [[1.0, 1.0]]}]}
+SPLADE = {"splade": {"strategy": "max", "activation": "relu"}, "pooling": "splade", "normalize": False}
+
+
+@pytest.mark.parametrize("records", [MODULES, SPLADE], ids=["sentence", "splade"])
+def test_the_pipelines_modules_are_typed_records_written_back_as_read(records):
+    data = {**version_1(), **copy.deepcopy(records)}
+    report = ExportReport.from_dict(copy.deepcopy(data))
+    if "dense" in records:
+        assert isinstance(report.layer_norm, LayerNormRecord) and report.layer_norm.eps == 1e-05
+        assert [type(module) for module in report.dense] == [DenseRecord, DenseRecord]
+        assert (report.dense[0].bias, report.dense[1].input, report.dense[1].residual) == (None,
+                                                                                           "sentence_embedding",
+                                                                                           [[1.0, 1.0]])
+    else:
+        assert report.splade == SpladeRecord(strategy="max", activation="relu") and report.dense is None
+    assert report.to_dict() == {"version": 1, **data}
+
+
+def test_a_module_record_without_one_of_its_keys_is_a_clear_error():
+    data = {**version_1(), **copy.deepcopy(MODULES)}
+    del data["dense"][1]["activation"]
+    with pytest.raises(ExportReportError, match=r"ExportReport\.dense\[1\]: no 'activation'"):
+        ExportReport.from_dict(data)
 
 
 def test_keys_a_newer_nexus_sli_wrote_are_kept_and_written_back():

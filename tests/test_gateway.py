@@ -41,7 +41,7 @@ from helpers.http_api import call, schema_problems, tei, tei_schema
 from helpers.vectors import cosines
 from nexus_sli.bench.served import Gateway, free_ports
 from nexus_sli.cli.main import build_parser
-from nexus_sli.client import EncoderClient, ReplicasFailedError, ServerUnavailableError
+from nexus_sli.client import DeadlineExceededError, EncoderClient, ReplicasFailedError, ServerUnavailableError
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.export.validate import validation_texts
@@ -211,6 +211,7 @@ def test_base64_is_little_endian_float32_of_the_same_vector(gateway):
                                {"model": "minilm", "input": "one text", "encoding_format": "base64"})
     assert status == status64 == 200 and len(as_floats["data"]) == 1
     decoded = np.frombuffer(base64.b64decode(as_b64["data"][0]["embedding"]), dtype="<f4")
+    # one text asked twice runs alone both times (the same kernels, the same bits), and JSON keeps a float32 exact
     assert np.array_equal(decoded, np.array(as_floats["data"][0]["embedding"], dtype=np.float32))
     # TEI describes the same OpenAI-compatible route: the answer fits its schema too
     assert schema_problems(as_b64, tei_schema("OpenAICompatResponse")) == []
@@ -724,7 +725,7 @@ def test_serve_starts_the_gateway_beside_triton_and_stopping_one_stops_both(serv
 def test_every_retryable_client_error_is_a_503():
     down = ServerUnavailableError("down")
     failed = ReplicasFailedError([("a:8001", down), ("b:8001", down)])
-    for exc in (failed, ServerUnavailableError("down")):
+    for exc in (failed, ServerUnavailableError("down"), DeadlineExceededError("too slow")):  # a deadline as before
         error = from_client(exc, retry_after=5)
         assert (error.status("openai"), error.status("tei"), error.retry_after) == (503, 503, 5)
 

@@ -21,8 +21,9 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
-#: What the python models run beside inside the server: themselves, Triton's module, the copied error codes.
-IN_SERVER = {"encoding", "heads", "sides", "error_codes", "triton_python_backend_utils"}
+#: What the python models run beside inside the server: themselves, Triton's module, the copied error codes
+#: and parameters' keys.
+IN_SERVER = {"encoding", "heads", "sides", "error_codes", "model_parameters", "triton_python_backend_utils"}
 #: import name -> the distribution that provides it
 DISTRIBUTIONS = {"numpy": "numpy", "tokenizers": "tokenizers"}
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
@@ -55,11 +56,20 @@ def _installed() -> dict[str, Requirement]:
     return found
 
 
+def _in_server(tree: ast.Module) -> list[ast.AST]:
+    """The nodes of a python model's file that run in the server: all but the body of ``if __package__:``,
+    which runs only where the file is imported from the nexus_sli package (validation, tests)."""
+    branches = [node for node in ast.walk(tree)
+                if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "__package__"]
+    package_only = {id(node) for branch in branches for statement in branch.body for node in ast.walk(statement)}
+    return [node for node in ast.walk(tree) if id(node) not in package_only]
+
+
 def _third_party_imports() -> set[str]:
     """Top-level modules the python models import that neither Python nor the server provides."""
     names = set()
     for path in (ROOT / "exporter" / "triton" / "python_models").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _in_server(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and not node.level:

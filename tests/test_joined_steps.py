@@ -21,7 +21,7 @@ import tritonclient.http as httpclient
 from helpers import task_models
 from helpers.servers import serving
 from nexus_sli.client import EncoderClient
-from nexus_sli.client.model_info import JOINED_STEPS_PARAMETER, ModelInfo
+from nexus_sli.client.model_info import ModelInfo
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.serving import joined_steps
 from nexus_sli.exporter.triton import config as tc
@@ -124,7 +124,7 @@ def test_every_batched_ensemble_but_the_token_states_is_joined_and_keeps_its_des
             continue
         assert config["backend"] == "python" and not config.get("platform")
         steps = ",".join(step.model_name for step in exported.ensemble_scheduling.step)
-        assert config["parameters"][JOINED_STEPS_PARAMETER]["string_value"] == steps
+        assert config["parameters"]["joined_steps"]["string_value"] == steps
         joined, as_exported = ModelInfo.from_config(exported.name, config), ModelInfo.from_config(
             exported.name, _config(served["separate"]["http"], exported.name))
         for field in ("task", "max_batch_size", "dimensions", "tokenizer", "outputs"):

@@ -183,6 +183,69 @@ def test_the_checker_sees_upward_and_sideways_imports():
                     "nexus_sli.exporter.export.validate") == []
 
 
+def _private(name: str) -> bool:
+    """A name its module keeps to itself: a leading underscore, dunders (``__version__``) aside."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _ours(target: str, package: str) -> str | None:
+    """The module of the tree ``target`` names: a nexus_sli one, or a sibling a copied file imports by its bare
+    name (the python models' ``from encoding import ...``); None for any other."""
+    if target == "nexus_sli" or target.startswith("nexus_sli."):
+        return target
+    sibling = f"{package}.{target}"
+    return sibling if module_path(sibling) is not None else None
+
+
+def private_imports_in(source: str, module: str, is_package: bool, where: str) -> list[str]:
+    """Every use of another module's private name in ``source``: imported (``from .pooling import _node``,
+    ``import nexus_sli.x._y``), or read off an imported module (``pooling._node``)."""
+    package = module if is_package else module.rpartition(".")[0]
+    tree = ast.parse(source)
+    problems, modules = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = _ours(_from_target(node, package), package)
+            for alias in node.names if target else ():
+                if _private(alias.name):
+                    problems.append(f"{where}:{node.lineno} imports {target}.{alias.name}")
+                elif module_path(f"{target}.{alias.name}") is not None:
+                    modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                target = _ours(alias.name, package)
+                if target and any(_private(part) for part in target.split(".")):
+                    problems.append(f"{where}:{node.lineno} imports {target}")
+                elif target and alias.asname:
+                    modules.add(alias.asname)
+    problems += [f"{where}:{node.lineno} reads {node.value.id}.{node.attr}" for node in ast.walk(tree)
+                 if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                 and node.value.id in modules and _private(node.attr)]
+    return problems
+
+
+def test_no_module_uses_another_modules_private_names():
+    problems = []
+    for path in package_files():
+        module, is_package = module_name(path)
+        problems += private_imports_in(path.read_text(), module, is_package, str(path.relative_to(ROOT)))
+    assert not problems, "private names used outside their module (make them public, or move the code):\n" + \
+        "\n".join(problems)
+
+
+def test_the_private_name_checker_sees_imports_and_reads():
+    def problems(source: str, module: str = "nexus_sli.exporter.export.m3_heads") -> list[str]:
+        return private_imports_in(source, module, False, "x.py")
+
+    assert problems("from .pooling import MASK, _node") == ["x.py:1 imports nexus_sli.exporter.export.pooling._node"]
+    assert problems("from . import pooling\nx = pooling._node") == ["x.py:2 reads pooling._node"]
+    assert problems("import nexus_sli.exporter.export.pooling as p\np._pool()") == ["x.py:2 reads p._pool"]
+    assert problems("from encoding import _load", "nexus_sli.exporter.triton.python_models.heads") == [
+        "x.py:1 imports nexus_sli.exporter.triton.python_models.encoding._load"]
+    assert problems("from numpy import _private\nfrom __future__ import annotations\nx = self._own") == []
+    assert problems("from . import pooling\nx = pooling.__doc__") == []
+
+
 def import_graph() -> dict[str, set[str]]:
     """module (a package's ``__init__`` included) -> the nexus_sli modules it imports, at any depth."""
     graph = {}

@@ -10,6 +10,7 @@ evaluated."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import secrets
 import urllib.error
@@ -25,6 +26,7 @@ from nexus_sli.bench.served import Gateway, free_ports
 from nexus_sli.exporter.serving import server as serve
 from nexus_sli.gateway.config import API_KEY_ENV
 from helpers.servers import end_now
+from helpers.serving_paths import JOINED, PATHS, joined_models, per_path, start_options
 from helpers.exports import MINILM
 from helpers.k8s import adapter_rules, by_name, dashboard, render
 
@@ -211,21 +213,39 @@ def _samples(text: str) -> list[Sample]:
 
 
 @pytest.fixture(scope="module")
-def scraped(tmp_path_factory, exports):
-    """Triton and the gateway after some traffic: {"triton": text, "gateway": text, "unauthorised": status}."""
-    root = tmp_path_factory.mktemp("monitoring")
+def repository(tmp_path_factory, exports):
     # the packaged MiniLM, fp32 on ONNX Runtime (the API's defaults: no `auto` search), one model is enough
-    exports.copy(MINILM, root / "repo", as_name="minilm")
+    return exports.copy(MINILM, tmp_path_factory.mktemp("monitoring") / "repo", as_name="minilm")
+
+
+@pytest.fixture(scope="module")
+def scrapes(repository, tmp_path_factory):
+    with per_path(lambda path: _scraped(repository, tmp_path_factory, path)) as scrape:
+        yield scrape
+
+
+@pytest.fixture(params=PATHS)
+def scraped(request, scrapes):
+    """Triton and the gateway after some traffic: {"path", "triton": text, "gateway": text, "unauthorised": status,
+    "triton_idle": Triton's scrape before the traffic}; served as a Kubernetes pod's tritonserver serves the steps
+    (separate), and as nexus-sli serve does by default."""
+    return scrapes(request.param)
+
+
+@contextlib.contextmanager
+def _scraped(repository, tmp_path_factory, path: str):
+    root = tmp_path_factory.mktemp(f"monitoring-{path}")
     http, grpc, metrics = free_ports(3)
-    # the steps as exported, as a Kubernetes pod's tritonserver serves them (nexus-sli serve's joined models
-    # are a local path: exporter/serving/joined_steps.py)
-    process = serve.start(root / "repo", http, grpc, metrics, separate_steps=True)
+    process = serve.start(repository, http, grpc, metrics, **start_options(path))
     key = secrets.token_urlsafe(16)
     try:
         with pytest.MonkeyPatch.context() as env:
             env.setenv(API_KEY_ENV, key)  # as the Deployment passes it: the Secret in the environment
             gateway = Gateway(f"127.0.0.1:{grpc}", timeout_s=120, log=root / "gateway.log").start()
         try:
+            # before the traffic: what the steps count here is the encoder's warm-up
+            status, idle_text = _get(f"http://127.0.0.1:{metrics}/metrics")
+            assert status == 200
             sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0)
             assert len(sdk.embeddings.create(model="minilm", input=["a text", "another"]).data) == 2
             assert len(sdk.embeddings.create(model="minilm", input="one more").data) == 1
@@ -241,14 +261,16 @@ def scraped(tmp_path_factory, exports):
             unauthorised, _ = _get(f"{gateway.url}/metrics")
             status, gateway_text = _get(f"{gateway.url}/metrics", key)  # as the gateway's PodMonitor sends it
             assert status == 200
-            yield {"triton": triton_text, "gateway": gateway_text, "unauthorised": unauthorised}
+            assert joined_models(f"127.0.0.1:{http}", ["minilm"]) == ({"minilm"} if path == JOINED else set())
+            yield {"path": path, "triton": triton_text, "gateway": gateway_text,
+                   "unauthorised": unauthorised, "triton_idle": idle_text}
         finally:
             gateway.stop()
     finally:
         end_now(process)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def names(scraped) -> dict[str, set[str]]:
     """Each series name in the two scrapes, with every label name it carries."""
     found: dict[str, set[str]] = {}
@@ -287,9 +309,21 @@ def test_the_scrapes_count_the_traffic(scraped):
     def total(samples, name, **labels) -> float:
         return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
 
-    assert total(triton, "nv_inference_request_success", model="minilm") >= 2
-    assert total(triton, "nv_inference_request_failure", model="minilm") >= 1  # the bytes that are not UTF-8
-    assert total(triton, "nv_inference_queue_duration_us", model="minilm_encoder") > 0
+    if scraped["path"] == JOINED:
+        # one model under the ensemble's name runs every step, and answers each request itself: the request that
+        # is not UTF-8 is answered with its error, which Triton counts as a success (docs/serving.md); the
+        # steps' own models counted none of the traffic
+        idle = _samples(scraped["triton_idle"])
+        assert total(triton, "nv_inference_request_success", model="minilm") == 3
+        assert total(triton, "nv_inference_request_failure", model="minilm") == 0
+        assert total(triton, "nv_inference_count", model="minilm") == 4  # texts
+        assert total(triton, "nv_inference_queue_duration_us", model="minilm") > 0
+        for step in ("minilm_tokenizer", "minilm_encoder"):
+            assert total(triton, "nv_inference_count", model=step) == total(idle, "nv_inference_count", model=step)
+    else:
+        assert total(triton, "nv_inference_request_success", model="minilm") >= 2
+        assert total(triton, "nv_inference_request_failure", model="minilm") >= 1  # the bytes that are not UTF-8
+        assert total(triton, "nv_inference_queue_duration_us", model="minilm_encoder") > 0
     assert total(gateway, "nexus_sli_gateway_requests_total", route="/v1/embeddings", status="200") == 2
     assert total(gateway, "nexus_sli_gateway_requests_total", route="/v1/embeddings", status="404") == 1
     assert total(gateway, "nexus_sli_gateway_request_duration_seconds_count", route="/v1/embeddings") == 3

@@ -26,6 +26,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 from nexus_sli.client.error_codes import (INPUT_TYPE_PARAMETER, INVALID_INPUT, PROMPT_PARAMETER, TOKEN_COUNT_OUTPUT,
                                           TOKENS_OUTPUT)
 from nexus_sli.exporter.serving.binary import pytriton_root
+from nexus_sli.exporter.triton.models import SHARED_FILES
 from nexus_sli.exporter.triton.python_models.encoding import TOKENIZER_MODES
 from nexus_sli.exporter.triton.python_models.sides import (
     DOCUMENT,
@@ -52,7 +53,7 @@ TEXTS = ["cat", "what is a cat?", "the dog sat on the mat.", "hello, world! (a t
 PROMPTS = {"query": "[unused0] ", "document": "[unused1] ", "search": "search query: "}
 PLAIN_PROMPTS = {"query": "[Q] ", "document": "[D] "}  # markers as a native save writes them: plain text
 #: What a repository's tokenizer model imports from its own folder, and Triton's module beside it.
-REPOSITORY_MODULES = ("encoding", "sides", "error_codes", "triton_python_backend_utils")
+REPOSITORY_MODULES = ("encoding", "sides", "error_codes", "model_parameters", "triton_python_backend_utils")
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,8 @@ def tokenizer_model(tiny_bert, tmp_path, monkeypatch):
     (version / "model.py").write_text(package.joinpath("tokenizer_model.py").read_text())
     for helper in ("encoding.py", "sides.py"):
         (version / helper).write_text(package.joinpath(helper).read_text())
-    (version / "error_codes.py").write_text(resources.files("nexus_sli.client").joinpath("error_codes.py").read_text())
+    for shared, file in SHARED_FILES:
+        (version / file).write_text(resources.files(shared).joinpath(file).read_text())
     (version / "tokenizer.json").write_bytes((tiny_bert / "tokenizer.json").read_bytes())
     for name in REPOSITORY_MODULES:  # this repository's copies, not another test's
         monkeypatch.delitem(sys.modules, name, raising=False)

@@ -1,14 +1,20 @@
 """Reliability on the served path: bad input, fuzzing, faults, and a safe posture.
 
-One real Triton server (module scope, loopback, free ports) serves a tiny model
-per task; every test here uses it, and the fault tests kill parts of it.  Bad
-input is sent through the ensembles and as raw tritonclient requests (HTTP and
-gRPC), and to the tokenizer, encoder and post-processing models directly.  After
-every bad request the same model must answer a valid one.
+One real Triton server (module scope, loopback, free ports) per serving path
+(tests/helpers/serving_paths.py: ``nexus-sli serve``'s default, each batched
+ensemble's steps joined in one process, and the steps as exported) serves a tiny
+model per task, kept up as ``nexus-sli serve`` keeps it (started again if it dies:
+exporter/serving/keeper.py); the fault tests kill parts of it.  Bad input is sent
+through the ensembles and as raw tritonclient requests (HTTP and gRPC), and to the
+tokenizer, encoder and post-processing models directly.  After every bad request
+the same model must answer a valid one.  What does not depend on the path (the
+steps' own models, which both paths serve, the reranking and question-answering
+ensembles, which neither joins, exports, names) runs on the steps as exported only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -34,7 +40,7 @@ import tritonclient.http as httpclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers.servers import end_now
+from helpers.serving_paths import JOINED, PATHS, SEPARATE, joined_models, per_path, start_options
 from helpers.waiting import wait_until
 from helpers import task_models
 from helpers.checkpoints import copy_checkpoint, edit_weights
@@ -46,6 +52,8 @@ from nexus_sli.client import (
     ServerUnavailableError,
 )
 from nexus_sli.exporter.serving import server as serve
+from nexus_sli.exporter.serving.keeper import KeptServer
+from nexus_sli.exporter.serving.stub_supervisor import SHARED_MEMORY, orphaned_workers
 from nexus_sli.exporter.triton import config as triton_config
 from nexus_sli.cli.main import build_parser
 from nexus_sli.exporter.errors import CheckpointError, NexusError
@@ -61,9 +69,15 @@ HIDDEN, LABELS = 32, 3  # the tiny models' sizes
 TIMEOUT_S = 60.0
 
 
+#: The ensembles ``nexus-sli serve`` joins by default: the batched ones (not reranking, question answering)
+JOINABLE = {"embedder", "classifier", "tagger", "legacy"}
+#: Every ensemble of the repository, and the unknown name the bad-input matrix sends to
+ENSEMBLES = [*sorted(JOINABLE), "reranker", "reader"]
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint):
-    """A tiny model per task, exported and served; ``served["process"]`` changes when a test restarts it."""
+def repository(tmp_path_factory, tiny_tokenizer, tiny_checkpoint):
+    """A tiny model per task, exported once for both serving paths: ``{"repo", "checkpoints", "root"}``."""
     root = tmp_path_factory.mktemp("reliability")
     repo = root / "repo"
     checkpoints = task_models.every_task(tiny_tokenizer, tiny_checkpoint, root)
@@ -71,27 +85,51 @@ def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint):
         # "legacy": the earlier embedding ensemble (tokenizer -> encoder -> python pooling), as a repository
         # exported before pooling moved into the graph; "embedder" pools in its encoder graph
         run_export(ExportOptions(model=str(path), name=name, out=repo, pool_in_graph=name != "legacy"))
+    return {"repo": repo, "checkpoints": checkpoints, "root": root}
+
+
+@pytest.fixture(scope="module")
+def servers(repository):
+    with per_path(lambda path: _serving(repository, path)) as server:
+        yield server
+
+
+@pytest.fixture(params=PATHS)
+def served(request, servers):
+    """The repository served on one path; ``served["kept"].process`` is the tritonserver running now (it changes
+    when the server is started again) and ``served["start"]()`` starts it again after a test stopped it."""
+    return servers(request.param)
+
+
+@contextlib.contextmanager
+def _serving(repository, path: str):
     ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
-    state = {"repo": repo, "checkpoints": checkpoints, "ports": ports, "log": root / "server.log",
+    state = {**repository, "path": path, "ports": ports, "log": repository["root"] / f"{path}.log",
              "http": f"127.0.0.1:{ports['http']}", "grpc": f"127.0.0.1:{ports['grpc']}"}
-    state["start"] = lambda: _start(state)
-    state["process"] = state["start"]()
-    yield state
-    end_now(state["process"])
+    state["start"] = lambda: KeptServer(lambda: _start(state))
+    state["kept"] = state["start"]()
+    try:
+        assert joined_models(state["http"], ENSEMBLES) == (JOINABLE if path == JOINED else set())
+        yield state
+    finally:
+        state["kept"].stop(grace=0)  # at once: a graceful stop waits for the clients' idle connections
 
 
 def _start(state):
     log = open(state["log"], "a")  # the server's whole output, checked for secrets
     try:
-        # the steps as exported: the faults below kill each step's worker (a SIGKILL of a joined model's worker
-        # once aborted Triton 2.51's python backend, docs/reliability.md)
         return serve.start(state["repo"], state["ports"]["http"], state["ports"]["grpc"], state["ports"]["metrics"],
-                           stdout=log, stderr=subprocess.STDOUT, separate_steps=True)
+                           stdout=log, stderr=subprocess.STDOUT, **start_options(state["path"]))
     finally:
         log.close()
 
 
-@pytest.fixture(scope="module")
+def _process(served) -> serve.TritonServer:
+    """The tritonserver serving now (the keeper may have started another since the test began)."""
+    return served["kept"].process
+
+
+@pytest.fixture
 def raw(served):
     """Plain tritonclient clients, one per protocol: no checks of ours in the way."""
     clients = {"http": httpclient.InferenceServerClient(served["http"], network_timeout=TIMEOUT_S,
@@ -236,8 +274,13 @@ CASES = [
 ]
 
 
+#: Each case on the paths where what answers it differs: a joinable ensemble's on both, the others' once
+PATH_CASES = [(path, *case) for case in CASES for path in PATHS if path == SEPARATE or case[0] in JOINABLE]
+
+
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-@pytest.mark.parametrize("model, case, inputs, expect", CASES, ids=[f"{m}: {c}" for m, c, _, _ in CASES])
+@pytest.mark.parametrize("served, model, case, inputs, expect", PATH_CASES,
+                         ids=[f"{m}: {c}-{p}" for p, m, c, _, _ in PATH_CASES], indirect=["served"])
 def test_bad_input_gets_a_result_or_a_clear_error(raw, protocol, model, case, inputs, expect):
     if isinstance(expect, str):
         with pytest.raises(Exception, match=expect):
@@ -301,6 +344,7 @@ STEP_CASES = [
 ]
 
 
+@pytest.mark.parametrize("served", [SEPARATE], indirect=True)  # the step models are served alike on both paths
 @pytest.mark.parametrize("model, case, inputs, expect", STEP_CASES, ids=[f"{m}: {c}" for m, c, _, _ in STEP_CASES])
 def test_step_models_answer_bad_raw_requests(raw, model, case, inputs, expect):
     """The ensemble's steps are reachable too: bad tensors get an error or a defined (if meaningless) result."""
@@ -315,11 +359,13 @@ def test_step_models_answer_bad_raw_requests(raw, model, case, inputs, expect):
 
 def test_bad_requests_do_not_fail_the_requests_batched_with_them(served, raw):
     """Dynamic batching puts requests of different senders into one execution:
-    only the bad ones may fail, and every good one gets its own text's answer."""
+    only the bad ones may fail, and every good one gets its own text's answer.  The
+    bad ones go to the steps, and to the ensemble the good ones go to (the joined
+    model, on that path)."""
     with EncoderClient(served["grpc"]) as client:
         expected = {t: client.embed(t, model="embedder") for t in TEXTS}
     bad = [("embedder_encoder", STEP_CASES[0][2]), ("embedder_tokenizer", STEP_CASES[2][2]),
-           ("legacy_postprocess", STEP_CASES[3][2])]
+           ("legacy_postprocess", STEP_CASES[3][2]), ("embedder", _texts(["fine", b"\xc3\x28"]))]
 
     def send_bad(i):  # over gRPC: tritonclient's HTTP client is not for sharing between threads
         model, inputs = bad[i % len(bad)]
@@ -391,6 +437,7 @@ def _expect_clear(raw, model, inputs, invalid: tuple[str, int] | None):
         return None
 
 
+@pytest.mark.parametrize("served", [SEPARATE], indirect=True)  # the tokenizer models, served alike on both paths
 def test_fuzz_tokenizer_models(served, raw):
     """Random bytes and random Unicode, eight items per request, to the three tokenizer modes."""
     sent = []
@@ -451,9 +498,9 @@ def test_fuzz_ensembles_and_post_processing(served, raw):
 
 
 def _assert_no_worker_died(served):
-    supervisor = served["process"].supervisor
+    supervisor = _process(served).supervisor
     assert not supervisor.restarts, f"a python-backend worker died and was restarted: {supervisor.restarts}"
-    assert served["process"].poll() is None
+    assert not served["kept"].restarts and _process(served).poll() is None
 
 
 # ---------------------------------------------------------------- faults
@@ -504,6 +551,7 @@ def _snapshot(repo):
     return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in repo.rglob("*")}
 
 
+@pytest.mark.parametrize("served", [JOINED], indirect=True)  # exports and a restart: alike on both paths
 def test_killed_exports_while_serving_then_restart_on_the_same_ports(served):
     """SIGKILLed re-exports of a served model: it keeps answering, the repository
     still loads when the server restarts on the same ports, and clients created
@@ -540,14 +588,14 @@ def test_killed_exports_while_serving_then_restart_on_the_same_ports(served):
 
     grpc_client, http_client = EncoderClient(served["grpc"]), EncoderClient(served["http"], protocol="http")
     assert np.allclose(grpc_client.embed(TEXTS, model="embedder"), reference, atol=1e-5)
-    serve.stop(served["process"])
+    served["kept"].stop()
     for client in (grpc_client, http_client):
         client.retry_s = 1.0  # a server that stays down: the error once the retry budget is spent
         started = time.monotonic()
         with pytest.raises(ServerUnavailableError, match="unreachable.*retry") as caught:
             client.embed(TEXTS, model="embedder")
         assert isinstance(caught.value, RetryableError) and time.monotonic() - started >= 1.0
-    served["process"] = served["start"]()  # same repository, same ports
+    served["kept"] = served["start"]()  # same repository, same ports
     for client in (grpc_client, http_client):  # gRPC reconnects on its own within about a second
         vectors = wait_until(lambda: _embedded_or_none(client), "the client to recover after the server came back",
                              timeout=30)
@@ -563,71 +611,92 @@ def _embedded_or_none(client):
         return None
 
 
-#: Every python-backend step of an ensemble (the legacy export has the post-processing step)
-STEPS = [("embedder", "tokenizer"), ("embedder", "encoder"), ("legacy", "postprocess")]
+#: The workers the fault tests kill, per path (path, ensemble, the model the worker serves): with the steps
+#: separate, every python-backend step of an ensemble (the legacy export has the post-processing step); joined,
+#: the one process that runs all of the embedder's steps
+VICTIMS = [(SEPARATE, "embedder", "embedder_tokenizer"), (SEPARATE, "embedder", "embedder_encoder"),
+           (SEPARATE, "legacy", "legacy_postprocess"), (JOINED, "embedder", "embedder")]
+#: The worker that runs the embedder's encoder, per path
+ENCODER_WORKER = {SEPARATE: "embedder_encoder", JOINED: "embedder"}
 #: Concurrent clients while a worker is killed
 CLIENTS = 16
+#: A retry budget that outlasts tritonserver started again (the keeper) on a loaded machine.  On the joined path a
+#: worker's SIGKILL can abort the whole server (Triton 2.51's python backend: docs/reliability.md, and the rate
+#: in bench/data/tried.md, "A killed joined worker under load"), so there the fault tests' clients retry this
+#: long: a call then fails neither way, and the tests hold whichever way the server went.
+OUTLAST_RESTART_S = 90.0
+#: What the clients of the fault tests are given to retry with, per path: the defaults with the steps separate
+RETRIES = {SEPARATE: {}, JOINED: {"retry_s": OUTLAST_RESTART_S}}
 
 
-def _kill_under_load(served, ensemble: str, step: str, probers: list) -> tuple[list, float, float]:
-    """Start ``probers``, SIGKILL the ``ensemble_step`` worker once they all got answers, wait for
-    the supervisor's reload and for every prober to be answered after it; (results, killed, reloaded)."""
-    supervisor, model = served["process"].supervisor, f"{ensemble}_{step}"
+def _kill_under_load(served, model: str, probers: list) -> tuple[list, float, float]:
+    """Start ``probers``, SIGKILL a worker of ``model`` once they all got answers, wait for the supervisor's
+    reload (or for the keeper to start tritonserver again, where the kill aborted it) and for every prober to be
+    answered after it; (results, killed, recovered)."""
+    kept = served["kept"]
+    supervisor = kept.process.supervisor
     for prober in probers:
         prober.start()
     wait_until(lambda: all(prober.results for prober in probers), "every prober to get an answer", TIMEOUT_S)
-    restarts = len(supervisor.restarts)
+    reloads, starts = len(supervisor.restarts), len(kept.restarts)
     victim = supervisor.stub_processes()[model][0]
     killed_at = time.monotonic()
     victim.kill()
-    wait_until(lambda: len(supervisor.restarts) > restarts, f"{model} to be restarted", TIMEOUT_S)
+    wait_until(lambda: len(supervisor.restarts) > reloads or len(kept.restarts) > starts,
+               f"{model} to be reloaded (or tritonserver started again)", OUTLAST_RESTART_S)
     recovered_at = time.monotonic()
     wait_until(lambda: all(any(t > recovered_at + 1.0 and not isinstance(r, Exception) for t, r in prober.results)
                            for prober in probers), "every prober to be answered again after the reload", TIMEOUT_S)
     results = [r for prober in probers for r in prober.finish()]
-    assert supervisor.restarts[-1][1] == model
+    assert [m for _, m in supervisor.restarts[reloads:]] == ([model] if len(kept.restarts) == starts else [])
     assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
     return results, killed_at, recovered_at
 
 
-@pytest.mark.parametrize("ensemble, step", STEPS)
-def test_killed_worker_costs_latency_not_failed_calls(served, ensemble, step):
-    """A python-backend process killed under 16 concurrent clients with the client's default retries:
-    no call fails; the calls that met the dead worker are answered after the reload, correctly."""
+def _probers(served, model: str, count: int, **options) -> list:
+    return [_Prober(served["grpc" if i % 2 else "http"], "grpc" if i % 2 else "http", model, **options)
+            for i in range(count)]
+
+
+@pytest.mark.parametrize("served, ensemble, model", VICTIMS, indirect=["served"],
+                         ids=[f"{m}-{p}" for p, _, m in VICTIMS])
+def test_killed_worker_costs_latency_not_failed_calls(served, ensemble, model):
+    """A python-backend process killed under 16 concurrent clients that retry (the client's defaults, or on the
+    joined path a budget that outlasts a restart: :data:`OUTLAST_RESTART_S`): no call fails; the calls that met
+    the dead worker are answered after the reload, correctly."""
     with EncoderClient(served["grpc"]) as client:
         reference = client.embed(TEXTS, model=ensemble)
-    probers = [_Prober(served["grpc" if i % 2 else "http"], "grpc" if i % 2 else "http", ensemble)
-               for i in range(CLIENTS)]
-    results, killed_at, recovered_at = _kill_under_load(served, ensemble, step, probers)
+    probers = _probers(served, ensemble, CLIENTS, **RETRIES[served["path"]])
+    results, killed_at, recovered_at = _kill_under_load(served, model, probers)
     errors = [r for _, r in results if isinstance(r, Exception)]
     assert not errors, f"{len(errors)} calls failed, first: {errors[0]!r}"
     assert all(np.allclose(r, reference, atol=1e-5) for _, r in results)
     slowest = max(p.slowest for p in probers)
     # the calls that met the dead worker waited for the reload: the fault cost them latency
     assert slowest >= (recovered_at - killed_at) * 0.5, (slowest, recovered_at - killed_at)
-    print(f"{ensemble}_{step}: killed, reloaded after {recovered_at - killed_at:.1f} s; {len(results)} calls, "
-          f"0 failed, slowest {slowest:.1f} s")
+    print(f"{model}: killed, served again after {recovered_at - killed_at:.1f} s; {len(results)} calls, "
+          f"0 failed, slowest {slowest:.1f} s; tritonserver started again {len(served['kept'].restarts)} times")
 
 
-@pytest.mark.parametrize("ensemble, step", STEPS)
-def test_killed_worker_without_retries_gives_clear_retryable_errors(served, ensemble, step, caplog):
+@pytest.mark.parametrize("served, ensemble, model", VICTIMS, indirect=["served"],
+                         ids=[f"{m}-{p}" for p, _, m in VICTIMS])
+def test_killed_worker_without_retries_gives_clear_retryable_errors(served, ensemble, model, caplog):
     """The same fault with retries off (``retry_s=0``): requests meanwhile fail with a clear,
     retryable error, the server reloads the model, and answers are right again."""
     caplog.set_level(logging.INFO, logger="nexus_sli")
-    process = served["process"]
     with EncoderClient(served["grpc"]) as client:
         reference = client.embed(TEXTS, model=ensemble)
-    probers = [_Prober(served["grpc" if i % 2 else "http"], "grpc" if i % 2 else "http", ensemble, retry_s=0)
-               for i in range(6)]
-    results, killed_at, recovered_at = _kill_under_load(served, ensemble, step, probers)
+    probers = _probers(served, ensemble, 6, retry_s=0)
+    results, killed_at, recovered_at = _kill_under_load(served, model, probers)
     errors = [r for _, r in results if isinstance(r, Exception)]
     assert errors, "no request met the dead worker"
     for error in errors:
         assert isinstance(error, RetryableError) and "retry" in str(error), repr(error)
     later = [r for t, r in results if t > recovered_at + 1.0]
     assert later and all(not isinstance(r, Exception) and np.allclose(r, reference, atol=1e-5) for r in later)
-    print(f"{ensemble}_{step}: killed, reloaded after {recovered_at - killed_at:.1f} s; {len(errors)} retryable "
+    print(f"{model}: killed, served again after {recovered_at - killed_at:.1f} s; {len(errors)} retryable "
           f"errors, {len(results) - len(errors)} answers")
+    process = _process(served)
     secret = process.supervisor._key
     assert secret not in served["log"].read_text() and secret not in caplog.text
     assert secret not in repr(process) and secret not in " ".join(process.args)
@@ -640,7 +709,8 @@ class _SdkProber(threading.Thread):
         super().__init__(daemon=True)
         import openai
 
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=max_retries, timeout=60)
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=max_retries,
+                                    timeout=OUTLAST_RESTART_S + TIMEOUT_S)
         self.stopping = threading.Event()
         self.results: list[tuple[float, object]] = []  # (time, 200 or the exception)
 
@@ -660,13 +730,13 @@ class _SdkProber(threading.Thread):
 
 
 def _gateway_calls_under_fault(served, log, max_retries: int, *gateway_args: str) -> list:
-    """SIGKILL of the encoder's backend process under 16 clients of the ``openai`` SDK through a gateway:
-    every call's result (200, or the SDK's exception)."""
+    """SIGKILL of the worker that runs the embedder's encoder under 16 clients of the ``openai`` SDK through a
+    gateway: every call's result (200, or the SDK's exception)."""
     from nexus_sli.bench.served import Gateway
 
     with Gateway(served["grpc"], *gateway_args, timeout_s=120, log=log) as gateway:
         probers = [_SdkProber(gateway.url, max_retries) for _ in range(CLIENTS)]
-        results, _, _ = _kill_under_load(served, "embedder", "encoder", probers)
+        results, _, _ = _kill_under_load(served, ENCODER_WORKER[served["path"]], probers)
     return [r for _, r in results]
 
 
@@ -683,13 +753,80 @@ def test_killed_encoder_worker_through_the_gateway_is_503s_never_404s(served, tm
         assert error.response.headers.get("retry-after") == "5", dict(error.response.headers)
 
 
-def test_killed_encoder_worker_through_the_gateway_fails_no_call_with_the_defaults(served, tmp_path):
-    """The gateway's default retries and the SDK's default (``max_retries=2``): the fault costs latency only."""
+def test_killed_encoder_worker_through_the_gateway_fails_no_call_with_retries(served, tmp_path):
+    """The SDK's default retries (``max_retries=2``) and the gateway's (its default ``--triton-retry``, or on the
+    joined path one that outlasts a restart: :data:`OUTLAST_RESTART_S`): the fault costs latency only."""
     import openai
 
-    results = _gateway_calls_under_fault(served, tmp_path / "gw.log", openai.DEFAULT_MAX_RETRIES)
+    retry = ("--triton-retry", str(RETRIES[served["path"]]["retry_s"])) if RETRIES[served["path"]] else ()
+    results = _gateway_calls_under_fault(served, tmp_path / "gw.log", openai.DEFAULT_MAX_RETRIES, *retry)
     failed = [r for r in results if r != 200]
     assert results and not failed, f"{len(failed)} of {len(results)} calls failed, first: {failed[0]!r}"
+
+
+@pytest.mark.parametrize("served", [JOINED], indirect=True)  # the keeper is the same on both paths
+def test_an_aborted_tritonserver_is_started_again_and_retrying_clients_carry_over(served):
+    """tritonserver ended by SIGABRT (as the python backend's abort ends it) under 8 clients that retry longer
+    than a start takes: the keeper starts it again on the same ports and repository, no call fails, answers are
+    right, and nothing of the dead server is left: its workers, their shared memory, its dead workers."""
+    kept, old = served["kept"], _process(served)
+    # every worker killed before (the tests above) is still a zombie of this server: one per reload
+    assert old.supervisor.dead_workers() == len(old.supervisor.restarts)
+    with EncoderClient(served["grpc"]) as client:
+        reference = client.embed(TEXTS, model="embedder")
+    probers = _probers(served, "embedder", 8, retry_s=OUTLAST_RESTART_S)
+    for prober in probers:
+        prober.start()
+    wait_until(lambda: all(prober.results for prober in probers), "every prober to get an answer", TIMEOUT_S)
+    starts, regions = len(kept.restarts), set(old.supervisor.regions)
+    aborted_at = time.monotonic()
+    os.kill(old.pid, signal.SIGABRT)
+    wait_until(lambda: len(kept.restarts) > starts, "tritonserver to be started again", OUTLAST_RESTART_S)
+    started_at = time.monotonic()
+    wait_until(lambda: all(any(t > started_at and not isinstance(r, Exception) for t, r in prober.results)
+                           for prober in probers), "every prober to be answered by the new server", TIMEOUT_S)
+    results = [r for prober in probers for r in prober.finish()]
+    errors = [r for _, r in results if isinstance(r, Exception)]
+    assert not errors, f"{len(errors)} calls failed, first: {errors[0]!r}"
+    assert all(np.allclose(r, reference, atol=1e-5) for _, r in results)
+    assert "exited by itself" in kept.restarts[-1][1] and _process(served).pid != old.pid
+    assert regions and not [r for r in regions if (SHARED_MEMORY / r).exists()], "the dead server's shared memory"
+    assert not orphaned_workers(old.pid)
+    assert _process(served).supervisor.dead_workers() == 0
+    print(f"tritonserver aborted, started again after {started_at - aborted_at:.1f} s; {len(results)} calls, "
+          f"0 failed, slowest {max(p.slowest for p in probers):.1f} s")
+
+
+class _Sleeper(subprocess.Popen):
+    """A stand-in for tritonserver: a process that waits, with a supervisor that counts ``dead`` zombies."""
+
+    def __init__(self, dead: list[int]):
+        super().__init__(["sleep", "600"])
+        self.supervisor = type("Counts", (), {"dead_workers": lambda _: dead[0], "stop": lambda _: None})()
+
+
+def test_the_keeper_starts_the_server_again_when_it_dies_or_holds_too_many_dead_workers_within_a_limit():
+    dead, launched = [0], []
+    kept = KeptServer(lambda: launched.append(_Sleeper(dead)) or launched[-1], max_dead_workers=3,
+                      max_restarts=3, interval=0.05)
+    try:
+        launched[0].kill()  # dies by itself
+        wait_until(lambda: len(kept.restarts) == 1, "a start after the server died", 10)
+        assert kept.restarts[-1][1] == "exited by itself (signal 9)" and kept.process is launched[1]
+        dead[0] = 3  # the supervisor of the new one counts 3 zombies: stopped cleanly, then started again
+        wait_until(lambda: len(kept.restarts) == 2, "a start after too many dead workers", 10)
+        assert "holds 3 dead" in kept.restarts[-1][1] and launched[1].returncode == -signal.SIGTERM
+        dead[0] = 0
+        kept.process.kill()  # the third start within the window: allowed
+        wait_until(lambda: len(kept.restarts) == 3, "a third start", 10)
+        dead[0] = 3  # a fourth start is not allowed within the window: it serves on with its dead workers
+        time.sleep(0.5)
+        assert len(kept.restarts) == 3 and kept.process.poll() is None and kept.poll() is None
+        kept.process.kill()  # and when it dies, it is left down, and its exit code is the keeper's
+        assert kept.wait(10) == -signal.SIGKILL and len(launched) == 4
+    finally:
+        kept.stop(grace=0)
+    assert all(process.poll() is not None for process in launched)
 
 
 def _truncate(directory):
@@ -712,6 +849,7 @@ BAD_CHECKPOINTS = {
 }
 
 
+@pytest.mark.parametrize("served", [SEPARATE], indirect=True)  # an export: alike on both paths
 @pytest.mark.parametrize("kind", BAD_CHECKPOINTS)
 def test_bad_checkpoint_fails_the_export_and_changes_nothing_in_out(served, kind, tmp_path):
     """Exported into the served repository under the served model's name: the
@@ -729,8 +867,8 @@ def test_bad_checkpoint_fails_the_export_and_changes_nothing_in_out(served, kind
         assert client.embed("still served", model="embedder").shape == (HIDDEN,)
 
 
-def test_truncated_checkpoint_error_names_the_tensors_cut_off(served, tmp_path):
-    directory = copy_checkpoint(served["checkpoints"]["embedder"], tmp_path)
+def test_truncated_checkpoint_error_names_the_tensors_cut_off(repository, tmp_path):
+    directory = copy_checkpoint(repository["checkpoints"]["embedder"], tmp_path)
     cut_off = _truncate(directory)
     with pytest.raises(CheckpointError) as caught:
         run_export(ExportOptions(model=str(directory), name="truncated", task="embedding", out=tmp_path / "out"))
@@ -760,9 +898,10 @@ def test_export_with_a_path_for_a_name_writes_nothing(name, tmp_path):
     assert not (tmp_path / "deep").exists() and not (tmp_path / "escape").exists()
 
 
+@pytest.mark.parametrize("served", [SEPARATE], indirect=True)  # the same flags on both paths
 def test_server_binds_loopback_and_model_control_is_off_for_users(served):
     assert build_parser().parse_args(["serve"]).host == "127.0.0.1"
-    listening = {c.laddr for c in psutil.Process(served["process"].pid).net_connections("inet")
+    listening = {c.laddr for c in psutil.Process(_process(served).pid).net_connections("inet")
                  if c.status == psutil.CONN_LISTEN}
     assert {port for _, port in listening} == set(served["ports"].values())
     assert all(ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback for ip, _ in listening), listening
@@ -791,8 +930,8 @@ def test_server_binds_loopback_and_model_control_is_off_for_users(served):
         serve.server_command(served["repo"], 1, 2, 3, reload_models=True)
 
 
-def test_remote_code_in_a_checkpoint_is_never_run(served, tmp_path):
-    directory = copy_checkpoint(served["checkpoints"]["embedder"], tmp_path)
+def test_remote_code_in_a_checkpoint_is_never_run(repository, tmp_path):
+    directory = copy_checkpoint(repository["checkpoints"]["embedder"], tmp_path)
     marker = tmp_path / "remote-code-ran"
     (directory / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
     config = json.loads((directory / "config.json").read_text())

@@ -24,7 +24,7 @@ from nexus_sli.bench.served import Gateway
 from nexus_sli.client import AsyncEncoderClient, EncoderClient, InvalidInputError
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
-from nexus_sli.exporter.export.source import matryoshka_dims, prompts
+from nexus_sli.exporter.export.st_folder import matryoshka_dims, prompts
 from nexus_sli.exporter.export.validate import validation_texts
 from helpers.servers import gateway_to, serving
 from helpers import task_models

@@ -44,7 +44,7 @@ def test_unsigned_activations_dequantize_every_value_as_before():
     before = ReferenceEvaluator(signed).run(None, {"x": x})
     unsigned = unsigned_activations(_qdq_matmul())
     after = ReferenceEvaluator(unsigned).run(None, {"x": x})
-    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[0], before[0])  # the same dequantized values, one evaluator: the same sums
     zero_points = {i.name: numpy_helper.to_array(i) for i in unsigned.graph.initializer}
     assert zero_points["x_zero"].dtype == np.uint8 and int(zero_points["x_zero"]) == -7 + 128
     assert zero_points["w_zero"].dtype == np.int8 and zero_points["w"].dtype == np.int8  # weights stay signed

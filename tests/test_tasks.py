@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,7 @@ from helpers import task_models
 from helpers.exports import MINILM
 from nexus_sli.client import (
     AsyncEncoderClient,
+    DeadlineExceededError,
     EncoderClient,
     InvalidInputError,
     ModelNotFoundError,
@@ -244,6 +247,40 @@ def test_client_errors_are_clear(client, served):
     assert client.embed(["still serving"], model="minilm").shape == (1, 384)
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_call_past_its_deadline_on_a_loaded_server_is_its_own_error_sent_once(served, protocol):
+    """Under load, a call whose deadline is shorter than its wait raises DeadlineExceededError at that
+    deadline, not after a retry budget of copies; the server is up, and answers the next call."""
+    done, answered, failures = threading.Event(), [], []
+
+    def load():
+        with EncoderClient(served["grpc"], model="minilm") as loader:
+            while not done.is_set():
+                try:
+                    answered.append(len(loader.embed(TEXTS * 4)))
+                except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                    failures.append(exc)
+
+    loaders = [threading.Thread(target=load) for _ in range(2)]
+    for loader in loaders:
+        loader.start()
+    try:
+        time.sleep(0.3)  # the loaders' batches fill the steps' queues
+        url = served[protocol]
+        with EncoderClient(url, protocol=protocol, model="minilm", timeout_s=0.005, retry_s=30) as client:
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceededError, match="did not answer within"):
+                client.embed("a query")
+            assert time.monotonic() - started < 5 and client.replicas.failed[url] == 1  # one attempt
+    finally:
+        done.set()
+        for loader in loaders:
+            loader.join()
+    assert answered and not failures, failures
+    with EncoderClient(served[protocol], protocol=protocol) as client:
+        assert client.embed("the next query", model="minilm").shape == (384,)
+
+
 def test_unreachable_server_is_retryable_error():
     port = free_ports(1)[0]
     for protocol in ("grpc", "http"):  # a 1 s retry budget, not the default 15 s (test_failover checks it)
@@ -254,6 +291,7 @@ def test_unreachable_server_is_retryable_error():
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_a_clients_default_model_serves_the_calls_that_name_none(served, protocol):
     with EncoderClient(served[protocol], protocol=protocol, model="minilm") as client:
+        # the same request twice: the same batch, kernels and order of summation, so the same bits
         assert np.array_equal(client.embed("a text"), client.embed("a text", model="minilm"))
         with pytest.raises(WrongTaskError, match="serves task 'embedding'"):
             client.classify("a text")

@@ -179,7 +179,7 @@ def test_the_pooled_graph_keeps_the_token_states_and_validation_compares_them(pl
     assert tokens.shape == (5, length, HIDDEN) and length < feeds["attention_mask"].shape[1]
     np.testing.assert_allclose(tokens, states[:, :length], atol=1e-6)
     (only,) = session.run(["EMBEDDING"], feeds)  # what the served encoder asks for on embedding requests
-    np.testing.assert_array_equal(only, embedding)
+    np.testing.assert_array_equal(only, embedding)  # one session, one input: the same sums in the same order
     reference = build_reference(plain["model"], get_task("embedding"), plain["names"],
                                 parity_cases(plain["names"], VOCAB, 0, 128), [feeds])
     task = get_task("embedding")

@@ -6,22 +6,22 @@ an activation (a ``torch.nn`` class, named by its dotted path in the module's
 bias-free projection where the sizes differ).  It reads and overwrites one
 entry of sentence-transformers' features: ``sentence_embedding`` (after the
 pooling, as in LaBSE) or ``token_embeddings`` (the token states, before it).
-The export reproduces them in ``modules.json`` order: in the graph
-(:mod:`pooling`) and in numpy here, which validation applies to PyTorch's
-token states.
+The export reads them from the folder (:func:`st_folder.read_dense`) and
+reproduces them in ``modules.json`` order: in the graph (:mod:`pooling`) and in
+numpy here, which validation applies to PyTorch's token states.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from nexus_sli.exporter.errors import NexusError
+
+from .export_report import DenseRecord
 
 #: The features a Dense module may read: the pooled vector, or the token states before the pooling.
 SENTENCE, TOKENS = "sentence_embedding", "token_embeddings"
@@ -71,20 +71,23 @@ class Dense:
             out = out + (wide if self.residual is None else wide @ self.residual.T.astype(np.float64))
         return out.astype(np.float32)
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> DenseRecord:
         """What validation.json keeps of it (:meth:`from_record` reads it back): weights as nested lists."""
-        return {"weight": _listed(self.weight), "bias": _listed(self.bias), "activation": self.activation,
-                "input": self.input, "use_residual": self.use_residual, "residual": _listed(self.residual)}
+        return DenseRecord(weight=_listed(self.weight), bias=_listed(self.bias), activation=self.activation,
+                           input=self.input, use_residual=self.use_residual, residual=_listed(self.residual))
 
     @classmethod
-    def from_record(cls, record: dict[str, Any]) -> Dense:
-        arrays = {key: None if record.get(key) is None else np.asarray(record[key], np.float32)
-                  for key in ("weight", "bias", "residual")}
-        return cls(**{**record, **arrays})
+    def from_record(cls, record: DenseRecord) -> Dense:
+        return cls(_array(record.weight), _array(record.bias), record.activation, record.input, record.use_residual,
+                   _array(record.residual))
 
 
 def _listed(array: np.ndarray | None) -> list | None:
     return None if array is None else array.tolist()
+
+
+def _array(values: list | None) -> np.ndarray | None:
+    return None if values is None else np.asarray(values, np.float32)
 
 
 def activation_name(dotted: str, where: Path) -> str:
@@ -109,52 +112,6 @@ def activation_name(dotted: str, where: Path) -> str:
         raise NexusError(f"{where}: activation_function {dotted!r} is not reproduced by the export; "
                          f"known: {', '.join('torch.nn.' + n for n in ACTIVATIONS)}")
     return found.__name__
-
-
-def _weights(folder: Path) -> dict[str, np.ndarray]:
-    """The module's tensors: model.safetensors, else pytorch_model.bin loaded without running pickled code."""
-    if (folder / "model.safetensors").is_file():
-        from safetensors.numpy import load_file
-
-        return load_file(str(folder / "model.safetensors"))
-    if (folder / "pytorch_model.bin").is_file():
-        import torch
-
-        loaded = torch.load(str(folder / "pytorch_model.bin"), map_location="cpu", weights_only=True)
-        return {key: value.float().numpy() for key, value in loaded.items()}
-    raise NexusError(f"{folder} has neither model.safetensors nor pytorch_model.bin: the Dense module's "
-                     "weights cannot be read")
-
-
-def _tensor(tensors: dict[str, np.ndarray], key: str, shape: tuple[int, ...], folder: Path) -> np.ndarray:
-    if key not in tensors:
-        raise NexusError(f"{folder}: the Dense module's weights lack {key} (they have {', '.join(sorted(tensors))})")
-    if tuple(tensors[key].shape) != shape:
-        raise NexusError(f"{folder}: {key} has shape {tuple(tensors[key].shape)}, its config says {shape}")
-    return tensors[key].astype(np.float32)
-
-
-def read(folder: Path, expected_input: str, unnamed_input: str = SENTENCE) -> Dense:
-    """The Dense module in ``folder``; ``expected_input``: the feature its place in the pipeline feeds it
-    (:data:`TOKENS` before the pooling, :data:`SENTENCE` after); ``unnamed_input``: the feature a config
-    that names none reads (a multi-vector model's older saves imply the token states)."""
-    file = folder / "config.json"
-    config = json.loads(file.read_text()) if file.is_file() else {}
-    if "in_features" not in config or "out_features" not in config:
-        raise NexusError(f"{file} does not give the Dense module's in_features and out_features")
-    source = config.get("module_input_name", unnamed_input)
-    if source != expected_input or config.get("module_output_name", source) not in (None, source):
-        raise NexusError(f"{file}: a Dense module at this place of the pipeline must read and write "
-                         f"{expected_input!r}; it reads {source!r} and writes "
-                         f"{config.get('module_output_name') or source!r}")
-    size_in, size_out = int(config["in_features"]), int(config["out_features"])
-    tensors = _weights(folder)
-    residual = bool(config.get("use_residual", False))
-    return Dense(_tensor(tensors, "linear.weight", (size_out, size_in), folder),
-                 _tensor(tensors, "linear.bias", (size_out,), folder) if config.get("bias", True) else None,
-                 activation_name(config.get("activation_function") or DEFAULT_ACTIVATION, file), source, residual,
-                 _tensor(tensors, "residual.weight", (size_out, size_in), folder)
-                 if residual and size_in != size_out else None)
 
 
 def chained_size(modules: list[Dense], hidden_size: int, where: Path) -> int:

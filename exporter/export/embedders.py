@@ -1,7 +1,8 @@
 """How a pooled task's answer is made from the graph's output, as the model's folder says.
 
 A task spec's ``pooled_by`` (:mod:`nexus_sli.tasks.spec`) names one entry of
-:data:`POOLERS`.  Each reads the model's sentence-transformers folder and gives
+:data:`POOLERS`.  Each reads the model's sentence-transformers folder (through
+:mod:`st_folder`, the one reader of its files) and gives
 the embedder (the numpy pooling validation applies to PyTorch's outputs, whose
 parameters the post-processing and clients read) and the same pooling as ONNX
 ops that every target appends to its candidate graphs (:mod:`pooling`):
@@ -21,26 +22,19 @@ ops that every target appends to its candidate graphs (:mod:`pooling`):
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from nexus_sli.exporter.errors import NexusError
-from nexus_sli.exporter.triton.python_models.encoding import SPLADE_ACTIVATIONS, SPLADE_STRATEGIES
 from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK
 
 from .dense import chained_size
 from .m3_heads import M3Embedder, M3Head, dropped_token_ids, is_bge_m3, m3_sides, read_m3_heads
 from .multi_vector import MultiVectorConfig, read_multi_vector
 from .pooling import MultiVectorHead, Pooling, SpladePooling
-# sentence-transformers' modules.json, read where the rest of the folder is (one reader)
-from .source import dense_modules, layer_norm, normalizes, pooling_mode, st_module_path
+from .st_folder import dense_modules, layer_norm, normalizes, pooling_mode, splade_config
 from .validate import Embedder, MultiVectorEmbedder, SparseEmbedder
-
-#: The modules a sparse encoder folder may hold besides its SpladePooling: the masked-LM transformer
-#: (``MLMTransformer``, or ``Transformer`` with ``transformer_task: fill-mask`` since sentence-transformers 6).
-_SPARSE_TRANSFORMERS = ("MLMTransformer", "Transformer")
 
 
 @dataclass(frozen=True)
@@ -66,31 +60,12 @@ def _sentence(model: ModelFolder) -> tuple[Embedder, Pooling]:
     on_tokens, on_pooled = dense_modules(path)
     embedder = Embedder(pooling_mode(path), normalizes(path), layer_norm(path), [*on_tokens, *on_pooled])
     size = chained_size(embedder.dense, hidden_size, path)
-    if embedder.layer_norm is not None and len(embedder.layer_norm["weight"]) != size:
-        raise NexusError(f"{path}: the LayerNorm module normalises {len(embedder.layer_norm['weight'])} values; "
+    if embedder.layer_norm is not None and len(embedder.layer_norm.weight) != size:
+        raise NexusError(f"{path}: the LayerNorm module normalises {len(embedder.layer_norm.weight)} values; "
                          f"the vectors before it have {size}")
     tokens = task.token_states.name if task.token_states is not None else None
     return embedder, Pooling(embedder.pooling, embedder.normalize, task.output_names()[0], task.client_output,
                              size, tokens, embedder.layer_norm, tuple(embedder.dense))
-
-
-def splade_config(path: Path) -> tuple[str, str]:
-    """(pooling strategy, activation) of the folder's SpladePooling module; ``max`` and ``relu`` (its
-    defaults) where the folder has none.  Modules the export cannot reproduce are refused by name."""
-    modules = json.loads((path / "modules.json").read_text()) if (path / "modules.json").is_file() else []
-    others = [m.get("type", "?") for m in modules
-              if not m.get("type", "").endswith(("SpladePooling", *_SPARSE_TRANSFORMERS))]
-    if others:
-        raise NexusError(f"{path / 'modules.json'}: the sparse-embedding export reproduces a masked-LM transformer "
-                         f"followed by SpladePooling only, not {', '.join(others)}")
-    folder = st_module_path(path, "SpladePooling")
-    config = json.loads((folder / "config.json").read_text()) if folder and (folder / "config.json").is_file() else {}
-    strategy, activation = config.get("pooling_strategy", "max"), config.get("activation_function", "relu")
-    if strategy not in SPLADE_STRATEGIES or activation not in SPLADE_ACTIVATIONS:
-        raise NexusError(f"unsupported SpladePooling pooling_strategy {strategy!r} / activation_function "
-                         f"{activation!r} in {folder / 'config.json'}; known: {', '.join(SPLADE_STRATEGIES)} / "
-                         f"{', '.join(SPLADE_ACTIVATIONS)}")
-    return strategy, activation
 
 
 def _splade(model: ModelFolder) -> tuple[SparseEmbedder, SpladePooling]:
@@ -136,9 +111,3 @@ def poolers(model: ModelFolder) -> tuple[Any, Any]:
     if model.task.pooled_by is None:
         return None, None
     return POOLERS[model.task.pooled_by](model)
-
-
-def is_sparse_encoder(path: Path) -> bool:
-    """Whether the folder is a sentence-transformers SparseEncoder with SpladePooling (``--task auto``
-    exports it as sparse embeddings; a ``*ForMaskedLM`` architecture alone does not say so)."""
-    return st_module_path(path, "SpladePooling") is not None

@@ -262,6 +262,46 @@ class PlanRecord(Record):
 
 
 @dataclass(kw_only=True)
+class LayerNormRecord(Record):
+    """sentence-transformers' LayerNorm module after the pooling (``layer_norm``): ``torch.nn.LayerNorm`` over
+    the pooled vector, read from the model's folder (:func:`st_folder.layer_norm`)."""
+
+    #: the scale and the shift, one value per dimension
+    weight: list[float]
+    bias: list[float]
+    #: its epsilon (sentence-transformers keeps torch's default: :data:`st_folder.LAYER_NORM_EPS`)
+    eps: float
+
+
+@dataclass(kw_only=True)
+class DenseRecord(Record):
+    """One of sentence-transformers' Dense modules (``dense``), as :class:`dense.Dense` holds it
+    (:meth:`dense.Dense.record`); every export that wrote the record wrote all its keys."""
+
+    #: ``[out_features, in_features]``
+    weight: list[list[float]]
+    #: ``[out_features]``; None: the module has no bias
+    bias: list[float] | None
+    #: the ``torch.nn`` activation's class name (a key of :data:`dense.ACTIVATIONS`)
+    activation: str
+    #: the feature it reads and overwrites (:data:`dense.SENTENCE`, the pooled vector, or :data:`dense.TOKENS`)
+    input: str
+    #: whether its input is added back, through ``residual`` (``[out_features, in_features]``) where the
+    #: sizes differ (None: the input itself)
+    use_residual: bool
+    residual: list[list[float]] | None
+
+
+@dataclass(kw_only=True)
+class SpladeRecord(Record):
+    """A sparse encoder's SpladePooling (``splade``): :data:`encoding.SPLADE_STRATEGIES` and
+    :data:`encoding.SPLADE_ACTIVATIONS` of the python models' ``encoding.py``."""
+
+    strategy: str
+    activation: str
+
+
+@dataclass(kw_only=True)
 class ExportReport(Record):
     """What an export validated, measured and chose, and the facts the served model is built from."""
 
@@ -309,13 +349,12 @@ class ExportReport(Record):
     #: :func:`validate.embedder_from_report` reads these five back)
     pooling: str | None = None
     normalize: bool | None = None
-    #: sentence-transformers' LayerNorm module after the pooling ({"weight", "bias", "eps"}), where the model has one
-    layer_norm: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
-    #: sentence-transformers' Dense modules in order ({"weight", "bias", "activation", "input", "use_residual",
-    #: "residual"}: :meth:`dense.Dense.record`), where the model has them
-    dense: list[dict[str, Any]] | None = field(default=None, metadata=OPTIONAL)
-    #: a sparse encoder's SpladePooling ({"strategy", "activation"})
-    splade: dict[str, str] | None = field(default=None, metadata=OPTIONAL)
+    #: sentence-transformers' LayerNorm module after the pooling, where the model has one
+    layer_norm: LayerNormRecord | None = field(default=None, metadata=OPTIONAL)
+    #: sentence-transformers' Dense modules in order, where the model has them
+    dense: list[DenseRecord] | None = field(default=None, metadata=OPTIONAL)
+    #: a sparse encoder's SpladePooling
+    splade: SpladeRecord | None = field(default=None, metadata=OPTIONAL)
     #: whether the graph ends in the pooling, its first output the pooled embedding (False: the token states,
     #: pooled by the python post-processing step; exports before pooling moved into the graph lack the key)
     pooled_in_graph: bool = False

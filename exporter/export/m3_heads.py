@@ -35,7 +35,6 @@ which the tokenizer step answers without each text's first token).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, NamedTuple
@@ -49,7 +48,8 @@ from nexus_sli.exporter.triton.python_models.encoding import l2_normalize
 from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK, Side, Sides
 
 from . import onnx_files
-from .pooling import MASK, PREFIX, _constants, _node, _normalize, _pool
+from .pooling import MASK, PREFIX, normalize_nodes, pool_states, pooling_constants, prefixed_node
+from .st_folder import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, special_tokens, state_dict
 from .validate import M3_POOLING
 
 SPARSE_HEAD, COLBERT_HEAD = "sparse_linear.pt", "colbert_linear.pt"
@@ -90,8 +90,8 @@ def read_m3_heads(path: Path, hidden_size: int, allow_pickle: bool) -> M3Heads:
         raise UnsafeCheckpointError(
             f"{path} keeps BGE-M3's heads as pickles ({SPARSE_HEAD}, {COLBERT_HEAD}); loading pickle can run "
             "arbitrary code. Pass --allow-pickle if you trust the source (they are then read as tensors only).")
-    sparse = _state(path / SPARSE_HEAD, {"weight": (1, hidden_size), "bias": (1,)})
-    colbert = _state(path / COLBERT_HEAD, {"weight": (None, hidden_size), "bias": (None,)})
+    sparse = state_dict(path / SPARSE_HEAD, {"weight": (1, hidden_size), "bias": (1,)})
+    colbert = state_dict(path / COLBERT_HEAD, {"weight": (None, hidden_size), "bias": (None,)})
     dim = colbert["weight"].shape[0]
     if colbert["bias"].shape != (dim,):
         raise CheckpointError(f"{COLBERT_HEAD}: bias has shape {colbert['bias'].shape}, expected ({dim},) "
@@ -99,31 +99,11 @@ def read_m3_heads(path: Path, hidden_size: int, allow_pickle: bool) -> M3Heads:
     return M3Heads(sparse["weight"][0], float(sparse["bias"][0]), colbert["weight"], colbert["bias"])
 
 
-def _state(file: Path, shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
-    """The state dict at ``file`` as fp32 arrays, checked against ``shapes`` (``None``: any size there)."""
-    import torch
-
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch's unpickler raises many types; all mean "not a tensors-only state dict"
-        raise CheckpointError(f"{file.name} is not a readable state dict of tensors ({exc})") from exc
-    if not isinstance(state, dict) or sorted(state) != sorted(shapes):
-        found = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"{file.name} holds {found}; expected a linear layer's {sorted(shapes)}")
-    arrays = {key: value.detach().float().numpy() for key, value in state.items()}
-    for key, shape in shapes.items():
-        got = arrays[key].shape
-        if len(got) != len(shape) or any(want not in (None, size) for want, size in zip(shape, got)):
-            expected = tuple("any" if size is None else size for size in shape)
-            raise CheckpointError(f"{file.name}: {key} has shape {got}, expected {expected}")
-    return arrays
-
-
 def dropped_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
     """The ids left out of the lexical weights: the cls, eos, pad and unk tokens as the folder's
     ``special_tokens_map.json`` (else ``tokenizer_config.json``) names them, in ``tokenizer`` (the served
     ``tokenizers.Tokenizer``)."""
-    named = {**_special_names(path / "tokenizer_config.json"), **_special_names(path / "special_tokens_map.json")}
+    named = {**special_tokens(path / TOKENIZER_CONFIG), **special_tokens(path / SPECIAL_TOKENS_MAP)}
     ids = []
     for name, default in DROPPED_TOKENS.items():
         token = named.get(name, default)
@@ -132,17 +112,6 @@ def dropped_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
             raise ExportError(f"the tokenizer has no {name} {token!r}: BGE-M3 drops it from the lexical weights")
         ids.append(found)
     return tuple(sorted(set(ids)))
-
-
-def _special_names(file: Path) -> dict[str, str]:
-    config = json.loads(file.read_text()) if file.is_file() else {}
-    names = {}
-    for name in DROPPED_TOKENS:
-        value = config.get(name)
-        value = value.get("content") if isinstance(value, dict) else value  # an AddedToken's fields
-        if isinstance(value, str):
-            names[name] = value
-    return names
 
 
 class M3Output(NamedTuple):
@@ -217,13 +186,13 @@ def add_m3_heads(source: Path, target: Path, states: str, heads: M3Heads, droppe
     def rewrite(model: onnx.ModelProto) -> None:
         graph = model.graph
         shape = _check_graph(graph, states)
-        nodes = [_node("Cast", [states], p + "states", to=TensorProto.FLOAT)]  # fp32 even after an fp16 encoder
+        nodes = [prefixed_node("Cast", [states], p + "states", to=TensorProto.FLOAT)]  # fp32 even after an fp16 encoder
         for part, output in ((_dense_nodes, embedding), (_sparse_nodes, sparse), (_colbert_nodes, vectors)):
             more, value = part(p + "states")
             nodes += more + [helper.make_node("Identity", [value], [output], name=PREFIX + output)]
         graph.node.extend(nodes)
         used = {name for node in nodes for name in node.input}
-        graph.initializer.extend([c for c in _constants() if c.name in used] + initializers)
+        graph.initializer.extend([c for c in pooling_constants() if c.name in used] + initializers)
         batch, sequence = shape[0], shape[1]
         del graph.output[:]
         graph.output.extend([
@@ -249,8 +218,8 @@ def _check_graph(graph: onnx.GraphProto, states: str) -> list:
 
 
 def _dense_nodes(states: str) -> tuple[list[onnx.NodeProto], str]:
-    pooled, cls = _pool(states, "cls")
-    normalized, vectors = _normalize(cls)
+    pooled, cls = pool_states(states, "cls")
+    normalized, vectors = normalize_nodes(cls)
     return pooled + normalized, vectors
 
 
@@ -258,17 +227,17 @@ def _sparse_nodes(states: str) -> tuple[list[onnx.NodeProto], str]:
     """``relu(h w^T + b)`` times the attention mask, zero where the token's id is a dropped one."""
     p = PREFIX + "m3/"
     return [
-        _node("MatMul", [states, p + "sparse_weight"], p + "sparse_linear"),  # [batch, sequence]
-        _node("Add", [p + "sparse_linear", p + "sparse_bias"], p + "sparse_biased"),
-        _node("Relu", [p + "sparse_biased"], p + "sparse_relu"),
-        _node("Cast", [MASK], p + "attention", to=TensorProto.FLOAT),
-        _node("Unsqueeze", [IDS, PREFIX + "axis2"], p + "ids"),  # [batch, sequence, 1] against [dropped]
-        _node("Equal", [p + "ids", p + "dropped_ids"], p + "is_dropped"),
-        _node("Cast", [p + "is_dropped"], p + "dropped", to=TensorProto.FLOAT),
-        _node("ReduceMax", [p + "dropped"], p + "any_dropped", axes=[2], keepdims=0),
-        _node("Sub", [PREFIX + "one_f", p + "any_dropped"], p + "kept"),
-        _node("Mul", [p + "attention", p + "kept"], p + "weighed"),
-        _node("Mul", [p + "sparse_relu", p + "weighed"], p + "sparse"),
+        prefixed_node("MatMul", [states, p + "sparse_weight"], p + "sparse_linear"),  # [batch, sequence]
+        prefixed_node("Add", [p + "sparse_linear", p + "sparse_bias"], p + "sparse_biased"),
+        prefixed_node("Relu", [p + "sparse_biased"], p + "sparse_relu"),
+        prefixed_node("Cast", [MASK], p + "attention", to=TensorProto.FLOAT),
+        prefixed_node("Unsqueeze", [IDS, PREFIX + "axis2"], p + "ids"),  # [batch, sequence, 1] against [dropped]
+        prefixed_node("Equal", [p + "ids", p + "dropped_ids"], p + "is_dropped"),
+        prefixed_node("Cast", [p + "is_dropped"], p + "dropped", to=TensorProto.FLOAT),
+        prefixed_node("ReduceMax", [p + "dropped"], p + "any_dropped", axes=[2], keepdims=0),
+        prefixed_node("Sub", [PREFIX + "one_f", p + "any_dropped"], p + "kept"),
+        prefixed_node("Mul", [p + "attention", p + "kept"], p + "weighed"),
+        prefixed_node("Mul", [p + "sparse_relu", p + "weighed"], p + "sparse"),
     ], p + "sparse"
 
 
@@ -276,12 +245,12 @@ def _colbert_nodes(states: str) -> tuple[list[onnx.NodeProto], str]:
     """``h W^T + b`` per token, L2-normalised, times the scoring mask."""
     p = PREFIX + "m3/"
     return [
-        _node("MatMul", [states, p + "colbert_weight"], p + "colbert_linear"),
-        _node("Add", [p + "colbert_linear", p + "colbert_bias"], p + "colbert"),
-        *_normalize(p + "colbert", p + "colbert_unit")[0],
-        _node("Cast", [SCORE_MASK], p + "scored", to=TensorProto.FLOAT),
-        _node("Unsqueeze", [p + "scored", PREFIX + "axis2"], p + "scored_rows"),  # [batch, sequence, 1]
-        _node("Mul", [p + "colbert_unit", p + "scored_rows"], p + "vectors"),
+        prefixed_node("MatMul", [states, p + "colbert_weight"], p + "colbert_linear"),
+        prefixed_node("Add", [p + "colbert_linear", p + "colbert_bias"], p + "colbert"),
+        *normalize_nodes(p + "colbert", p + "colbert_unit")[0],
+        prefixed_node("Cast", [SCORE_MASK], p + "scored", to=TensorProto.FLOAT),
+        prefixed_node("Unsqueeze", [p + "scored", PREFIX + "axis2"], p + "scored_rows"),  # [batch, sequence, 1]
+        prefixed_node("Mul", [p + "colbert_unit", p + "scored_rows"], p + "vectors"),
     ], p + "vectors"
 
 

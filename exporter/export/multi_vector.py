@@ -25,9 +25,9 @@ from nexus_sli.exporter.errors import NexusError, UnsupportedModelError
 from nexus_sli.exporter.triton.python_models.encoding import l2_normalize
 from nexus_sli.exporter.triton.python_models.sides import DOCUMENT, QUERY, Expansion, Side, Sides
 
-from . import dense
+from . import dense, st_folder
 from .dense import Dense
-from .source import _modules, _read_json, trained_length
+from .st_folder import architectures, read_json, st_config, trained_length
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,8 @@ class _Saved:
 def multi_vector_format(path: Path) -> str | None:
     """The save format of a late-interaction model's folder (:data:`NATIVE`, :data:`PYLATE`,
     :data:`STANFORD`), None for any other folder; sentence-transformers' model type comes first."""
-    model_type = _read_json(path / "config_sentence_transformers.json").get("model_type")
-    stanford = "HF_ColBERT" in _architectures(path)
+    model_type = st_config(path).get("model_type")
+    stanford = "HF_ColBERT" in architectures(path)
     if model_type == "MultiVectorEncoder" and stanford and not (path / "modules.json").is_file():
         return STANFORD  # saved without its modules: built from the checkpoint as a Stanford one is
     if model_type is not None:
@@ -107,10 +107,6 @@ def is_multi_vector(path: Path) -> bool:
     """Whether the folder is a late-interaction model that sentence-transformers' ``MultiVectorEncoder``
     loads: its own save, PyLate's or Stanford ColBERT's."""
     return multi_vector_format(path) is not None
-
-
-def _architectures(path: Path) -> list[str]:
-    return list(_read_json(path / "config.json").get("architectures") or [])
 
 
 def read_multi_vector(path: Path, tokenizer: Tokenizer, max_positions: int, *, similarity: str | None = None,
@@ -134,7 +130,7 @@ def read_multi_vector(path: Path, tokenizer: Tokenizer, max_positions: int, *, s
 
 
 def _refuse_retrieval(path: Path) -> None:
-    retrieval = [name for name in _architectures(path) if name.endswith("ForRetrieval")]
+    retrieval = [name for name in architectures(path) if name.endswith("ForRetrieval")]
     if retrieval:
         raise UnsupportedModelError(
             f"{path / 'config.json'} names {retrieval[0]}: a transformers retrieval model (ColPali family) whose "
@@ -159,23 +155,19 @@ def _read_listed(path: Path, found: str) -> _Saved:
     """A folder with modules.json: sentence-transformers' own save, or PyLate 3's (whose mask and
     normalisation were implied: PyLate skipped punctuation unless its config named the words)."""
     saved = _from_st_config(path)
-    modules = _modules(path)
-    _check_pipeline(path, found, [_kind(module) for module in modules])
-    saved.transformer.update(_transformer_config(path, modules))
-    saved.dense = tuple(dense.read(path / module.get("path", ""), dense.TOKENS, unnamed_input=dense.TOKENS)
-                        for module in modules if _kind(module) == "Dense")
+    modules = st_folder.modules(path)
+    _check_pipeline(path, found, [module.kind for module in modules])
+    transformer = st_folder.transformer_config(path)  # the Transformer's own settings win over the legacy keys
+    saved.transformer.update({key: transformer[key] for key in _PYLATE_TRANSFORMER_KEYS if key in transformer})
+    saved.dense = tuple(st_folder.read_dense(module.path, dense.TOKENS, unnamed_input=dense.TOKENS)
+                        for module in modules if module.kind == "Dense")
     if found == PYLATE:
         words = saved.mask.get("skiplist_words")
         saved.mask = {"skiplist_words": list(string.punctuation) if words is None else words}
     else:
-        mask = next(module for module in modules if _kind(module) == "MultiVectorMask")
-        saved.mask = _read_json(path / mask.get("path", "") / "config.json")
-        saved.normalize = any(_kind(module) == "Normalize" for module in modules)
+        saved.mask = next(module for module in modules if module.kind == "MultiVectorMask").config
+        saved.normalize = any(module.kind == "Normalize" for module in modules)
     return saved
-
-
-def _kind(module: dict) -> str:
-    return module.get("type", "").rsplit(".", 1)[-1]
 
 
 def _check_pipeline(path: Path, found: str, kinds: list[str]) -> None:
@@ -190,17 +182,10 @@ def _check_pipeline(path: Path, found: str, kinds: list[str]) -> None:
                          f"{_PIPELINE_TEXT[found]} and would leave the others out")
 
 
-def _transformer_config(path: Path, modules: list[dict]) -> dict:
-    """The Transformer module's own saved settings (they win over the legacy top-level keys)."""
-    folder = next((path / module.get("path", "") for module in modules if _kind(module) == "Transformer"), path)
-    config = _read_json(folder / "sentence_bert_config.json")
-    return {key: config[key] for key in _PYLATE_TRANSFORMER_KEYS if key in config}
-
-
 def _from_st_config(path: Path) -> _Saved:
     """config_sentence_transformers.json as ``MultiVectorEncoder`` parses it: prompts and similarity, and the
     legacy PyLate keys (markers put in front of the saved prompts, flat lengths and expansion settings)."""
-    config = _read_json(path / "config_sentence_transformers.json")
+    config = st_config(path)
     prompts = dict(config.get("prompts") or {})
     markers = {}
     for key, side in (("query_prefix", QUERY), ("document_prefix", DOCUMENT)):
@@ -229,7 +214,7 @@ def _read_stanford(path: Path, allow_pickle: bool) -> _Saved:
     """Stanford ColBERT: settings in artifact.metadata (queries always expanded, fixed), the projection the
     checkpoint's root ``linear.weight`` (no bias, no activation), punctuation skipped unless it says not."""
     saved = _from_st_config(path)
-    metadata = _read_json(path / "artifact.metadata")
+    metadata = read_json(path / "artifact.metadata")
     for side, key in ((QUERY, "query_token_id"), (DOCUMENT, "doc_token_id")):
         saved.markers[side] = (metadata.get(key) or _STANFORD_MARKERS[side]) + " "
         if saved.prompts.get(side) is None:
@@ -326,11 +311,9 @@ def _expansion_id(path: Path, token: str | None, tokenizer: Tokenizer) -> int:
 def _special_id(path: Path, tokenizer: Tokenizer, role: str) -> int | None:
     """The id of the tokenizer's ``role`` token (``mask_token``): as its config names it, else the
     conventional spelling the tokenizer has (transformers' tokenizer classes default to those)."""
-    for file in ("tokenizer_config.json", "special_tokens_map.json"):
-        named = _read_json(path / file).get(role)
-        if isinstance(named, dict):
-            named = named.get("content")
-        if isinstance(named, str) and tokenizer.token_to_id(named) is not None:
+    for file in (st_folder.TOKENIZER_CONFIG, st_folder.SPECIAL_TOKENS_MAP):
+        named = st_folder.special_tokens(path / file).get(role)
+        if named is not None and tokenizer.token_to_id(named) is not None:
             return tokenizer.token_to_id(named)
     return next((tokenizer.token_to_id(t) for t in _CONVENTIONAL[role] if tokenizer.token_to_id(t) is not None),
                 None)

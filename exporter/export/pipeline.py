@@ -13,7 +13,6 @@ Every other module does one step and knows nothing of the others.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,11 +27,12 @@ from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
 from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK, SIDE_NAMES, Sides, row_width
 from nexus_sli.exporter.triton.staging import Staging
 from nexus_sli.tasks import get_task, infer_task
+from nexus_sli.tasks.model_parameters import MATRYOSHKA_DIMS, Prompts, write
 from nexus_sli.tasks.spec import TOKEN_MODEL_SUFFIX
 
 from . import export_report, onnx_files, stored_reference
 from .checkpoint import Checkpoint
-from .embedders import ModelFolder, is_sparse_encoder, poolers
+from .embedders import ModelFolder, poolers
 from .export_report import AttemptRecord, CandidateRecord, ExportReport, Heat, MeasuredRow, Timing, WalkRecord
 from .handler import get_registry
 from .m3_heads import M3Embedder, is_bge_m3
@@ -40,8 +40,8 @@ from .multi_vector import add_markers, is_multi_vector
 from .onnx_export import export_onnx, model_input_names
 from .quantize import scales_per_batch
 from .report import ValidationReport
-from .source import (check_name, load_config, matryoshka_dims, max_sequence_length, prompts, resolve_model,
-                     tokenizer_file)
+from .source import check_name, load_config, max_sequence_length, resolve_model, tokenizer_file
+from .st_folder import is_sparse_encoder, matryoshka_dims, prompts
 from .timing import DEFAULT_OBJECTIVE, Heats, Workload, check_objective, footprint, memory_budget, time_in_heats, workloads
 from .validate import (Embedder, MultiVectorEmbedder, Reference, SparseEmbedder, build_reference, compare,
                        parity_cases, sided_text_batches, text_batches, with_auto_bar, with_score_masks)
@@ -430,21 +430,18 @@ def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: 
 PROMPTED_TASKS = ("embedding", "sparse-embedding", "multi-vector")
 
 
-def _retrieval(prepared: Prepared) -> tuple[dict, dict]:
+def _retrieval(prepared: Prepared) -> tuple[Prompts, dict[str, str]]:
     """(prompts, described): a retrieval model's named prompts, for its tokenizer step and its ensemble,
     and the Matryoshka sizes a dense one was trained for, for clients (empty where the model names none)."""
     if prepared.task.name not in PROMPTED_TASKS:
-        return {}, {}
+        return Prompts(), {}
     named, default = prompts(prepared.source.path)
-    given = {"prompts": json.dumps(named)} if named else {}
-    if default is not None:
-        given["default_prompt_name"] = default
     if named:
         log.info("prompts %s (applied by the tokenizer step; default: %s)", ", ".join(named), default or "none")
     if prepared.task.name != "embedding":
-        return given, {}
+        return Prompts(named, default), {}
     dims = matryoshka_dims(prepared.source.path, _embedded_size(prepared))
-    return given, ({"matryoshka_dims": json.dumps(dims)} if dims else {})
+    return Prompts(named, default), write({MATRYOSHKA_DIMS: dims or None})
 
 
 def _embedded_size(prepared: Prepared) -> int:

@@ -59,6 +59,7 @@ from nexus_sli.exporter.triton.python_models.encoding import (MASKED_OUT, MIN_CO
 
 from . import onnx_files
 from .dense import ACTIVATIONS, SENTENCE, TOKENS, Dense
+from .export_report import LayerNormRecord
 
 #: Every node and constant this step adds is named with this prefix.
 PREFIX = "nexus_pool/"
@@ -66,7 +67,8 @@ PREFIX = "nexus_pool/"
 MASK = "attention_mask"
 
 
-def _constants() -> list[onnx.TensorProto]:
+def pooling_constants() -> list[onnx.TensorProto]:
+    """The constants the appended nodes read, named with :data:`PREFIX` (a graph keeps those it uses)."""
     values = {"axis1": np.array([1], np.int64), "axis2": np.array([2], np.int64), "zero": np.array(0, np.int64),
               "min_count": np.array(MIN_COUNT, np.float32), "min_norm": np.array(MIN_NORM, np.float32),
               "masked_out": np.array(MASKED_OUT, np.float32), "zero_f": np.array(0.0, np.float32),
@@ -74,44 +76,45 @@ def _constants() -> list[onnx.TensorProto]:
     return [numpy_helper.from_array(value, PREFIX + name) for name, value in values.items()]
 
 
-def _node(op: str, inputs: list[str], output: str, **attributes) -> onnx.NodeProto:
+def prefixed_node(op: str, inputs: list[str], output: str, **attributes) -> onnx.NodeProto:
+    """An ONNX node named, as its one output is, with :data:`PREFIX`."""
     return helper.make_node(op, inputs, [output], name=PREFIX + output.removeprefix(PREFIX), **attributes)
 
 
-def _pool(states: str, mode: str) -> tuple[list[onnx.NodeProto], str]:
+def pool_states(states: str, mode: str) -> tuple[list[onnx.NodeProto], str]:
     """Nodes pooling ``states`` ([batch, sequence, hidden]) with the mask into [batch, hidden]."""
     p = PREFIX
     if mode == "cls":
-        return [_node("Gather", [states, p + "zero"], p + "pooled", axis=1)], p + "pooled"
+        return [prefixed_node("Gather", [states, p + "zero"], p + "pooled", axis=1)], p + "pooled"
     nodes = [
-        _node("Cast", [states], p + "states", to=TensorProto.FLOAT),  # fp32 even after an fp16 encoder
-        _node("Cast", [MASK], p + "mask", to=TensorProto.FLOAT),
-        _node("Unsqueeze", [p + "mask", p + "axis2"], p + "weights"),  # [batch, sequence, 1]
+        prefixed_node("Cast", [states], p + "states", to=TensorProto.FLOAT),  # fp32 even after an fp16 encoder
+        prefixed_node("Cast", [MASK], p + "mask", to=TensorProto.FLOAT),
+        prefixed_node("Unsqueeze", [p + "mask", p + "axis2"], p + "weights"),  # [batch, sequence, 1]
     ]
     if mode == "mean":
         nodes += [
-            _node("Mul", [p + "states", p + "weights"], p + "weighted"),
-            _node("ReduceSum", [p + "weighted", p + "axis1"], p + "sum", keepdims=0),
-            _node("ReduceSum", [p + "weights", p + "axis1"], p + "count", keepdims=0),  # [batch, 1]
-            _node("Max", [p + "count", p + "min_count"], p + "count_or_min"),
-            _node("Div", [p + "sum", p + "count_or_min"], p + "pooled"),
+            prefixed_node("Mul", [p + "states", p + "weights"], p + "weighted"),
+            prefixed_node("ReduceSum", [p + "weighted", p + "axis1"], p + "sum", keepdims=0),
+            prefixed_node("ReduceSum", [p + "weights", p + "axis1"], p + "count", keepdims=0),  # [batch, 1]
+            prefixed_node("Max", [p + "count", p + "min_count"], p + "count_or_min"),
+            prefixed_node("Div", [p + "sum", p + "count_or_min"], p + "pooled"),
         ]
     else:  # max
         nodes += [
-            _node("Greater", [p + "weights", p + "zero_f"], p + "real"),
-            _node("Where", [p + "real", p + "states", p + "masked_out"], p + "candidates"),
-            _node("ReduceMax", [p + "candidates"], p + "pooled", axes=[1], keepdims=0),
+            prefixed_node("Greater", [p + "weights", p + "zero_f"], p + "real"),
+            prefixed_node("Where", [p + "real", p + "states", p + "masked_out"], p + "candidates"),
+            prefixed_node("ReduceMax", [p + "candidates"], p + "pooled", axes=[1], keepdims=0),
         ]
     return nodes, p + "pooled"
 
 
-def _normalize(vectors: str, name: str = PREFIX + "normalized") -> tuple[list[onnx.NodeProto], str]:
+def normalize_nodes(vectors: str, name: str = PREFIX + "normalized") -> tuple[list[onnx.NodeProto], str]:
     """``vectors / max(||vectors||_2, min_norm)`` over the last axis, as ``name`` (its intermediate values named
     after it, so that one graph may normalise twice)."""
     return [
-        _node("ReduceL2", [vectors], name + "_norm", axes=[-1], keepdims=1),
-        _node("Max", [name + "_norm", PREFIX + "min_norm"], name + "_norm_or_min"),
-        _node("Div", [vectors, name + "_norm_or_min"], name),
+        prefixed_node("ReduceL2", [vectors], name + "_norm", axes=[-1], keepdims=1),
+        prefixed_node("Max", [name + "_norm", PREFIX + "min_norm"], name + "_norm_or_min"),
+        prefixed_node("Div", [vectors, name + "_norm_or_min"], name),
     ], name
 
 
@@ -125,20 +128,20 @@ def _log1p(x: str, name: str) -> tuple[list[onnx.NodeProto], str]:
     with ``u = 1 + x``, and ``x`` itself where ``u`` rounds to 1 (Goldberg's formula, accurate to a few ulps)."""
     p = PREFIX + name
     return [
-        _node("Add", [x, PREFIX + "one_f"], p + "u"),
-        _node("Sub", [p + "u", PREFIX + "one_f"], p + "u_minus_1"),
-        _node("Equal", [p + "u_minus_1", PREFIX + "zero_f"], p + "rounds_to_1"),
-        _node("Max", [p + "u_minus_1", PREFIX + "tiny"], p + "divisor"),  # no 0/0 in the branch not taken
-        _node("Log", [p + "u"], p + "log_u"),
-        _node("Div", [x, p + "divisor"], p + "scale"),
-        _node("Mul", [p + "log_u", p + "scale"], p + "formula"),
-        _node("Where", [p + "rounds_to_1", x, p + "formula"], p + "log1p"),
+        prefixed_node("Add", [x, PREFIX + "one_f"], p + "u"),
+        prefixed_node("Sub", [p + "u", PREFIX + "one_f"], p + "u_minus_1"),
+        prefixed_node("Equal", [p + "u_minus_1", PREFIX + "zero_f"], p + "rounds_to_1"),
+        prefixed_node("Max", [p + "u_minus_1", PREFIX + "tiny"], p + "divisor"),  # no 0/0 in the branch not taken
+        prefixed_node("Log", [p + "u"], p + "log_u"),
+        prefixed_node("Div", [x, p + "divisor"], p + "scale"),
+        prefixed_node("Mul", [p + "log_u", p + "scale"], p + "formula"),
+        prefixed_node("Where", [p + "rounds_to_1", x, p + "formula"], p + "log1p"),
     ], p + "log1p"
 
 
 def _activate(x: str, activation: str, step: str) -> tuple[list[onnx.NodeProto], str]:
     """SpladePooling's activation: ``log1p(relu(x))``, and a second ``log1p`` for ``log1p_relu``."""
-    nodes = [_node("Relu", [x], PREFIX + step + "relu")]
+    nodes = [prefixed_node("Relu", [x], PREFIX + step + "relu")]
     more, value = _log1p(PREFIX + step + "relu", step + "1/")
     nodes += more
     if activation == "log1p_relu":
@@ -154,26 +157,26 @@ def _splade(logits: str, strategy: str, activation: str) -> tuple[list[onnx.Node
     [batch, vocab] instead of [batch, sequence, vocab]."""
     p = PREFIX
     nodes = [
-        _node("Cast", [logits], p + "logits", to=TensorProto.FLOAT),
-        _node("Cast", [MASK], p + "mask", to=TensorProto.FLOAT),
-        _node("Unsqueeze", [p + "mask", p + "axis2"], p + "weights"),  # [batch, sequence, 1]
-        _node("Mul", [p + "logits", p + "weights"], p + "masked"),    # padding -> 0, as SpladePooling
+        prefixed_node("Cast", [logits], p + "logits", to=TensorProto.FLOAT),
+        prefixed_node("Cast", [MASK], p + "mask", to=TensorProto.FLOAT),
+        prefixed_node("Unsqueeze", [p + "mask", p + "axis2"], p + "weights"),  # [batch, sequence, 1]
+        prefixed_node("Mul", [p + "logits", p + "weights"], p + "masked"),    # padding -> 0, as SpladePooling
     ]
     if strategy == "max":
-        nodes.append(_node("ReduceMax", [p + "masked"], p + "max", axes=[1], keepdims=0))
+        nodes.append(prefixed_node("ReduceMax", [p + "masked"], p + "max", axes=[1], keepdims=0))
         more, pooled = _activate(p + "max", activation, "")
         return nodes + more, pooled
     more, weights = _activate(p + "masked", activation, "")
-    return nodes + more + [_node("ReduceSum", [weights, p + "axis1"], p + "pooled", keepdims=0)], p + "pooled"
+    return nodes + more + [prefixed_node("ReduceSum", [weights, p + "axis1"], p + "pooled", keepdims=0)], p + "pooled"
 
 
-def _layer_norm(vectors: str, norm: dict) -> tuple[list[onnx.NodeProto], str, list[onnx.TensorProto]]:
+def _layer_norm(vectors: str, norm: LayerNormRecord) -> tuple[list[onnx.NodeProto], str, list[onnx.TensorProto]]:
     """sentence-transformers' LayerNorm module on the pooled vectors: (nodes, output, its weights)."""
     p = PREFIX
-    weights = [numpy_helper.from_array(np.asarray(norm[key], np.float32), p + f"layer_norm_{key}")
-               for key in ("weight", "bias")]
+    weights = [numpy_helper.from_array(np.asarray(values, np.float32), p + f"layer_norm_{key}")
+               for key, values in (("weight", norm.weight), ("bias", norm.bias))]
     node = helper.make_node("LayerNormalization", [vectors, p + "layer_norm_weight", p + "layer_norm_bias"],
-                            [p + "layer_normed"], name=p + "layer_norm", axis=-1, epsilon=float(norm["eps"]))
+                            [p + "layer_normed"], name=p + "layer_norm", axis=-1, epsilon=float(norm.eps))
     return [node], p + "layer_normed", weights
 
 
@@ -182,29 +185,29 @@ def _dense(x: str, module: Dense, name: str) -> tuple[list[onnx.NodeProto], str,
     as :meth:`Dense.__call__` computes it."""
     p = PREFIX + name + "/"
     weights = [numpy_helper.from_array(np.asarray(module.weight, np.float32).T.copy(), p + "weight")]
-    nodes = [_node("MatMul", [x, p + "weight"], p + "linear")]
+    nodes = [prefixed_node("MatMul", [x, p + "weight"], p + "linear")]
     out = p + "linear"
     if module.bias is not None:
         weights.append(numpy_helper.from_array(np.asarray(module.bias, np.float32), p + "bias"))
-        nodes.append(_node("Add", [out, p + "bias"], p + "biased"))
+        nodes.append(prefixed_node("Add", [out, p + "bias"], p + "biased"))
         out = p + "biased"
     op = ACTIVATIONS[module.activation][0]
     if op is not None:
-        nodes.append(_node(op, [out], p + "activated"))
+        nodes.append(prefixed_node(op, [out], p + "activated"))
         out = p + "activated"
     if module.use_residual:
         residual = x
         if module.residual is not None:
             weights.append(numpy_helper.from_array(np.asarray(module.residual, np.float32).T.copy(), p + "residual"))
-            nodes.append(_node("MatMul", [x, p + "residual"], p + "projected"))
+            nodes.append(prefixed_node("MatMul", [x, p + "residual"], p + "projected"))
             residual = p + "projected"
-        nodes.append(_node("Add", [out, residual], p + "with_residual"))
+        nodes.append(prefixed_node("Add", [out, residual], p + "with_residual"))
         out = p + "with_residual"
     return nodes, out, weights
 
 
 def add_pooling(source: Path, target: Path, states: str, output: str, mode: str, normalize: bool,
-                size: int, tokens: str | None = None, layer_norm: dict | None = None,
+                size: int, tokens: str | None = None, layer_norm: LayerNormRecord | None = None,
                 dense: tuple[Dense, ...] = ()) -> Path:
     """Write ``source`` as ``target`` with its token-state output ``states`` pooled (``mode``, one of
     :data:`POOLING_MODES`), projected by sentence-transformers' ``dense`` modules (those on the token
@@ -228,10 +231,10 @@ def add_pooling(source: Path, target: Path, states: str, output: str, mode: str,
     def nodes() -> tuple[list[onnx.NodeProto], str]:
         added: list[onnx.NodeProto] = []
         if any(module.input == TOKENS for module in dense):  # in fp32, as the pooling computes
-            added.append(_node("Cast", [states], PREFIX + "token_states", to=TensorProto.FLOAT))
-            pooled, vectors = _pool(project(PREFIX + "token_states", TOKENS, added), mode)
+            added.append(prefixed_node("Cast", [states], PREFIX + "token_states", to=TensorProto.FLOAT))
+            pooled, vectors = pool_states(project(PREFIX + "token_states", TOKENS, added), mode)
         else:
-            pooled, vectors = _pool(states, mode)
+            pooled, vectors = pool_states(states, mode)
         added += pooled
         vectors = project(vectors, SENTENCE, added)
         if layer_norm is not None:  # sentence-transformers' LayerNorm module, before the normalisation
@@ -239,7 +242,7 @@ def add_pooling(source: Path, target: Path, states: str, output: str, mode: str,
             added += more
             initializers.extend(weights)
         if normalize:
-            more, vectors = _normalize(vectors)
+            more, vectors = normalize_nodes(vectors)
             added += more
         return added, vectors
 
@@ -280,7 +283,7 @@ def _append(graph: onnx.GraphProto, states: str, make_nodes, output: str, size: 
         nodes.append(_tokens(states, tokens))
     graph.node.extend(nodes)
     used = {name for node in nodes for name in node.input}
-    graph.initializer.extend(c for c in _constants() if c.name in used)
+    graph.initializer.extend(c for c in pooling_constants() if c.name in used)
     states_type = next(o for o in graph.output if o.name == states)
     del graph.output[:]
     graph.output.append(helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", size]))
@@ -295,19 +298,19 @@ def _multi_vector(states: str, score_mask: str, dense: tuple[Dense, ...], normal
     the Dense modules, the normalisation, times ``score_mask`` ([batch, sequence]); their weights go into
     ``initializers``."""
     p = PREFIX
-    nodes = [_node("Cast", [states], p + "token_states", to=TensorProto.FLOAT)]  # fp32 after an fp16 encoder
+    nodes = [prefixed_node("Cast", [states], p + "token_states", to=TensorProto.FLOAT)]  # fp32 after an fp16 encoder
     vectors = p + "token_states"
     for index, module in enumerate(dense):
         more, vectors, weights = _dense(vectors, module, f"dense_{index}")
         nodes += more
         initializers.extend(weights)
     if normalize:
-        more, vectors = _normalize(vectors)
+        more, vectors = normalize_nodes(vectors)
         nodes += more
     return nodes + [
-        _node("Cast", [score_mask], p + "score_weights", to=TensorProto.FLOAT),
-        _node("Unsqueeze", [p + "score_weights", p + "axis2"], p + "scored"),  # [batch, sequence, 1]
-        _node("Mul", [vectors, p + "scored"], p + "vectors"),
+        prefixed_node("Cast", [score_mask], p + "score_weights", to=TensorProto.FLOAT),
+        prefixed_node("Unsqueeze", [p + "score_weights", p + "axis2"], p + "scored"),  # [batch, sequence, 1]
+        prefixed_node("Mul", [vectors, p + "scored"], p + "vectors"),
     ], p + "vectors"
 
 
@@ -332,7 +335,7 @@ def add_multi_vector(source: Path, target: Path, states: str, output: str, score
         nodes.append(helper.make_node("Identity", [vectors], [output], name=PREFIX + "output"))
         graph.node.extend(nodes)
         used = {name for node in nodes for name in node.input}
-        graph.initializer.extend([*initializers, *(c for c in _constants() if c.name in used)])
+        graph.initializer.extend([*initializers, *(c for c in pooling_constants() if c.name in used)])
         mask_type = next(i for i in graph.input if i.name == MASK)
         sequence = mask_type.type.tensor_type.shape.dim[1].dim_param or "sequence"
         graph.input.append(helper.make_tensor_value_info(score_mask, TensorProto.INT64, ["batch", sequence]))
@@ -356,7 +359,7 @@ class Pooling:
     #: the output that keeps the token states beside the embedding (None: not kept)
     tokens: str | None = None
     #: sentence-transformers' LayerNorm module between the pooling and the normalisation (None: none)
-    layer_norm: dict | None = None
+    layer_norm: LayerNormRecord | None = None
     #: sentence-transformers' Dense modules in order (on the token states, then on the pooled vector)
     dense: tuple[Dense, ...] = ()
 

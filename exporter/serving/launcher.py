@@ -15,13 +15,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .backend_folders import prepare_backends
 from .binary import ServerError, system_binary, wheel_binary, wheel_environment
 from .flags import ADMIN_HEADER, server_args
-if TYPE_CHECKING:
-    from .stub_supervisor import StubSupervisor
+from .stub_supervisor import SHARED_MEMORY, StubSupervisor, orphaned_workers
 
 
 @dataclass
@@ -75,11 +73,31 @@ class TritonServer(subprocess.Popen):
         self._temporary_dirs = [*([command.backend_dir] if command.temporary_backend_dir else []), *temporary]
 
     def remove_temporary_files(self) -> None:
-        """The folders made for this server (backends, a shadow repository), once it has stopped."""
+        """What this server leaves once it has stopped: the folders made for it (backends, a shadow
+        repository); after a crash, its python-backend workers (each exits by itself within about 0.3 s of
+        noticing); and the shared memory regions of its workers that Triton did not remove (all of them after
+        a crash, a dead worker's after a clean stop: Triton never finishes unloading that worker's model)."""
         if self.poll() is not None:
+            _end(orphaned_workers(self.pid))
+            for region in self.supervisor.regions if self.supervisor is not None else ():
+                (SHARED_MEMORY / region).unlink(missing_ok=True)
             for folder in self._temporary_dirs:
                 shutil.rmtree(folder, ignore_errors=True)
             self._temporary_dirs = []
+
+
+def _end(workers: list, timeout: float = 10.0) -> None:
+    """SIGKILL to a dead server's python-backend workers, and wait for them.  Until they go, one may hold a
+    listening socket it inherited (a worker started by a reload after the server opened its ports), so a
+    server started again on those ports waits for this."""
+    import psutil
+
+    for worker in workers:
+        try:
+            worker.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(workers, timeout=timeout)
 
 
 def wait_ready(http_port: int, process: subprocess.Popen, timeout: float = 180.0, host: str = "127.0.0.1") -> None:
@@ -120,3 +138,14 @@ def end(process: subprocess.Popen, grace: float) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def stop(process: subprocess.Popen, grace: float = 15.0) -> None:
+    """Stop the supervisor, then the server (killed after ``grace`` seconds), then remove what it leaves
+    (:meth:`TritonServer.remove_temporary_files`)."""
+    supervisor = getattr(process, "supervisor", None)
+    if supervisor is not None:
+        supervisor.stop()
+    end(process, grace)
+    if isinstance(process, TritonServer):
+        process.remove_temporary_files()

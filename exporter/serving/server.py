@@ -7,6 +7,7 @@ The public entry of ``nexus-sli serve``; each job lives in its own module:
 - :mod:`flags`: the server's flags, access to its restricted APIs included;
 - :mod:`launcher`: the command, the process, waiting until it is ready, ending it;
 - :mod:`stub_supervisor`: reloading a model whose python-backend process died;
+- :mod:`keeper`: starting the server again when it dies (``serve_forever``);
 - :mod:`gpu_on_cpu`: a GPU repository served on the CPU, only when asked;
 - :mod:`joined_steps`: each batched ensemble's steps in one process (unless ``separate_steps``).
 """
@@ -26,11 +27,13 @@ from .binary import ServerError, system_binary
 from .flags import ADMIN_HEADER, EXIT_TIMEOUT_S, REMOTE_PREFIXES, RESTRICTED_APIS, is_remote, server_args
 from .gpu_on_cpu import servable
 from .joined_steps import join
-from .launcher import ServerCommand, TritonServer, check_identity, client_host, end, server_command, url, wait_ready
+from .keeper import KeptServer
+from .launcher import (ServerCommand, TritonServer, check_identity, client_host, end, server_command, stop, url,
+                       wait_ready)
 from .stub_supervisor import StubSupervisor
 
 __all__ = ["ADMIN_HEADER", "EXIT_TIMEOUT_S", "REMOTE_PREFIXES", "RESTRICTED_APIS", "SHIM_BACKENDS", "STUB_EXECUTABLE",
-           "ServerCommand", "ServerError", "StubSupervisor", "TritonServer", "client_host", "is_remote",
+           "KeptServer", "ServerCommand", "ServerError", "StubSupervisor", "TritonServer", "client_host", "is_remote",
            "prepare_backends", "serve_forever", "server_args", "server_command", "start", "stop", "wait_ready"]
 
 
@@ -95,17 +98,7 @@ def start(repository: Path | str, http_port: int = 8000, grpc_port: int = 8001, 
     return process
 
 
-def stop(process: subprocess.Popen, grace: float = 15.0) -> None:
-    """Stop the supervisor, then the server (killed after ``grace`` seconds), then remove its temporary folders."""
-    supervisor = getattr(process, "supervisor", None)
-    if supervisor is not None:
-        supervisor.stop()
-    end(process, grace)
-    if isinstance(process, TritonServer):
-        process.remove_temporary_files()
-
-
-def _wait_any(processes: list[subprocess.Popen]) -> int:
+def _wait_any(processes: list[subprocess.Popen | KeptServer]) -> int:
     """The exit code of the first of ``processes`` to end."""
     if len(processes) == 1:
         return processes[0].wait()
@@ -119,13 +112,14 @@ def _wait_any(processes: list[subprocess.Popen]) -> int:
 def serve_forever(repository: Path, http_port: int, grpc_port: int, metrics_port: int, host: str,
                   gpu_on_cpu: bool = False, beside: list[str] | None = None, separate_steps: bool = False) -> int:
     """The ``serve`` command: start, print the URLs, stop cleanly on Ctrl-C / SIGTERM (exit code 0).
+    A server that dies by itself, or holds too many dead workers, is started again (:mod:`keeper`).
 
     ``beside``: the command of a process started once Triton is ready (the HTTP
     gateway); whichever of the two ends first, the other is stopped too, and the
     exit code is the one that ended first's: its own, or 128 + the signal that
     killed it (the shell's convention; a negative code would become 256 - n)."""
-    process = start(repository, http_port, grpc_port, metrics_port, host, gpu_on_cpu=gpu_on_cpu,
-                    separate_steps=separate_steps)
+    process = KeptServer(lambda: start(repository, http_port, grpc_port, metrics_port, host, gpu_on_cpu=gpu_on_cpu,
+                                       separate_steps=separate_steps))
     print(f"Triton is ready: HTTP http://{host}:{http_port}  gRPC {host}:{grpc_port}  "
           f"metrics http://{host}:{metrics_port}/metrics", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -142,5 +136,5 @@ def serve_forever(repository: Path, http_port: int, grpc_port: int, metrics_port
     finally:
         if companion is not None:
             end(companion, grace=10.0)
-        stop(process)  # also when the server ended by itself: the supervisor and temporary files go too
+        process.stop()  # also when the server was given up on: the supervisor and temporary files go too
     return code

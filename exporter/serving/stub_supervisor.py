@@ -26,6 +26,26 @@ from .flags import ADMIN_HEADER, is_remote
 
 log = logging.getLogger(__name__)
 
+#: Where the python backend's shared memory regions live (boost's ``shared_memory_object`` on Linux).
+SHARED_MEMORY = Path("/dev/shm")
+#: A worker's command line: ``STUB MODEL_PATH REGION DEFAULT_SIZE GROWTH SERVER_PID ...`` (Triton 2.51's
+#: python backend, ``stub_launcher.cc``)
+_REGION_ARG, _SERVER_PID_ARG = 2, 5
+
+
+def orphaned_workers(server_pid: int) -> list:
+    """The python-backend workers (``psutil.Process``) still running for a server that ran as ``server_pid`` and
+    has ended: each names its server on its command line, and exits within about 0.3 s of noticing it is gone."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        argv = process.info["cmdline"] or []
+        if (len(argv) > _SERVER_PID_ARG and Path(argv[0]).name == STUB_EXECUTABLE
+                and argv[_SERVER_PID_ARG] == str(server_pid)):
+            found.append(process)
+    return found
+
 
 class StubSupervisor(threading.Thread):
     """Reloads a model whose python-backend process has died.
@@ -52,6 +72,8 @@ class StubSupervisor(threading.Thread):
         self._key = admin_key
         self._stopping = threading.Event()
         self.restarts: list[tuple[float, str]] = []  # (time.time(), model), for tests and operators
+        #: the shared memory region of every worker seen, removed once the server has stopped (launcher.py)
+        self.regions: set[str] = set()
         self._expected = self.stub_counts()
         self._ready = set(self._ready_models())
         self._ensembles: set[str] | None = None
@@ -74,6 +96,8 @@ class StubSupervisor(threading.Thread):
                 continue
             if len(argv) < 2 or Path(argv[0]).name != STUB_EXECUTABLE:
                 continue
+            if len(argv) > _REGION_ARG:
+                self.regions.add(argv[_REGION_ARG])
             model = self._model_of(Path(argv[1]).parent.parent)
             if model is not None:
                 found.setdefault(model, []).append(child)
@@ -89,6 +113,23 @@ class StubSupervisor(threading.Thread):
             return read_config(model_dir / "config.pbtxt").name or None
         except (OSError, ParseError):  # not a model copy (or gone: unloaded meanwhile)
             return None
+
+    def dead_workers(self) -> int:
+        """The python-backend processes that died and that the server has not reaped (zombies): Triton
+        reaps a worker when it finishes unloading the worker's model, which it never does for a dead one."""
+        import psutil
+
+        try:
+            children = psutil.Process(self.server.pid).children()
+        except psutil.Error:
+            return 0
+        dead = 0
+        for child in children:
+            try:  # a zombie has no command line left; /proc keeps the first 15 characters of its name
+                dead += child.status() == psutil.STATUS_ZOMBIE and child.name() == STUB_EXECUTABLE[:15]
+            except psutil.Error:
+                continue
+        return dead
 
     def stub_counts(self) -> dict[str, int]:
         return {model: len(processes) for model, processes in self.stub_processes().items()}

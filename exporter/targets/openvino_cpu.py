@@ -35,6 +35,7 @@ from nexus_sli.exporter.export.validate import AUTO_BAR
 from nexus_sli.exporter.export.threads import export_threads
 from nexus_sli.exporter.serving.backends.openvino_properties import compile_properties
 from nexus_sli.exporter.triton.config import EncoderServing
+from nexus_sli.tasks.model_parameters import HINT_BF16, PERFORMANCE_HINT, write
 
 from .base import Candidate, ExportedGraph, Target
 from .cpu import BF16_FLAGS
@@ -148,5 +149,5 @@ class OpenVINOCPU(Target):
 
     def serving(self, precision: str) -> EncoderServing:
         # Triton's OpenVINO backend reads these parameter names.
-        params = {"HINT_BF16": "YES" if precision == "bf16" else "NO", "PERFORMANCE_HINT": "LATENCY"}
+        params = write({HINT_BF16: "YES" if precision == "bf16" else "NO", PERFORMANCE_HINT: "LATENCY"})
         return EncoderServing(backend="openvino", parameters=params)

@@ -16,6 +16,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from nexus_sli.client.error_codes import DECODED_OUTPUT, IDS_INPUT, TOKEN_COUNT_OUTPUT, TOKENS_OUTPUT
 from nexus_sli.tasks import get_task, spec
+from nexus_sli.tasks.model_parameters import TASK, Prompts, TokenizerParameters
 
 #: Requests Triton may merge into one execution of each step of a CPU repository, and the most texts
 #: a client sends in one request.
@@ -231,20 +232,16 @@ def queue_policy() -> pb.ModelQueuePolicy:
 
 
 def tokenizer_config(name: str, lay: Layout, max_length: int, pad_id: int, truncate: bool,
-                     pad_widths: list[int] | None = None, prompts: dict[str, str] | None = None,
+                     pad_widths: list[int] | None = None, prompts: Prompts | None = None,
                      sides: str | None = None, max_batch_size: int = MAX_BATCH_SIZE) -> pb.ModelConfig:
-    """``prompts``: the model's named prompts (``prompts``: JSON, ``default_prompt_name``), applied by the step;
-    ``sides``: a late-interaction model's two sides (``python_models/sides.py``'s ``Sides.to_json()``), which
-    the ``sided`` mode reads; ``max_batch_size``: the encoder's (:attr:`EncoderServing.max_batch_size`)."""
-    widths = pad_widths or [min(PAD_WIDTH, max_length)]
-    params = {"mode": lay.mode, "max_length": max_length, "pad_id": pad_id, "truncate": str(truncate).lower(),
-              "pad_widths": ",".join(map(str, widths)), **(prompts or {})}
-    if lay.mode == "qa":
-        params["stride"] = QA_STRIDE
-    if sides is not None:
-        params["sides"] = sides
-    if not lay.batched:  # one request becomes many encoder rows: the tokenizer refuses more than it takes
-        params["max_rows"] = max_batch_size
+    """``prompts``: the model's named prompts, applied by the step; ``sides``: a late-interaction model's two
+    sides (``python_models/sides.py``'s ``Sides.to_json()``), which the ``sided`` mode reads;
+    ``max_batch_size``: the encoder's (:attr:`EncoderServing.max_batch_size`)."""
+    params = TokenizerParameters(
+        lay.mode, max_length, pad_id, truncate, tuple(pad_widths or [min(PAD_WIDTH, max_length)]),
+        stride=QA_STRIDE if lay.mode == "qa" else 0, sides=sides, prompts=prompts or Prompts(),
+        # one request becomes many encoder rows: the tokenizer refuses more than it takes
+        max_rows=None if lay.batched else max_batch_size).write()
     config = _model(name, lay.inputs, [*(lay.rows(t) for t in lay.tokens), *lay.counts], lay.batched, params,
                     TOKENIZER_QUEUE_DELAY_US, max_batch_size)
     config.backend = "python"
@@ -328,7 +325,7 @@ def ensemble_config(name: str, task: str, lay: Layout, input_names: list[str], s
     config = pb.ModelConfig(name=name, max_batch_size=max_batch_size if lay.batched else 0, platform="ensemble")
     config.input.extend(_io(pb.ModelInput, t) for t in lay.inputs)
     config.output.extend(_io(pb.ModelOutput, t) for t in (*lay.outputs, *lay.counts))
-    for key, value in {"task": task, **params}.items():
+    for key, value in {TASK.key: task, **params}.items():
         config.parameters[key].string_value = str(value)
     internal = {t.name: f"_{t.name}" for t in (*lay.tokens, *lay.encoder_outputs)}
     internal |= {token: result for result, token in lay.echoed}
@@ -362,7 +359,7 @@ def token_ensemble_config(name: str, lay: Layout, input_names: list[str], steps:
     config = pb.ModelConfig(name=name, max_batch_size=max_batch_size if lay.batched else 0, platform="ensemble")
     config.input.extend(_io(pb.ModelInput, t) for t in lay.inputs)
     config.output.extend(_io(pb.ModelOutput, t) for t in (lay.token_states, mask))
-    for key, value in {"task": spec.TOKEN_TASK, **params}.items():
+    for key, value in {TASK.key: spec.TOKEN_TASK, **params}.items():
         config.parameters[key].string_value = str(value)
     # the tokenizer's mask is both the encoder's input and this ensemble's output
     internal = {t.name: f"_{t.name}" for t in lay.tokens} | {"attention_mask": mask.name}

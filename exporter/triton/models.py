@@ -15,13 +15,19 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from nexus_sli.client.model_info import PRECISION_PARAMETER
 from nexus_sli.tasks import get_task
-from nexus_sli.tasks.spec import TOKEN_MODEL_PARAMETER, TOKEN_MODEL_SUFFIX
+from nexus_sli.tasks.model_parameters import EMBEDDING_MODEL, HEAD, PRECISION, TASK, TOKEN_MODEL, Prompts, write
+from nexus_sli.tasks.spec import TOKEN_MODEL_SUFFIX
 
 from . import config as tc
 
 _PYTHON_MODELS = "nexus_sli.exporter.triton.python_models"
+#: Copied beside each python step (and each encoder shim, ``serving/backend_folders.py``), from the packages
+#: below the exporter, as (package, file): on a Triton server nexus-sli is not installed.
+SHARED_FILES = (
+    ("nexus_sli.client", "error_codes.py"),       # the error codes the client understands, emitted by the steps
+    ("nexus_sli.tasks", "model_parameters.py"),   # the keys of the configs' parameters, read by the steps
+)
 
 REPOSITORY_README = """\
 # Triton model repository written by nexus-sli
@@ -83,9 +89,8 @@ class ServingFacts:
     model_filename: str = "model.onnx"
     #: the encoder graph ends in the pooling and answers the embedding: no post-processing model
     pooled: bool = False
-    #: the model's named prompts as the tokenizer step and clients read them (``prompts``: JSON,
-    #: ``default_prompt_name``); empty for a model without prompts
-    prompts: dict = field(default_factory=dict)
+    #: the model's named prompts, which the tokenizer step applies and the ensembles describe to clients
+    prompts: Prompts = field(default_factory=Prompts)
     #: more ensemble parameters for clients (``matryoshka_dims``: the sizes the model was trained for)
     described: dict = field(default_factory=dict)
     #: the masked-LM head's output size (sparse embeddings' dims; 0 where no tensor has it)
@@ -106,8 +111,8 @@ def _copy_python_model(module: str, target: Path, extra: dict[str, Path] | None 
     (version / "model.py").write_text(package.joinpath(f"{module}.py").read_text())
     for helper in ("encoding.py", "heads.py", "sides.py"):
         (version / helper).write_text(package.joinpath(helper).read_text())
-    # the error codes the client understands, emitted by the models themselves
-    (version / "error_codes.py").write_text(resources.files("nexus_sli.client").joinpath("error_codes.py").read_text())
+    for shared, file in SHARED_FILES:
+        (version / file).write_text(resources.files(shared).joinpath(file).read_text())
     for name, source in (extra or {}).items():
         shutil.copyfile(source, version / name)
 
@@ -129,16 +134,16 @@ def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenize
                                facts.max_length), root / encoder)
     if not lay.encoder_answers:
         _copy_python_model("postprocess_model", root / postprocess)
-        head = {"task": task, "head": get_task(task).head}
+        head = write({TASK: task, HEAD: get_task(task).head})
         tc.write(tc.postprocess_config(postprocess, lay, {**head, **facts.post_params}, rows), root / postprocess)
     tokens = name + TOKEN_MODEL_SUFFIX if lay.token_states is not None else None
-    described = {**facts.described, **({TOKEN_MODEL_PARAMETER: tokens} if tokens else {}),
-                 **({PRECISION_PARAMETER: facts.precision} if facts.precision else {})}
+    described = {**facts.described, **write({TOKEN_MODEL: tokens, PRECISION: facts.precision or None})}
+    prompts = facts.prompts.write()
     _write_ensemble(root, tc.ensemble_config(name, task, lay, facts.input_names, steps,
-                                             {**facts.post_params, **facts.prompts, **described}, rows))
+                                             {**facts.post_params, **prompts, **described}, rows))
     if tokens:  # the same prompts: a token request is tokenised as an embedding request is
         _write_ensemble(root, tc.token_ensemble_config(tokens, lay, facts.input_names, (tokenizer, encoder),
-                                                       {**facts.prompts, "embedding_model": name}, rows))
+                                                       {**prompts, **write({EMBEDDING_MODEL: name})}, rows))
     return [name, *([tokens] if tokens else [])]
 
 

@@ -12,7 +12,7 @@ import psutil
 import tritonclient.http as httpclient
 
 from nexus_sli.bench.served import Gateway, free_ports
-from nexus_sli.client.model_info import JOINED_STEPS_PARAMETER
+from nexus_sli.client.model_info import ModelInfo
 from nexus_sli.exporter.serving import server as serve
 
 
@@ -37,7 +37,7 @@ def step_counts(http: str, model: str, step: str) -> tuple[int, int]:
     stats = httpclient.InferenceServerClient(http)
     try:
         config = stats.get_model_config(model)
-        joined = JOINED_STEPS_PARAMETER in config.get("parameters", {})
+        joined = ModelInfo.from_config(model, config).joined
         counted = [f"{model}_{step}", *([model] if joined else [])]
         found = [stats.get_inference_statistics(name)["model_stats"][0] for name in counted]
     finally:

@@ -27,7 +27,8 @@ import sys
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
-from nexus_sli.exporter.serving.joined_steps import BACKENDS_PARAMETER, SCHEDULE_PARAMETER, step_sources
+from nexus_sli.exporter.serving.joined_steps import step_sources
+from nexus_sli.tasks.model_parameters import JOINED_BACKENDS, JOINED_SCHEDULE, strings
 
 
 class _StepRequest:
@@ -89,9 +90,9 @@ class _Step:
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        params = strings(config)
         repository = Path(args["model_repository"]).parent
-        sources = step_sources(repository, json.loads(params[SCHEDULE_PARAMETER]), Path(params[BACKENDS_PARAMETER]),
+        sources = step_sources(repository, JOINED_SCHEDULE.read(params), Path(JOINED_BACKENDS.read(params)),
                                args.get("model_instance_kind", "CPU"), args.get("model_instance_device_id", "0"))
         self.steps = [_Step(number, source) for number, source in enumerate(sources)]
         self.outputs = [output["name"] for output in config["output"]]

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the shared modules beside this
 import numpy as np  # noqa: E402
 import openvino as ov  # noqa: E402
 from encoder_backend import EncoderBackend  # noqa: E402
+from model_parameters import WARMUP_QUERY_TOKENS as WARMUP_PARAMETER  # noqa: E402
 from openvino_properties import compile_properties  # noqa: E402
 
 #: Query lengths (tokens, special tokens included) warmed at load: most search queries fit.
@@ -41,7 +42,7 @@ class TritonPythonModel(EncoderBackend):
         self.compiled = core.compile_model(core.read_model(str(path)), "CPU", compile_properties(params))
         self.request = self.compiled.create_infer_request()
         self.ports = {output.get_any_name(): output for output in self.compiled.outputs}
-        self.warm_up(int(params.get("WARMUP_QUERY_TOKENS", WARMUP_QUERY_TOKENS)))
+        self.warm_up(WARMUP_PARAMETER.read(params, WARMUP_QUERY_TOKENS))
 
     def warm_up(self, tokens):
         """Run one row of each length 1..``tokens``: real token ids (1) and a full mask, so

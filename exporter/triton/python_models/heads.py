@@ -14,9 +14,13 @@ import json
 import numpy as np
 
 if __package__:  # imported from the nexus_sli package (validation, tests)
+    from nexus_sli.tasks.model_parameters import (ID2LABEL, MULTI_LABEL, NORMALIZE, POOLING, SPLADE_ACTIVATION,
+                                                  SPLADE_POOLING, TOP_K)
+
     from .encoding import l2_normalize, pool, splade
 else:  # a file copied beside model.py in a Triton repository
     from encoding import l2_normalize, pool, splade
+    from model_parameters import ID2LABEL, MULTI_LABEL, NORMALIZE, POOLING, SPLADE_ACTIVATION, SPLADE_POOLING, TOP_K
 
 #: Longest answer span considered, in tokens (as transformers' QA pipeline).
 MAX_ANSWER_TOKENS = 30
@@ -108,14 +112,14 @@ def _json_strings(items) -> np.ndarray:
 
 
 def embedding_head(x: dict, params: dict) -> dict:
-    vectors = pool(x["last_hidden_state"], x["attention_mask"], params["pooling"])
-    if params.get("normalize") == "true":
+    vectors = pool(x["last_hidden_state"], x["attention_mask"], POOLING.read(params))
+    if NORMALIZE.read(params, False):
         vectors = l2_normalize(vectors)
     return {"EMBEDDING": vectors.astype(np.float32)}
 
 
 def sparse_embedding_head(x: dict, params: dict) -> dict:
-    vectors = splade(x["logits"], x["attention_mask"], params["splade_pooling"], params["splade_activation"])
+    vectors = splade(x["logits"], x["attention_mask"], SPLADE_POOLING.read(params), SPLADE_ACTIVATION.read(params))
     return {"SPARSE_EMBEDDING": vectors.astype(np.float32)}
 
 
@@ -124,7 +128,7 @@ def multi_vector_head(x: dict, params: dict) -> dict:
     model's projection.  Exports put the whole head in the encoder graph (``export/pooling.py``), whose
     padding trim alone keeps the scored positions the encoder does not attend to."""
     vectors = x["last_hidden_state"].astype(np.float32)
-    if params.get("normalize") == "true":
+    if NORMALIZE.read(params, False):
         vectors = l2_normalize(vectors)
     mask = x["score_mask"][:, :vectors.shape[1], None].astype(np.float32)
     return {"MULTI_VECTOR": (vectors * mask).astype(np.float32)}
@@ -137,7 +141,7 @@ def bge_m3_head(x: dict, params: dict) -> dict:
 
 
 def classification_head(x: dict, params: dict) -> dict:
-    scores = class_scores(x["logits"].astype(np.float64), params.get("multi_label") == "true")
+    scores = class_scores(x["logits"].astype(np.float64), MULTI_LABEL.read(params, False))
     return {"SCORES": scores.astype(np.float32)}
 
 
@@ -146,7 +150,7 @@ def rerank_head(x: dict, params: dict) -> dict:
 
 
 def token_classification_head(x: dict, params: dict) -> dict:
-    id2label = json.loads(params.get("id2label", "{}"))
+    id2label = ID2LABEL.read(params, {})
     texts = [t.decode("utf-8", "replace") for t in x["TEXT"].reshape(-1)]
     found = [entities(text, x["logits"][i], x["offsets"][i], x["attention_mask"][i], id2label)
              for i, text in enumerate(texts)]
@@ -156,7 +160,7 @@ def token_classification_head(x: dict, params: dict) -> dict:
 def question_answering_head(x: dict, params: dict) -> dict:
     context = x["CONTEXT"].reshape(-1)[0].decode("utf-8", "replace")
     spans = answer_spans(context, x["start_logits"], x["end_logits"], x["offsets"], x["context_mask"],
-                         int(params.get("top_k", TOP_ANSWERS)))
+                         TOP_K.read(params, TOP_ANSWERS))
     return {"ANSWERS": _json_strings([spans])}
 
 

@@ -11,6 +11,7 @@ import triton_python_backend_utils as pb_utils
 from encoding import pool
 from error_codes import INFERENCE_FAILED, INVALID_INPUT, mark
 from heads import HEADS
+from model_parameters import HEAD, POOLING, TASK, strings
 
 
 #: Token-aligned inputs: the tokenizer pads them to a fixed width, while the encoder's
@@ -32,15 +33,17 @@ def _fit_to_sequence(x):
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        self.params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        self.task = self.params["task"]
+        self.params = strings(config)
+        self.task = TASK.read(self.params)
         self.input_names = [i["name"] for i in config["input"]]
-        if self.params.get("head") not in HEADS:
-            raise ValueError(f"unknown post-processing head {self.params.get('head')!r} for task {self.task!r}; "
+        head = HEAD.read(self.params, None)
+        if head not in HEADS:
+            raise ValueError(f"unknown post-processing head {head!r} for task {self.task!r}; "
                              f"this repository's heads.py has {', '.join(HEADS)}")
-        self.head = HEADS[self.params["head"]]
-        if "pooling" in self.params:  # a bad pooling mode fails the load, not every request
-            pool(np.zeros((1, 1, 1), np.float32), np.ones((1, 1), np.int64), self.params["pooling"])
+        self.head = HEADS[head]
+        pooling = POOLING.read(self.params, None)
+        if pooling is not None:  # a bad pooling mode fails the load, not every request
+            pool(np.zeros((1, 1, 1), np.float32), np.ones((1, 1), np.int64), pooling)
 
     def run(self, inputs):
         return self.head(inputs, self.params)

@@ -1,6 +1,6 @@
 """Triton python model: raw strings -> the encoder's token tensors.
 
-Modes (the ``mode`` parameter):
+Its parameters are ``model_parameters.TokenizerParameters``.  Modes (the ``mode`` parameter):
 - ``single``: ``TEXT`` (one string per batch item); dynamically batched.
 - ``pair``: ``QUERY`` (one string) and ``DOCUMENTS`` (N strings) -> N (query, document) rows.
 - ``qa``: ``QUESTION`` and ``CONTEXT`` -> one row per overlapping window of the context.
@@ -70,6 +70,7 @@ from error_codes import (
     TOKENS_OUTPUT,
     mark,
 )
+from model_parameters import SIDES, TokenizerParameters, strings
 from sides import DOCUMENT, SIDE_NAMES, Sides, row_width, side_tokenizers, sided_arrays
 
 #: The outputs of the text modes, computed only for the requests that ask for them.
@@ -135,18 +136,16 @@ def _answer(tensors, error):
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        params = TokenizerParameters.read(strings(config))
         here = Path(args["model_repository"]) / args["model_version"]
-        self.mode = params.get("mode", "single")
+        self.mode = params.mode
         if self.mode not in TOKENIZER_MODES:
             raise ValueError(f"unknown tokenizer mode {self.mode!r}; known modes: {', '.join(TOKENIZER_MODES)}")
-        self.max_length = int(params["max_length"])
-        self.truncate = params.get("truncate", "true") == "true"
-        self.pad_id = int(params["pad_id"])
-        self.pad_widths = [int(w) for w in params.get("pad_widths", str(self.max_length)).split(",")]
-        self.stride = int(params.get("stride", "0"))
+        self.max_length, self.truncate, self.pad_id = params.max_length, params.truncate, params.pad_id
+        self.pad_widths = list(params.widths)
+        self.stride = params.stride
         # Rows one request may become (pair and qa modes): the encoder's max_batch_size.
-        self.max_rows = int(params["max_rows"]) if "max_rows" in params else None
+        self.max_rows = params.max_rows
         strategy = "only_second" if self.mode == "qa" else "longest_first"
         path = str(here / "tokenizer.json")
         self.tokenizer = load_tokenizer(path, self.max_length, self.truncate or self.mode == "qa", self.stride,
@@ -156,14 +155,16 @@ class TritonPythonModel:
         declared = [output["name"] for output in config["output"]]
         self.output_names = [name for name in declared if name not in (*TEXT_OUTPUTS, TOKEN_COUNT_OUTPUT)]
         self.counts = TOKEN_COUNT_OUTPUT in declared
-        self.prompts = json.loads(params.get("prompts", "{}"))
-        self.default_prompt = params.get("default_prompt_name")
+        self.prompts = params.prompts.named
+        self.default_prompt = params.prompts.default
         if self.mode == "sided":
             self._sided(params, path)
 
     def _sided(self, params, path):
         """The two sides and a tokenizer truncating at each one's length."""
-        self.sides = Sides.from_json(params["sides"])
+        if params.sides is None:
+            raise ValueError(f"a sided tokenizer's config has no parameter {SIDES.key!r}")
+        self.sides = Sides.from_json(params.sides)
         widest = max(row_width(self.sides.side(name).max_length, self.sides.side(name)) for name in SIDE_NAMES)
         if widest > self.max_length:  # padded_length falls back to max_length: every row must fit in it
             raise ValueError(f"max_length {self.max_length} is narrower than a side's rows ({widest} tokens)")

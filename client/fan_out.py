@@ -1,0 +1,103 @@
+"""One call's requests sent together: the answers in the call's order, the first request's error raised.
+
+A call larger than the model's ``max_batch_size`` is several requests (chunks).  Sent one after
+another, each costs a round trip while the server's other steps wait; sent together, the server
+overlaps them (one chunk tokenized while another is encoded), and a step with several instances
+runs them at once.  Each request keeps its own retries over the replicas: a failed one is sent
+again as it would be alone, the others are not.
+
+The synchronous client sends them from the calling thread and workers beside it: threads for
+gRPC (tritonclient's gRPC client may be called from several threads at once), greenlets of the
+calling thread for HTTP (tritonclient's HTTP client runs on gevent and is not thread-safe).  Not
+through tritonclient's ``async_infer``: the HTTP one sleeps 10 ms after sending each request, and
+both would need the retries rewritten around callbacks.  A call of one request starts no worker.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, wait
+from typing import Any
+
+#: The most requests of one call in flight at once (the calling thread's own included).  The server
+#: runs no more at once than its steps have instances (one each in a CPU repository, a few on a GPU),
+#: so more in flight only wait in its queues, holding their tensors, ahead of other clients' requests
+#: (Triton's queues are first come, first served); and one large call cannot fill a step's queue
+#: (``MAX_QUEUE_SIZE``, in exporter/triton/config.py) by itself.
+IN_FLIGHT = 8
+
+Send = Callable[[int], Any]
+
+
+class _Requests:
+    """A call's requests ``send(0)`` .. ``send(count - 1)``, taken in order by each of its workers.
+    Once one has failed, or the calling thread has stopped, no worker takes another: a call that sent
+    them one after another would have stopped there too."""
+
+    def __init__(self, count: int, send: Send):
+        self._send, self._count, self._taken = send, count, 0
+        self._lock = threading.Lock()
+        self.answers: list = [None] * count
+        self.errors: dict[int, Exception] = {}
+
+    def _take(self) -> int | None:
+        with self._lock:
+            if self.errors or self._taken >= self._count:
+                return None
+            self._taken += 1
+            return self._taken - 1
+
+    def work(self) -> None:
+        """Send requests until none is left to take."""
+        while (index := self._take()) is not None:
+            try:
+                self.answers[index] = self._send(index)
+            except Exception as exc:  # noqa: BLE001 - the call raises it, in request order (result())
+                with self._lock:
+                    self.errors[index] = exc
+
+    def stop(self) -> None:
+        """Take no more requests (the calling thread is done, or interrupted)."""
+        with self._lock:
+            self._taken = self._count
+
+    def result(self) -> list:
+        """Every request's answer in order, or the error of the first request in order that failed (the
+        one a call sending them one after another would have raised)."""
+        if self.errors:
+            raise self.errors[min(self.errors)]
+        return self.answers
+
+
+def _workers(count: int) -> int:
+    """Workers beside the calling thread: no more than the requests, nor than :data:`IN_FLIGHT` in all."""
+    return max(min(count, IN_FLIGHT) - 1, 0)
+
+
+def in_threads(executor: Executor, count: int, send: Send) -> list:
+    """``send(i)`` for every request of a call, from the calling thread and threads of ``executor``."""
+    requests = _Requests(count, send)
+    helpers = [executor.submit(requests.work) for _ in range(_workers(count))]
+    try:
+        requests.work()
+    finally:
+        requests.stop()
+    # a helper still queued behind other calls' has nothing left to do: it is cancelled, not waited for
+    wait([helper for helper in helpers if not helper.cancel()])
+    return requests.result()
+
+
+def in_greenlets(count: int, send: Send) -> list:
+    """``send(i)`` for every request of a call, from the calling thread's greenlet and greenlets beside it
+    (each waits for the network without holding the thread)."""
+    import gevent
+
+    requests = _Requests(count, send)
+    helpers = [gevent.spawn(requests.work) for _ in range(_workers(count))]
+    try:
+        requests.work()
+    finally:
+        requests.stop()
+    gevent.joinall(helpers)
+    return requests.result()
