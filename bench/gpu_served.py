@@ -141,7 +141,7 @@ def gpu_memory() -> dict | None:
 
 def measure_variants(args, cell) -> None:
     """Every variant of :data:`VARIANTS` (or those ``args.variants`` names) served and loaded in turn."""
-    from nexus_sli.bench.gpu_check import GraphPath, Texts, reference_embeddings
+    from nexus_sli.bench.gpu_paths import GraphPath, Texts, reference_embeddings
 
     graph = GraphPath(args.repository, args.model)
     texts = Texts(graph.tokenizer)
@@ -197,7 +197,7 @@ def _load(served, run_load, texts, kind: str, clients: int, size: int, seconds: 
 
 def _singles(client, graph, queries: list[str]) -> dict:
     """Each single query served and in process, the two paths taking turns round by round."""
-    from nexus_sli.bench.gpu_check import latency, singles_ms
+    from nexus_sli.bench.gpu_paths import latency, singles_ms
 
     paths = {"served, gRPC": client.embed, "graph in process": graph}
     times: dict[str, list[float]] = {name: [] for name in paths}
@@ -219,7 +219,7 @@ def _fidelity(client, texts: list[str], wanted: np.ndarray) -> dict:
 
 def _bucket_feeds(args, rows: int) -> dict[str, np.ndarray]:
     """``rows`` short texts tokenized and padded as the tokenizer step pads them."""
-    from nexus_sli.bench.gpu_check import GraphPath, Texts
+    from nexus_sli.bench.gpu_paths import GraphPath, Texts
 
     graph = GraphPath(args.repository, args.model)
     return graph.feeds(Texts(graph.tokenizer).batches("short", rows, 1)[0])
@@ -237,7 +237,7 @@ def _timed(run, repetitions: int = 100) -> float:
 def io_binding_runs(args, rounds: int) -> dict:
     """Milliseconds per run at a batch of 32 and of 256 short texts: ``session.run`` on numpy arrays, and
     with an I/O binding (the inputs bound from the CPU, the output left on the GPU and copied out once)."""
-    from nexus_sli.bench.gpu_check import encoder_session
+    from nexus_sli.bench.gpu_paths import encoder_session
 
     session, providers = encoder_session(args.repository, args.model)
     found = {"providers": providers}
@@ -267,7 +267,7 @@ def cuda_graph_runs(args, rounds: int) -> dict:
     provider captures the run as a CUDA graph and replays it (inputs updated in place)."""
     import onnxruntime as ort
 
-    from nexus_sli.bench.gpu_check import encoder_session
+    from nexus_sli.bench.gpu_paths import encoder_session
 
     feeds = _bucket_feeds(args, 32)
     found = {}
