@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 import traceback
@@ -148,7 +149,7 @@ def measure_variants(args, cell) -> None:
     wanted = [v for v in VARIANTS if not args.variants or v.label in args.variants.split(",")]
     cell("variants", [v.__dict__ for v in wanted])
     cell("gpu memory before serving", gpu_memory())
-    work = args.out.parent / "served-work"
+    work = Path(tempfile.mkdtemp(prefix="nexus-sli-gpu-served-"))  # repository copies: not beside the record
     for variant in wanted:
         try:
             cell(variant.label, _variant(args, variant, texts, graph, work, reference_embeddings if variant.full
