@@ -3,7 +3,7 @@
 # tokenizers but no network, into parts small enough for a transfer limit (PART_MB each): the GPU
 # repository of the packaged all-MiniLM-L6-v2 (--accelerator cuda), its weights in fp16 for
 # sentence-transformers, and the wheels of onnxruntime-gpu, nvidia-pytriton (the server), numpy<2 (its
-# python backend's), tritonclient's gRPC client and this project.
+# python backend's) and tritonclient's gRPC client; this project's wheel beside them.
 # Usage: bash bench/gpu_parts.sh OUT_DIR [PART_MB]   (then bench/gpu_run.sh on the GPU host)
 set -euo pipefail
 out=${1:?usage: gpu_parts.sh OUT_DIR [PART_MB]}; part_mb=${2:-60}
@@ -26,8 +26,8 @@ PY
   --platform manylinux2014_x86_64 -d "$stage/whl" \
   onnxruntime-gpu==1.31.1 nvidia-pytriton==0.7.0 numpy==1.26.4 tritonclient==2.73.0 protobuf==6.33.6 grpcio==1.85.3 \
   python-rapidjson==1.25
-"$bin/python" -m pip wheel -q --no-deps -w "$stage/whl" .
-
-mkdir -p "$out"; rm -f "$out"/part-*
+mkdir -p "$out"; rm -f "$out"/part-* "$out"/nexus_sli-*.whl
 tar -C "$stage" -cf - repo weights whl | split -b "${part_mb}M" -d - "$out/part-"
+# this project's wheel beside the parts, not in them: a change to the code leaves the parts as they are
+"$bin/python" -m pip wheel -q --no-deps -w "$out" .
 ls -l "$out"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU host: join the parts bench/gpu_parts.sh made and run the GPU check in two environments.
+# On the GPU host: join the parts bench/gpu_parts.sh made (this project's wheel beside them) and run the GPU
+# check in two environments.
 # - The host's Python (its numpy 2, which its scipy and so sentence-transformers need), with the carried
 #   wheels but numpy and the server first on PYTHONPATH: the in-process figures and the fidelity.
 # - A venv of its own that sees the host's packages after its own, numpy<2 among them (the python
@@ -10,6 +11,7 @@ parts=${1:?usage: gpu_run.sh PARTS_DIR OUT_DIR}; out=${2:?usage: gpu_run.sh PART
 work=/tmp/nexus-sli-gpu-check; rm -rf "$work"; mkdir -p "$work" "$out"
 cat "$parts"/part-* | tar -C "$work" -xf -
 pip_install=(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target)
+cp "$parts"/nexus_sli-*.whl "$work/whl/"
 host_wheels=()
 for wheel in "$work"/whl/*.whl; do
   case "$(basename "$wheel")" in numpy-*|nvidia_pytriton-*) ;; *) host_wheels+=("$wheel");; esac
