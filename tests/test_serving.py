@@ -13,6 +13,7 @@ from sentence_transformers import SentenceTransformer
 
 from helpers.servers import serving, step_counts
 from helpers.waiting import wait_until
+from nexus_sli.client import EncoderClient, InvalidInputError
 from nexus_sli.exporter.triton import config as triton_config
 from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.export.source import resolve_model
@@ -101,8 +102,6 @@ def test_served_embeddings_match_sentence_transformers(server, reference, protoc
 
 def test_a_repository_with_the_python_post_processing_step_still_serves_the_same(server, reference):
     """minilm_strict has the earlier three-step ensemble: the client reads it as it reads the pooled one."""
-    from nexus_sli.client import EncoderClient
-
     strict = triton_config.read(server["repo"] / "minilm_strict" / "config.pbtxt")
     assert [s.model_name for s in strict.ensemble_scheduling.step][-1] == "minilm_strict_postprocess"
     texts = [t for t in validation_texts() if len(t) < 400][:40]  # minilm_strict refuses texts past 256 tokens
@@ -138,6 +137,45 @@ def test_invalid_utf8_is_a_clear_error(server):
     with pytest.raises(Exception, match="not valid UTF-8"):
         client.infer(NAME, [tensor])
     assert _embed(server["http"], ["fine again"]).shape == (1, 384)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_calls_chunks_are_sent_at_once_and_answer_in_order(server, protocol):
+    texts = validation_texts()[:200]  # requests of 64, 64, 64 and 8 texts
+    in_flight, most, lock = 0, 0, threading.Lock()
+    with EncoderClient(server[protocol], protocol=protocol, model=NAME) as client:
+        (connection,) = client.fleet.clients.values()
+        infer = connection.infer
+
+        def counted(*args, **kwargs):  # how many requests are on the wire at once
+            nonlocal in_flight, most
+            with lock:
+                in_flight += 1
+                most = max(most, in_flight)
+            try:
+                return infer(*args, **kwargs)
+            finally:
+                with lock:
+                    in_flight -= 1
+
+        connection.infer = counted
+        together = client.embed(texts)
+    assert most == 4, f"{most} of the 4 requests were in flight together"
+    each = np.concatenate([_embed(server[protocol], texts[i:i + 64], protocol=protocol) for i in range(0, 200, 64)])
+    assert together.shape == (200, 384) and np.allclose(together, each, atol=1e-5)  # each text's own row, in order
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_failed_chunk_raises_its_error_the_first_in_order(server, protocol):
+    """minilm_strict refuses texts past its 256 tokens.  Two requests of one call fail: the second (302 tokens
+    at its row 63) and the fourth (502 tokens, alone in it: it fails first); the call raises the second's, as
+    one sending them in turn would, with its type, and the client serves the next call."""
+    short = [t for t in validation_texts() if len(t) < 400]
+    texts = [*short[:64], *short[:63], "word " * 300, *short[:64], "word " * 500]
+    with EncoderClient(server[protocol], protocol=protocol, model="minilm_strict") as client:
+        with pytest.raises(InvalidInputError, match="text 63 has 302 tokens"):
+            client.embed(texts)
+        assert client.embed(short[:130]).shape == (130, 384)
 
 
 def test_concurrent_single_texts_share_encoder_executions(server):
