@@ -70,9 +70,9 @@ class EncoderClient:
     queue timeout for it.  A request that outlives it raises
     :class:`~nexus_sli.client.DeadlineExceededError` and is not sent again.
 
-    A list larger than the model's ``max_batch_size`` is sent as several requests at once (up to
-    :data:`~nexus_sli.client.fan_out.IN_FLIGHT`), each retried on its own; the answers come back in
-    order, and a failure raises the error of the first request, in order, that failed.
+    A list larger than the model's ``max_batch_size`` is sent as several requests, up to
+    :data:`~nexus_sli.client.fan_out.IN_FLIGHT` at once (one: one after another), each retried on its own;
+    the answers come back in order, and a failure raises the error of the first request, in order, that failed.
 
     ``url="dns:///NAME:PORT"`` (a Kubernetes headless Service) makes every address of ``NAME``
     a replica, resolved again every ``refresh_s`` seconds and after a pass that failed
@@ -110,7 +110,7 @@ class EncoderClient:
                 options.update(connection_timeout=timeout_s, network_timeout=timeout_s)
         # gRPC: the threads that send a call's other chunks (started when first needed); HTTP sends them
         # as greenlets instead (fan_out says why)
-        self._workers = (ThreadPoolExecutor(fan_out.IN_FLIGHT - 1, thread_name_prefix="nexus-sli-chunks")
+        self._workers = (ThreadPoolExecutor(max(fan_out.IN_FLIGHT - 1, 1), thread_name_prefix="nexus-sli-chunks")
                          if protocol == "grpc" else None)
         #: the replicas and a connection to each (kept current for a ``dns:///`` name)
         self.fleet = Fleet(url, default_url(protocol), lambda u: self._triton.InferenceServerClient(u, **options),

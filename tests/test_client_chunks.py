@@ -1,4 +1,5 @@
-"""The synchronous client sends a call's requests (chunks) at once: answers in order, each request retried on
+"""The synchronous client sends a call's requests (chunks) one after another by default, and at once up to
+``fan_out.IN_FLIGHT`` where that is raised: answers in order, each request retried on
 its own, the first failed request's error raised with its type.  A stand-in server here, so that which request
 fails, and when each answers, is set; tests/test_serving.py calls the real one."""
 
@@ -18,6 +19,14 @@ from nexus_sli.client import error_codes, fan_out
 from nexus_sli.client.model_info import ModelInfo
 
 URL = "127.0.0.1:1"
+#: the bound the sending at once is tested at (the client's default sends one at a time)
+AT_ONCE = 8
+
+
+@pytest.fixture(autouse=True)
+def at_once(monkeypatch, request):
+    if "one_at_a_time" not in request.node.name:
+        monkeypatch.setattr(fan_out, "IN_FLIGHT", AT_ONCE)
 #: texts per request (the stand-in model's max_batch_size)
 CHUNK = 2
 
@@ -98,6 +107,15 @@ def test_a_calls_requests_go_at_once_and_answer_in_order(protocol):
     assert server.sent == Counter(range(requests))  # each request once
     assert server.most == fan_out.IN_FLIGHT  # at once, up to the bound
     assert took < sum(map(wait_s, range(requests))) / 2  # one after another: the sum of the waits (2.3 s)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_by_default_a_calls_requests_go_one_at_a_time(protocol):
+    server = _Server(protocol, wait_s=lambda index: 0.02)
+    with _client(protocol, server) as client:
+        vectors = client.embed(_texts(4))
+    assert fan_out.IN_FLIGHT == 1 and server.most == 1 and server.threads == {threading.current_thread()}
+    assert vectors[:, 0].tolist() == list(range(CHUNK * 4))
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

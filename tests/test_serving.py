@@ -13,7 +13,7 @@ from sentence_transformers import SentenceTransformer
 
 from helpers.servers import serving, step_counts
 from helpers.waiting import wait_until
-from nexus_sli.client import EncoderClient, InvalidInputError
+from nexus_sli.client import EncoderClient, InvalidInputError, fan_out
 from nexus_sli.exporter.triton import config as triton_config
 from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.export.source import resolve_model
@@ -140,7 +140,8 @@ def test_invalid_utf8_is_a_clear_error(server):
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_a_calls_chunks_are_sent_at_once_and_answer_in_order(server, protocol):
+def test_a_calls_chunks_are_sent_at_once_and_answer_in_order(server, protocol, monkeypatch):
+    monkeypatch.setattr(fan_out, "IN_FLIGHT", 8)  # the client's default sends them one after another
     texts = validation_texts()[:200]  # requests of 64, 64, 64 and 8 texts
     in_flight, most, lock = 0, 0, threading.Lock()
     with EncoderClient(server[protocol], protocol=protocol, model=NAME) as client:
@@ -166,7 +167,8 @@ def test_a_calls_chunks_are_sent_at_once_and_answer_in_order(server, protocol):
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_a_failed_chunk_raises_its_error_the_first_in_order(server, protocol):
+def test_a_failed_chunk_raises_its_error_the_first_in_order(server, protocol, monkeypatch):
+    monkeypatch.setattr(fan_out, "IN_FLIGHT", 8)  # the client's default sends them one after another
     """minilm_strict refuses texts past its 256 tokens.  Two requests of one call fail: the second (302 tokens
     at its row 63) and the fourth (502 tokens, alone in it: it fails first); the call raises the second's, as
     one sending them in turn would, with its type, and the client serves the next call."""
