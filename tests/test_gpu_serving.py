@@ -2,12 +2,15 @@
 
 Triton refuses KIND_GPU models without a GPU, so ``--gpu-models-on-cpu`` serves a
 logged shadow of the repository; the fp16 graph runs on ONNX Runtime's CPU
-provider and must still answer like sentence-transformers, with requests of one
-length bucket merged.
+provider and must still answer like sentence-transformers, with concurrent requests
+merged: on ``nexus-sli serve``'s default path the ensemble's steps run in one process,
+as they do on a GPU, and with the steps separate (an NGC container) the encoder merges
+the requests of one length bucket.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import subprocess
@@ -20,6 +23,7 @@ import tritonclient.grpc as grpcclient
 from sentence_transformers import SentenceTransformer
 
 from helpers.servers import serving
+from helpers.serving_paths import JOINED, PATHS, joined_models, per_path, start_options
 from helpers.waiting import wait_until
 from nexus_sli.client import EncoderClient
 from nexus_sli.exporter.errors import NexusError
@@ -40,11 +44,22 @@ def repo(tmp_path_factory, exports):
 
 
 @pytest.fixture(scope="module")
-def served(repo, tmp_path_factory):
-    log = tmp_path_factory.mktemp("gpu-serve-log") / "tritonserver.log"
-    with open(log, "w") as sink:  # the server's output, where the backend shim logs its providers
-        with serving(repo, gpu_on_cpu=True, stdout=sink, stderr=subprocess.STDOUT) as server:
-            yield {**server, "log": log}
+def servers(repo, tmp_path_factory):
+    @contextlib.contextmanager
+    def start(path):
+        log = tmp_path_factory.mktemp(f"gpu-serve-log-{path}") / "tritonserver.log"
+        with open(log, "w") as sink:  # the server's output, where the backend shim logs its providers
+            with serving(repo, gpu_on_cpu=True, stdout=sink, stderr=subprocess.STDOUT,
+                         **start_options(path)) as server:
+                yield {**server, "log": log, "path": path}
+
+    with per_path(start) as server:
+        yield server
+
+
+@pytest.fixture(params=PATHS)
+def served(request, servers):
+    return servers(request.param)
 
 
 def test_gpu_models_are_refused_here_unless_asked(repo):
@@ -65,6 +80,12 @@ def test_the_override_is_logged_and_the_repository_keeps_kind_gpu(repo, caplog):
     shutil.rmtree(shadow)
 
 
+@pytest.mark.parametrize("served", [JOINED], indirect=True)
+def test_the_default_path_joins_the_gpu_ensembles_steps_as_on_a_gpu(served):
+    assert joined_models(served["http"], [NAME]) == {NAME}
+
+
+@pytest.mark.parametrize("served", [JOINED], indirect=True)
 def test_the_backend_shim_logs_the_cpu_provider_it_runs_the_gpu_model_on(served):
     log = served["log"].read_text()
     assert f"nexus-sli onnxruntime backend, {NAME}_encoder: instance kind KIND_CPU: CPUExecutionProvider" in log
@@ -81,11 +102,14 @@ def test_served_fp16_embeddings_match_sentence_transformers(served, protocol):
     assert got.shape == (48, 384) and cosines.min() >= 0.999, cosines.min()
 
 
-def test_requests_of_one_bucket_are_merged(served):
+def test_concurrent_requests_are_merged(served):
+    """Joined, one execution takes every text waiting (raw strings batch freely); separate, the encoder's
+    batcher merges the requests of one length bucket."""
     stats = grpcclient.InferenceServerClient(served["grpc"])
+    counted = NAME if served["path"] == JOINED else f"{NAME}_encoder"
 
     def counts():
-        model = stats.get_inference_statistics(f"{NAME}_encoder", as_json=True)["model_stats"][0]
+        model = stats.get_inference_statistics(counted, as_json=True)["model_stats"][0]
         return int(model["inference_count"]), int(model["execution_count"])
 
     texts = [f"short text number {i}" for i in range(16)]  # all within the 16-token bucket
@@ -104,7 +128,7 @@ def test_requests_of_one_bucket_are_merged(served):
         now = counts()
         return now if now[0] - before[0] >= len(texts) else None
 
-    after = wait_until(all_counted, "the encoder's statistics to count every request", timeout=30)
+    after = wait_until(all_counted, f"{counted}'s statistics to count every request", timeout=30)
     inferences, executions = after[0] - before[0], after[1] - before[1]
     assert inferences == 16 and executions < inferences, f"{executions} executions for {inferences} requests"
     assert np.allclose(vectors[3], clients[0].embed(texts[3]), atol=1e-5)  # merged rows answer their own text
