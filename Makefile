@@ -97,10 +97,11 @@ $(BENCH_STAMP): $(VENV)/.installed $(shell find exporter tasks -name "*.py")
 	touch $@
 
 # Measures the packaged default model, peers included (exports and peer venvs made on first use;
-# QUICK=1: a smoke run without peers).
+# QUICK=1: a smoke run without peers), and the served stack's ceiling (bench/stack_ceiling.py; STACK=1:
+# only that, written into the last run's page).
 # MODEL=all-mpnet-base-v2: a base-size model, measured with a smaller run size (docs/benchmarks.md, "Another model").
 bench: $(BENCH_STAMP)
-	$(BIN)/nexus-sli bench $(BENCH_MODEL) $(if $(QUICK),--quick,--benchmarks-md)
+	$(BIN)/nexus-sli bench $(BENCH_MODEL) $(if $(QUICK),--quick,--benchmarks-md) $(if $(STACK),--stack-only)
 
 clean:
 	rm -rf $(OUT)/*/ .pytest_cache

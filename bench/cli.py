@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reexport", action="store_true",
                         help="export again even when the repository already holds this model")
     parser.add_argument("--export-only", action="store_true", help="export what the bench serves, measure nothing")
+    parser.add_argument("--stack-only", action="store_true",
+                        help="measure only the served stack's ceiling (bench/stack_ceiling.py) and write it into the "
+                             "last run's latest.json and page, beside that run's other figures")
     parser.add_argument("--benchmarks-md", nargs="?", const=MODEL_PAGE, default="", metavar="PAGE",
                         help="also write this page; without a value, the model's own: BENCHMARKS.md for the "
                              "packaged model, BENCHMARKS-<model>.md beside it for another")
@@ -43,7 +46,8 @@ def _command(args: argparse.Namespace) -> str:
             words += [flag, str(value)]
     if args.benchmarks_md:
         words += ["--benchmarks-md"] if args.benchmarks_md == MODEL_PAGE else ["--benchmarks-md", args.benchmarks_md]
-    words += [flag for flag, on in (("--quick", args.quick), ("--reexport", args.reexport)) if on]
+    words += [flag for flag, on in (("--quick", args.quick), ("--reexport", args.reexport),
+                                    ("--stack-only", args.stack_only)) if on]
     return shlex.join(words)
 
 
@@ -59,7 +63,7 @@ def bench_options(args: argparse.Namespace):
         model=args.model or None, repository=Path(args.repo or where.repository),
         out=Path(args.out or where.out(args.quick)), quick=args.quick,
         repetitions=args.repetitions or None, reexport=args.reexport, benchmarks_md=page,
-        command=_command(args),
+        command=_command(args), stack_only=args.stack_only,
     )
 
 
@@ -67,11 +71,14 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from .exports import ensure_exported
-    from .harness import run_bench
+    from .harness import run_bench, run_stack_only
 
     options = bench_options(args)
     if args.export_only:
         print(json.dumps({"repository": str(options.repository), "models": ensure_exported(options)}))
+        return 0
+    if options.stack_only:
+        print(json.dumps(run_stack_only(options)["stack_ceiling"]["summary"], indent=2))
         return 0
     results = run_bench(options)
     statuses = [t["status"] for t in results["targets"]]

@@ -78,6 +78,7 @@ def run_bench(options: BenchOptions) -> dict:
     setup = prepare(options, run_size)
     repetitions = Repetitions.for_run_size(run_size, options.repetitions, setup.default)
     measurements, memory, threads = measure(setup, run_size, repetitions)
+    stack = stack_ceiling(options)
     table = rows(measurements)
     limit = compute_limit.summary(setup.model_dir, setup.tokens, table, (BATCH32, CONCURRENT16))
     results = {
@@ -85,9 +86,35 @@ def run_bench(options: BenchOptions) -> dict:
         "settings": _settings(options, setup, run_size, shape, repetitions, threads),
         "text_set": _text_set(setup),
         "server_memory": memory, "rows": table, "skipped": setup.skipped, "peers": setup.peers,
-        "targets": evaluate(table, setup.default, limit), "compute_limit": limit,
+        "targets": evaluate(table, setup.default, limit), "compute_limit": limit, "stack_ceiling": stack,
         "duration_s": round(time.perf_counter() - started, 1),
     }
+    report.write_all(results, Path(options.out), options.benchmarks_md)
+    return results
+
+
+def stack_ceiling(options: BenchOptions) -> dict | None:
+    """The served stack's ceiling (bench/stack_ceiling.py), on the packaged model's page only: it serves a
+    model of its own, whatever model the run measures.  A quick run takes one short round."""
+    from . import stack_ceiling as ceiling
+
+    if options.model is not None:
+        return None
+    seconds, rounds = (2.0, 1) if options.quick else (6.0, 3)
+    return ceiling.measure(Path(layout(None).repository).parent / ".stack", seconds, rounds)
+
+
+def run_stack_only(options: BenchOptions) -> dict:
+    """The ceiling measured again into the last run's results (``latest.json`` in ``options.out``) and page."""
+    import json
+
+    from . import report
+
+    latest = Path(options.out) / "latest.json"
+    if not latest.is_file():
+        raise FileNotFoundError(f"{latest} is missing: run the bench once first (make bench)")
+    results = json.loads(latest.read_text())
+    results["stack_ceiling"] = stack_ceiling(options)
     report.write_all(results, Path(options.out), options.benchmarks_md)
     return results
 

@@ -23,3 +23,5 @@ class BenchOptions:
     benchmarks_md: Path | None = None
     #: the command line that reproduces the run, for the page
     command: str = ""
+    #: measure only the served stack's ceiling (bench/stack_ceiling.py) into the last run's results and page
+    stack_only: bool = False

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from . import cpu_classes
+from .stack_ceiling import section as stack_section
 from .measure import (
     BATCH32, CONCURRENT16, GATEWAY_PATH, GATEWAY_PROTOCOL, LATENCY1, OPENAI_PLAIN_PROTOCOL, PAIRED32,
     SEQ_LEN, SHORT32, TEI_PROTOCOL)
@@ -405,6 +406,7 @@ def markdown(results: dict) -> str:
         f"Of the tokens the served encoder computes for client batches of 32 sent in set order, "
         f"{text['served_batch32_real_token_share']:.0%} are real (each batch runs in length groups).", "",
         *compute_limit_section(results.get("compute_limit")),
+        *stack_section(results.get("stack_ceiling")),
         *request_path_section(results),
         *targets_section(results),
         observations(results), "",

