@@ -308,6 +308,11 @@ def _time(attempts: list[Attempt], loads: list[Workload],
         return None, None
     sizes = [footprint(c.files()) for _, c in passed]
     budget = memory_budget()
+    if len(passed) == 1:  # nothing to choose between: timing would only cost the export its time
+        log.info("one graph passed (%s): kept without timing it", _label(*passed[0]))
+        return passed[0][1], Timing(optimize=objective, heats=[], memory_budget_bytes=budget,
+                                    estimated_bytes={_label(*passed[0]): sizes[0]},
+                                    why="one graph passed: nothing to time it against, so it was not timed")
     log.info("timing %d graphs that passed, side by side: %s", len(passed), ", ".join(l.describe() for l in loads))
     heats = time_in_heats(lambda i: passed[i][0].target.runner(passed[i][1], passed[i][0].precision), sizes, loads,
                           budget, name=lambda i: _label(*passed[i]), objective=objective)
@@ -370,7 +375,8 @@ def _log_table(attempts: list[Attempt], chosen: Candidate) -> None:
     for attempt in attempts:
         for candidate in attempt.candidates:
             mark = "->" if candidate is chosen else "  "
-            result = _timings(candidate) if candidate.timings else "failed validation"
+            result = (_timings(candidate) if candidate.timings else
+                      "passed (the one graph that did: not timed)" if candidate.report.passed else "failed validation")
             log.info(" %s %-12s %-5s %-*s %s", mark, attempt.configuration.target.name,
                      attempt.configuration.precision, width, candidate.graph, result)
 
