@@ -80,6 +80,7 @@ def test_maxsim_in_pieces_is_maxsim_at_once(monkeypatch):
 def test_score_is_the_models_similarity_and_bad_input_is_named():
     rng = np.random.default_rng(1)
     queries, documents = _ragged(rng, [4, 6]), _ragged(rng, [5, 3])
+    # score() computes what maxsim() computes, in the same order: the same bits (rtol is only a margin)
     np.testing.assert_allclose(late_interaction.score("maxsim", queries, documents),
                                late_interaction.maxsim(queries, documents), rtol=1e-6)
     np.testing.assert_allclose(late_interaction.score("meanmaxsim", queries, documents),
@@ -115,6 +116,7 @@ def test_lexical_score_is_flag_embeddings_on_its_weights_and_on_sparse_embedding
         return SparseEmbedding(np.array(ids), np.array([weights[str(i)] for i in ids], np.float32))
     assert late_interaction.lexical_score(sparse(a), b) == pytest.approx(expected, rel=1e-7)
     matrix = late_interaction.lexical_score([sparse(a), c], [b, sparse(a), c])
+    # the weights are short binary fractions (0.125 .. 3): every product and sum is exact, in any order
     np.testing.assert_allclose(matrix, [[_flag_lexical(x, y) for y in (b, a, c)] for x in (a, c)], rtol=1e-7)
     with pytest.raises(InvalidInputError, match="a list on each side"):
         late_interaction.lexical_score([a], b)
@@ -278,6 +280,7 @@ def test_embed_multi_vector_answers_each_texts_vectors_on_the_side_asked():
         texts = [body["inputs"]] if isinstance(body["inputs"], str) else body["inputs"]
         assert response.status_code == 200 and len(response.json()) == len(texts)
         for got, text in zip(response.json(), texts):
+            # the gateway writes the vectors it was given to JSON and back: no arithmetic, the same values
             np.testing.assert_allclose(got, _vectors(text, side), rtol=1e-6)
     _tei_error(gateway.post("/embed_multi_vector", json={"inputs": "x", "input_type": "passage"}), 400,
                "unknown input_type 'passage' for model 'colbert'; it reads 'query', 'document'")
