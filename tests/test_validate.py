@@ -205,3 +205,56 @@ def test_where_no_text_was_padded_the_texts_keep_their_batches():
     reference = _sorted_reference([2, 2, 5, 5], size=2)  # no padding: the pad id is unknown
     mixed = mixed_batches(reference, {"last_hidden_state"}, size=2)
     assert [b["attention_mask"].sum(axis=1).tolist() for b in mixed.batches] == [[2, 2], [5, 5]]
+
+
+# --- stopping at the first text batch after which a bar is missed for good ---------------------------------
+
+class Drifting(FixedSession):
+    """A graph whose answers are PyTorch's plus noise of ``scale``, from text batch ``start`` on (seeded)."""
+
+    def __init__(self, reference: Reference, start: int, scale: float):
+        super().__init__([])
+        self.by_ids = {feeds["input_ids"].tobytes(): (n, out[0]) for n, (feeds, out) in
+                       enumerate(zip(reference.batches, reference.outputs))}
+        self.start, self.scale = start, scale
+
+    def get_outputs(self):
+        return [SimpleNamespace(name="last_hidden_state")]
+
+    def run(self, _names, feeds):
+        number, states = self.by_ids[feeds["input_ids"].tobytes()]
+        if number < self.start:
+            return [states]
+        noise = np.random.default_rng(number).normal(size=states.shape).astype(np.float32)
+        return [states + self.scale * noise * np.abs(states).mean()]
+
+
+def _seeded_reference(batches: int = 6, rows: int = 4, width: int = 5) -> Reference:
+    rng = np.random.default_rng(7)
+    reference = Reference(["input_ids", "attention_mask"], ["last_hidden_state"])
+    for n in range(batches):
+        ids = rng.integers(5, 1000, size=(rows, width)).astype(np.int64)
+        reference.add({"input_ids": ids, "attention_mask": np.ones_like(ids)},
+                      [rng.normal(size=(rows, width, 8)).astype(np.float32)])
+    reference.text_batches = batches
+    return reference
+
+
+def test_stopping_early_gives_the_full_runs_verdict_and_runs_fewer_texts_only_where_a_bar_is_missed():
+    reference, embedding, embedder = _seeded_reference(), get_task("embedding"), Embedder("mean", True)
+    cases = {"faithful": Drifting(reference, 0, 0.0), "breaks at batch 2": Drifting(reference, 2, 3.0),
+             "slightly off everywhere": Drifting(reference, 0, 0.22)}
+    for name, session in cases.items():
+        full = compare(session, reference, "int8", embedder, embedding)
+        early = compare(session, reference, "int8", embedder, embedding, stop_early=True)
+        assert early.passed == full.passed, name
+        missed_min = full.cosine_min is not None and full.cosine_min < full.thresholds["cosine_min"]
+        assert (early.texts < full.texts) == missed_min, name  # stops only where the least cosine says so
+        if not missed_min:
+            assert early.to_dict() == full.to_dict(), name
+    broken = compare(cases["breaks at batch 2"], reference, "int8", embedder, embedding, stop_early=True)
+    assert not broken.passed and broken.texts == 3 * 4 and {type(f) for f in broken.failures} == {FidelityShortfall}
+    # the cases cover each verdict: one passes, one misses the least cosine, one only the mean
+    off = compare(cases["slightly off everywhere"], reference, "int8", embedder, embedding)
+    assert compare(cases["faithful"], reference, "int8", embedder, embedding).passed
+    assert not off.passed and off.cosine_min >= off.thresholds["cosine_min"], (off.cosine_min, off.cosine_mean)

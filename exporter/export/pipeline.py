@@ -149,7 +149,10 @@ def run_export(options: ExportOptions) -> ExportResult:
         log.info("exporting %s (%s, %d layers) as %s, task %s; trying %s", source.model_id,
                  prepared.family.model_type, prepared.family.num_layers(prepared.config), name,
                  prepared.task.name, ", then ".join(c.describe() for c in configurations))
-        attempts = [_attempt(configuration, prepared) for configuration in configurations]
+        # a candidate that misses a bar stops there, unless the closest of failing ones may be kept: that
+        # choice reads every text's figures
+        attempts = [_attempt(configuration, prepared, stop_early=not options.allow_degraded)
+                    for configuration in configurations]
         fastest, timing = _time(attempts, prepared.workloads, options.optimize)
         attempt, chosen = _choose(attempts, fastest, options.allow_degraded)
         _log_table(attempts, chosen)
@@ -273,9 +276,10 @@ def _pad_id(config, tokenizer) -> int:
     return 0
 
 
-def _attempt(configuration: Configuration, prepared: Prepared) -> Attempt:
+def _attempt(configuration: Configuration, prepared: Prepared, stop_early: bool = True) -> Attempt:
     """The configuration's candidate graphs, each validated against the reference and closed again:
-    a large model's candidates do not fit in memory together (timing reopens those that passed)."""
+    a large model's candidates do not fit in memory together (timing reopens those that passed).
+    ``stop_early``: a candidate's validation stops once it has missed a bar for good (:func:`validate.compare`)."""
     target, precision = configuration.target, configuration.precision
     work = prepared.graph.work / f"{target.name}-{precision}"
     work.mkdir(exist_ok=True)
@@ -294,8 +298,11 @@ def _attempt(configuration: Configuration, prepared: Prepared) -> Attempt:
         pooled, tokens = (*graph.pooling.outputs, None)[:2] if graph.pooled else (None, None)
         candidate.report = compare(target.runner(candidate, precision), prepared.reference, precision,
                                    prepared.embedder, prepared.task, target.name, limits, target.trims_padding,
-                                   pooled=pooled, tokens=tokens, per_batch=scales_per_batch(candidate.path))
-        log.info("%s %s, %s graph: %s", target.name, precision, candidate.graph, candidate.report.summary())
+                                   pooled=pooled, tokens=tokens, per_batch=scales_per_batch(candidate.path),
+                                   stop_early=stop_early)
+        stopped = candidate.report.texts < prepared.reference.texts
+        log.info("%s %s, %s graph: %s%s", target.name, precision, candidate.graph, candidate.report.summary(),
+                 f" (stopped after {candidate.report.texts} of {prepared.reference.texts} texts)" if stopped else "")
     return attempt
 
 

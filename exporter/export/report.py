@@ -90,6 +90,14 @@ class Measures:
     agree: int = 0
     decisions: int = 0
     ties: int = 0
+    #: the texts whose fidelity was measured before a bar was already missed (None: every text)
+    stopped_after: int | None = None
+
+    def missed(self, limits: dict[str, float]) -> bool:
+        """Whether a bar that can only get worse as texts are added is missed already: the least cosine, or the
+        largest difference (the mean and the agreement are judged on every text)."""
+        return (("cosine_min" in limits and bool(self.cosines) and min(self.cosines) < limits["cosine_min"])
+                or ("max_abs_diff" in limits and self.max_abs_diff > limits["max_abs_diff"]))
 
     def count(self, agree: int, decisions: int, ties: int) -> None:
         self.agree, self.decisions, self.ties = self.agree + agree, self.decisions + decisions, self.ties + ties

@@ -273,6 +273,11 @@ class Reference:
     text_batches: int = 0
 
     @property
+    def texts(self) -> int:
+        """The validation texts in the text batches."""
+        return sum(len(b["input_ids"]) for b in self.batches[self.first_text:])
+
+    @property
     def first_text(self) -> int:
         """Index of the first text batch (the parity cases come first)."""
         return len(self.batches) - self.text_batches
@@ -336,7 +341,8 @@ def _masked_max_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None) -> f
 def compare(session: Any, reference: Reference, precision: str, embedder: Embedder | SparseEmbedder | None,
             task: TaskSpec | None = None, backend: str = "onnxruntime",
             limits: dict[str, float] | None = None, trims_padding: bool = True,
-            pooled: str | None = None, tokens: str | None = None, per_batch: bool = False) -> ValidationReport:
+            pooled: str | None = None, tokens: str | None = None, per_batch: bool = False,
+            stop_early: bool = False) -> ValidationReport:
     """Run ``session`` on the reference inputs: names, then shapes and values, then
     fidelity against ``limits`` (default: :func:`thresholds`), every failure collected.
 
@@ -356,7 +362,12 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
     quantization), so a text's answer depends on the texts served with it.  The
     texts then run a second time in batches that each span every length
     (:func:`mixed_batches`), and the fidelity figures cover both batchings: a
-    text batched with longer, louder ones must keep the bar too."""
+    text batched with longer, louder ones must keep the bar too.
+
+    ``stop_early``: stop at the first text batch after which the graph has missed a bar for good (its least
+    cosine below ``cosine_min``, a difference past ``max_abs_diff``): the verdict is the full run's, and the
+    report's figures cover the texts run (``texts``).  An export's candidates stop early; ``nexus-sli
+    validate`` runs every text."""
     limits = limits or thresholds(task, precision)
     measures = Measures()
     if pooled is not None:
@@ -366,13 +377,15 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
         per_token = set(reference.output_names) if task is not None and task.per_token else set()
     failures = _name_failures(session, reference)
     trimmed = per_token if trims_padding else set()
+    stop_below = limits if stop_early else None
     if not failures:
         failures = _run_batches(session, reference, embedder, task, backend, measures, trimmed, per_token,
-                                pooled is not None, exact="max_abs_diff" in limits)
-    if per_batch and not failures:
+                                pooled is not None, exact="max_abs_diff" in limits, stop_below=stop_below)
+    if per_batch and not failures and measures.stopped_after is None:
         failures = _run_batches(session, mixed_batches(reference, per_token), embedder, task, backend, measures,
-                                trimmed, per_token, pooled is not None, exact="max_abs_diff" in limits)
-    texts = sum(len(b["input_ids"]) for b in reference.batches[reference.first_text:])
+                                trimmed, per_token, pooled is not None, exact="max_abs_diff" in limits,
+                                stop_below=stop_below)
+    texts = measures.stopped_after or reference.texts
     report = ValidationReport.from_measures(precision, backend, limits, texts, measures, failures)
     if not failures:
         report.failures.extend(_threshold_failures(report))
@@ -472,12 +485,13 @@ def _pooled_reference(reference: Reference, embedder: Embedder | SparseEmbedder 
 
 def _run_batches(session: Any, reference: Reference, embedder, task: TaskSpec | None, backend: str,
                  measures: Measures, trimmed: set[str], per_token: set[str], pooled: bool = False,
-                 exact: bool = False) -> list[Failure]:
+                 exact: bool = False, stop_below: dict[str, float] | None = None) -> list[Failure]:
     """Every reference batch through ``session``: shapes and values always, fidelity on
     the text batches while nothing has failed.  ``per_token``: the outputs that follow the
     sequence (compared over real tokens only); ``trimmed``: those the graph cuts to the
     batch's longest real token.  ``exact``: the parity bar (fp32) holds, under which an embedder that keeps
-    terms (BGE-M3's token weights) must keep every term PyTorch keeps."""
+    terms (BGE-M3's token weights) must keep every term PyTorch keeps.  ``stop_below``: the bars; the run
+    stops at the first text batch after which one is missed for good (:meth:`Measures.missed`)."""
     failures: list[Failure] = []
     names = reference.output_names
     for index, (feeds, expected) in enumerate(zip(reference.batches, reference.outputs)):
@@ -499,6 +513,10 @@ def _run_batches(session: Any, reference: Reference, embedder, task: TaskSpec | 
             failures.extend(ValueMismatch(message) for message in embedder.lost_terms(got, expected))
         if index >= reference.first_text and not failures:
             _measure_fidelity(got, expected, mask, embedder, task, measures, pooled, scored)
+            if stop_below is not None and measures.missed(stop_below):
+                measures.stopped_after = sum(len(b["input_ids"])
+                                             for b in reference.batches[reference.first_text:index + 1])
+                break
     return failures
 
 
