@@ -100,7 +100,7 @@ $(BENCH_STAMP): $(VENV)/.installed $(shell find exporter tasks -name "*.py")
 # QUICK=1: a smoke run without peers), and the served stack's ceiling (bench/stack_ceiling.py; STACK=1:
 # only that, written into the last run's page).
 # MODEL=all-mpnet-base-v2: a base-size model, measured with a smaller run size (docs/benchmarks.md, "Another model").
-bench: $(BENCH_STAMP)
+bench: $(if $(STACK),install,$(BENCH_STAMP))
 	$(BIN)/nexus-sli bench $(BENCH_MODEL) $(if $(QUICK),--quick,--benchmarks-md) $(if $(STACK),--stack-only)
 
 clean:

@@ -36,6 +36,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 
@@ -348,7 +349,9 @@ def measure(work: Path, seconds: float = 8.0, rounds: int = 3, chosen: list[Vari
         for served in servers:
             served.stop()
     info = machine.machine_info()
-    return {"model": {"config": FREE_CONFIG, "max_length": FREE_MAX_LENGTH, "tokenizer": "all-MiniLM-L6-v2's"}, "seconds": seconds, "rounds": rounds,
+    return {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "checkout": machine.checkout(),
+            "load_average_at_start": info["load_average_at_start"],
+            "model": {"config": FREE_CONFIG, "max_length": FREE_MAX_LENGTH, "tokenizer": "all-MiniLM-L6-v2's"}, "seconds": seconds, "rounds": rounds,
             "cpu_class": cpu_class(info["flags"]), "cpu": info["cpu_model"], "cores": info["cores"],
             "baseline": baseline_revision(),
             "variants": [{"label": v.label, "revision": v.revision or "checkout", "serve_args": list(v.serve_args)}
@@ -370,7 +373,9 @@ def section(record: dict | None) -> list[str]:
     if not record:
         return []
     summary, loads = record["summary"], list(record["loads"])
-    revisions = ", ".join(f"{v['label']}: `{v['revision'][:12]}`" for v in record["variants"])
+    here = (record.get("checkout") or {}).get("commit") or "checkout"
+    revisions = ", ".join(f"{v['label']}: `{here if v['revision'] == 'checkout' else v['revision'][:12]}`"
+                          for v in record["variants"])
     lines = ["## The served stack's ceiling", "",
              f"A seeded model whose encoder costs almost nothing ({record['model']['config']['num_hidden_layers']} "
              f"layer of {record['model']['config']['hidden_size']} units, {record['model']['max_length']} tokens, "
@@ -378,7 +383,9 @@ def section(record: dict | None) -> list[str]:
              "costs are nearly all there is. Each variant is exported and served by its own revision, side by side "
              f"({revisions}; the baseline is "
              f"{record['baseline']['why']}); clients in processes of their own; medians of {record['rounds']} "
-             f"rounds of {record['seconds']:.0f} s; {record['cpu_class']} (`bench/stack_ceiling.py`).", "",
+             f"rounds of {record['seconds']:.0f} s; {record['cpu_class']}, load average "
+             f"{record.get('load_average_at_start')} at the start, {record.get('created', 'undated')} "
+             "(`bench/stack_ceiling.py`).", "",
              "| variant | " + " | ".join(f"{load}: rows/s (vs baseline, vs in process)" for load in loads) + " |",
              "|---|" + "---:|" * len(loads)]
     for label, found in summary.items():
