@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"repository": str(options.repository), "models": ensure_exported(options)}))
         return 0
     if options.stack_only:
-        print(json.dumps(run_stack_only(options)["stack_ceiling"]["summary"], indent=2))
+        print(json.dumps(run_stack_only(options)["summary"], indent=2))
         return 0
     results = run_bench(options)
     statuses = [t["status"] for t in results["targets"]]

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from . import cpu_classes
+from .stack_ceiling import RECORD as STACK_RECORD
 from .stack_ceiling import section as stack_section
 from .measure import (
     BATCH32, CONCURRENT16, GATEWAY_PATH, GATEWAY_PROTOCOL, LATENCY1, OPENAI_PLAIN_PROTOCOL, PAIRED32,
@@ -374,7 +375,8 @@ def plan_lines(plan: dict | None) -> list[str]:
             "are the same." + (f" Note: {plan['warning']}." if plan.get("warning") else ""), ""]
 
 
-def markdown(results: dict) -> str:
+def markdown(results: dict, stack: dict | None = None) -> str:
+    """The run's page; ``stack``: the served stack's ceiling, a record of its own (bench/stack_ceiling.py)."""
     text, memory = results["text_set"], results["server_memory"]
     lines = [
         f"# nexus-sli bench: {results['model']}", "",
@@ -406,7 +408,7 @@ def markdown(results: dict) -> str:
         f"Of the tokens the served encoder computes for client batches of 32 sent in set order, "
         f"{text['served_batch32_real_token_share']:.0%} are real (each batch runs in length groups).", "",
         *compute_limit_section(results.get("compute_limit")),
-        *stack_section(results.get("stack_ceiling")),
+        *stack_section(stack),
         *request_path_section(results),
         *targets_section(results),
         observations(results), "",
@@ -481,14 +483,12 @@ run on one machine.
   `{results}/latest.png` (throughput by path; throughput against sequence
   length). `{make} QUICK=1` is a smoke run into `{quick}/`.
 
-**The machine may be shared and noisy**: other jobs on its cores while the
-bench runs move absolute figures from run to run (the load
-average at the start is recorded above). The paths are timed interleaved, every
-path once per repetition, {repetitions} repetitions, medians, so that the noise
-falls on all of them alike: the ratios to the baseline measured side by side in
-one run are what count, and the targets pair them repetition by repetition
-(each repetition's path against that repetition's baseline) and are met only
-when those paired ratios agree (spread under 10%).
+**The machine may be shared and noisy**: other jobs on its cores while the bench runs move absolute
+figures from run to run (the load average at the start is recorded above). The paths are timed
+interleaved, every path once per repetition, {repetitions} repetitions, medians, so that the noise falls
+on all of them alike: the ratios to the baseline measured side by side in one run are what count, and the
+targets pair them repetition by repetition (each repetition's path against that repetition's baseline)
+and are met only when those paired ratios agree (spread under 10%).
 
 How it measures:
 - Baseline: `SentenceTransformer.encode(texts, batch_size=32)`, fp32,
@@ -546,9 +546,12 @@ def benchmarks_page(results: dict, page: str) -> str:
 
 
 def write_all(results: dict, out: Path, benchmarks_md: Path | None = None) -> None:
+    """``latest.json``, ``latest.md`` and ``latest.png`` in ``out``, and the page, with the served stack's
+    ceiling where ``out`` holds its record; a full run of the packaged model is also its CPU class's latest."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
-    page = markdown(results)
+    stack = out / STACK_RECORD
+    page = markdown(results, json.loads(stack.read_text()) if stack.is_file() else None)
     (out / "latest.md").write_text(page)
     plot(results, out / "latest.png")
     if benchmarks_md is not None:

@@ -56,6 +56,8 @@ FREE_MAX_LENGTH = 32
 #: load -> (client processes, threads per process, texts per call)
 LOADS = {"batches of 32, 8 clients": (4, 2, 32), "single texts, 16 clients": (4, 4, 1)}
 SEED = 0
+#: The ceiling's record, beside a bench run's ``latest.json`` (bench/harness.py).
+RECORD = "stack_ceiling.json"
 
 
 @dataclass(frozen=True)
@@ -320,7 +322,7 @@ class Record:
 IN_PROCESS, IN_PROCESS_LOAD = "in process", "batches of 32, 1 thread"
 
 
-def measure(work: Path, seconds: float = 8.0, rounds: int = 3, chosen: list[Variant] | None = None) -> dict:
+def measure(work: Path, seconds: float = 6.0, rounds: int = 3, chosen: list[Variant] | None = None) -> dict:
     """Every variant exported, served and loaded side by side; the record (see the module's docstring)."""
     from .cpu_classes import cpu_class
 
@@ -361,10 +363,14 @@ def measure(work: Path, seconds: float = 8.0, rounds: int = 3, chosen: list[Vari
             "texts": len(texts), "summary": record.summary(), "rounds_measured": record.results}
 
 
-#: The processes of the served path as the page names them, in the path's order (a stub by its model's suffix).
-ROLES = (("clients", "clients"), ("nexus-sli serve", "nexus-sli serve"), ("tritonserver", "tritonserver"),
-         ("stub " + MODEL + "_tokenizer", "tokenizer step"), ("stub " + MODEL + "_encoder", "encoder step"),
-         ("stub " + MODEL, "joined steps"), (IN_PROCESS, "in process"))
+def _cpu(found: dict) -> str:
+    """A load's CPU microseconds per row: the clients, tritonserver, the python steps (every stub), in all."""
+    cpu = found.get("cpu_us_per_row", {})
+    steps = sum(value for role, value in cpu.items() if role.startswith("stub "))
+    if IN_PROCESS in cpu:
+        return f"{cpu[IN_PROCESS]:.0f} in all"
+    return (f"{cpu.get('clients', 0):.0f} / {cpu.get('tritonserver', 0):.0f} / {steps:.0f}, "
+            f"{sum(cpu.values()):.0f} in all")
 
 
 def section(record: dict | None) -> list[str]:
@@ -372,7 +378,7 @@ def section(record: dict | None) -> list[str]:
     a row's CPU time goes."""
     if not record:
         return []
-    summary, loads = record["summary"], list(record["loads"])
+    summary, (batches, singles) = record["summary"], list(record["loads"])
     here = (record.get("checkout") or {}).get("commit") or "checkout"
     revisions = ", ".join(f"{v['label']}: `{here if v['revision'] == 'checkout' else v['revision'][:12]}`"
                           for v in record["variants"])
@@ -381,31 +387,24 @@ def section(record: dict | None) -> list[str]:
              f"layer of {record['model']['config']['hidden_size']} units, {record['model']['max_length']} tokens, "
              f"the packaged tokenizer) on the bench set's {record['texts']} short texts, so the served path's own "
              "costs are nearly all there is. Each variant is exported and served by its own revision, side by side "
-             f"({revisions}; the baseline is "
-             f"{record['baseline']['why']}); clients in processes of their own; medians of {record['rounds']} "
-             f"rounds of {record['seconds']:.0f} s; {record['cpu_class']}, load average "
-             f"{record.get('load_average_at_start')} at the start, {record.get('created', 'undated')} "
-             "(`bench/stack_ceiling.py`).", "",
-             "| variant | " + " | ".join(f"{load}: rows/s (vs baseline, vs in process)" for load in loads) + " |",
-             "|---|" + "---:|" * len(loads)]
+             f"({revisions}; the baseline is {record['baseline']['why']}); clients in processes of their own; "
+             f"medians of {record['rounds']} rounds of {record['seconds']:.0f} s; {record['cpu_class']}, load "
+             f"average {record.get('load_average_at_start')} at the start, {record.get('created', 'undated')} "
+             "(`bench/stack_ceiling.py`). CPU: microseconds per row on the batches, clients / tritonserver / "
+             "the python steps.", "",
+             f"| variant | {batches}: rows/s | vs baseline | vs in process | {singles}: rows/s | vs baseline | CPU |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for label, found in summary.items():
         if label == IN_PROCESS:
             continue
-        cells = [f"{found[load]['rows_per_s']:.0f} ({found[load].get('vs_baseline', '-')}x, "
-                 f"{found[load].get('vs_in_process', '-')}x)" if load in found else "-" for load in loads]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        one, other = found.get(batches, {}), found.get(singles, {})
+        lines.append(f"| {label} | {one.get('rows_per_s', 0):.0f} | {one.get('vs_baseline', '-')}x | "
+                     f"{one.get('vs_in_process', '-')}x | {other.get('rows_per_s', 0):.0f} | "
+                     f"{other.get('vs_baseline', '-')}x | {_cpu(one)} |")
     own = summary.get(IN_PROCESS, {}).get(IN_PROCESS_LOAD)
     if own:
-        lines.append(f"| the model in process, one thread | {own['rows_per_s']:.0f} |" + " |" * (len(loads) - 1))
-    roles = [(key, name) for key, name in ROLES if any(key in found.get(loads[0], {}).get("cpu_us_per_row", {})
-                                                        for found in summary.values())]
-    lines += ["", f"CPU microseconds per row, {loads[0]}, by process:", "",
-              "| variant | " + " | ".join(name for _, name in roles) + " | total |",
-              "|---|" + "---:|" * (len(roles) + 1)]
-    for label, found in summary.items():
-        cpu = found.get(loads[0] if label != IN_PROCESS else IN_PROCESS_LOAD, {}).get("cpu_us_per_row", {})
-        lines.append(f"| {label} | " + " | ".join(f"{cpu[key]:.0f}" if cpu.get(key) else "-" for key, _ in roles)
-                     + f" | {sum(cpu.values()):.0f} |")
+        lines.append(f"| the model in process, one thread, calls of 32 | {own['rows_per_s']:.0f} | | 1x | | | "
+                     f"{_cpu(own)} |")
     return [*lines, ""]
 
 
@@ -413,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path("bench/.stack"), help="exports, revisions and logs")
     parser.add_argument("--out", type=Path, required=True, help="the JSON record to write")
-    parser.add_argument("--seconds", type=float, default=8.0, help="each load window")
+    parser.add_argument("--seconds", type=float, default=6.0, help="each load window")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     found = measure(args.work, args.seconds, args.rounds)

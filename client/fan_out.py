@@ -21,9 +21,9 @@ from concurrent.futures import Executor, wait
 from typing import Any
 
 #: The most requests of one call in flight at once (the calling thread's own included).  One: on the CPU,
-#: calls of 256 texts sent 8 at a time were no faster with the steps joined (0.98-1.13x) and 0.75-0.83x
-#: with the steps separate (bench/data/tried.md, "The synchronous client's chunks at once"); a GPU run
-#: decides whether more pays there.  Above one, a bound still: the server runs no more at once than its
+#: sending them at once was no faster with the steps joined and slower with them separate
+#: (bench/data/tried.md, "The synchronous client's chunks at once"); a GPU run decides whether more pays
+#: there.  Above one, a bound still: the server runs no more at once than its
 #: steps have instances, so more in flight only wait in its queues ahead of other clients' requests
 #: (Triton's queues are first come, first served), and one call cannot fill a step's queue by itself.
 IN_FLIGHT = 1

@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 RUN_COST_TOKENS = 32.0
-#: A GPU run's fixed price: on the H100, 16 rows padded from 16 to 256 tokens (4,096 token positions)
-#: ran in 0.9-1.2x the time of the 16-token batch, so a run costs more than that many tokens.
+#: A GPU run's fixed price: padding a small batch to thousands of token positions cost about nothing on
+#: an H100 (bench/data/tried.md, "The GPU served path's levers, built and not yet measured on a GPU").
 GPU_RUN_COST_TOKENS = 8192.0
 QUADRATIC_LENGTH = 600.0
 

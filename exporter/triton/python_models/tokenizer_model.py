@@ -156,8 +156,8 @@ class TritonPythonModel:
         self.output_names = [name for name in declared if name not in (*TEXT_OUTPUTS, TOKEN_COUNT_OUTPUT)]
         self.counts = TOKEN_COUNT_OUTPUT in declared
         # Rows that need no character offsets (every output but NER's and QA's) are tokenized without them:
-        # the same ids, about 15% less work (bench/data/tried.md, "The tokenizer step's own work");
-        # tokenizers before 0.20 have no encode_batch_fast
+        # the same ids, less work (bench/data/tried.md, "The tokenizer step's own work"); tokenizers before
+        # 0.20 have no encode_batch_fast
         self.rows_only = not {"offsets", "context_mask"} & set(self.output_names)
         self.prompts = params.prompts.named
         self.default_prompt = params.prompts.default
