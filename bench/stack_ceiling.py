@@ -327,6 +327,7 @@ def measure(work: Path, seconds: float = 6.0, rounds: int = 3, chosen: list[Vari
     from .cpu_classes import cpu_class
 
     chosen = chosen or variants()
+    info, checkout = machine.machine_info(), machine.checkout()  # before the run: its load, its commit
     work.mkdir(parents=True, exist_ok=True)
     checkpoint = free_model(work / "checkpoint")
     texts = short_texts()
@@ -350,8 +351,7 @@ def measure(work: Path, seconds: float = 6.0, rounds: int = 3, chosen: list[Vari
     finally:
         for served in servers:
             served.stop()
-    info = machine.machine_info()
-    return {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "checkout": machine.checkout(),
+    return {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "checkout": checkout,
             "load_average_at_start": info["load_average_at_start"],
             "model": {"config": FREE_CONFIG, "max_length": FREE_MAX_LENGTH, "tokenizer": "all-MiniLM-L6-v2's"}, "seconds": seconds, "rounds": rounds,
             "cpu_class": cpu_class(info["flags"]), "cpu": info["cpu_model"], "cores": info["cores"],
