@@ -49,16 +49,17 @@ class ServedVariant:
 
 
 #: In the order they run: the repository as exported, the levers one at a time, then all of them together.
+#: (Labels hold no commas: ``--variants`` is a comma-separated list of them.)
 VARIANTS = (
     ServedVariant("as exported", full=True),
     ServedVariant("max batch 256", max_batch_size=256),
     ServedVariant("queue delay 0", queue_delay_us=0),
     ServedVariant("2 instances", instances=2),
-    ServedVariant("max batch 256, 2 instances, queue delay 0", max_batch_size=256, instances=2, queue_delay_us=0,
+    ServedVariant("max batch 256 + 2 instances + queue delay 0", max_batch_size=256, instances=2, queue_delay_us=0,
                   full=True),
     ServedVariant("steps separate", separate_steps=True),
     ServedVariant("4 instances", instances=4),
-    ServedVariant("steps separate, 4 tokenizer instances", tokenizer_instances=4, separate_steps=True),
+    ServedVariant("steps separate + 4 tokenizer instances", tokenizer_instances=4, separate_steps=True),
 )
 #: load -> (client processes, texts, texts per call): those that judge, then the rest (full variants)
 JUDGED_LOADS = {"16 clients, short, batch 32": (16, "short", 32), "1 client, short, batch 256": (1, "short", 256)}
