@@ -483,12 +483,14 @@ run on one machine.
   `{results}/latest.png` (throughput by path; throughput against sequence
   length). `{make} QUICK=1` is a smoke run into `{quick}/`.
 
-**The machine may be shared and noisy**: other jobs on its cores while the bench runs move absolute
-figures from run to run (the load average at the start is recorded above). The paths are timed
-interleaved, every path once per repetition, {repetitions} repetitions, medians, so that the noise falls
-on all of them alike: the ratios to the baseline measured side by side in one run are what count, and the
-targets pair them repetition by repetition (each repetition's path against that repetition's baseline)
-and are met only when those paired ratios agree (spread under 10%).
+**The machine may be shared and noisy**: other jobs on its cores while the
+bench runs move absolute figures from run to run (the load
+average at the start is recorded above). The paths are timed interleaved, every
+path once per repetition, {repetitions} repetitions, medians, so that the noise
+falls on all of them alike: the ratios to the baseline measured side by side in
+one run are what count, and the targets pair them repetition by repetition
+(each repetition's path against that repetition's baseline) and are met only
+when those paired ratios agree (spread under 10%).
 
 How it measures:
 - Baseline: `SentenceTransformer.encode(texts, batch_size=32)`, fp32,
