@@ -12,6 +12,7 @@ unit norm, the same lexical ids wherever FlagEmbedding's weight is >= 1e-4, the 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +23,12 @@ from helpers.m3_models import COLBERT_DIM, build_m3, weights_fingerprint
 from helpers.servers import serving
 from nexus_sli.client import EncoderClient, InvalidInputError, M3Embedding, SparseEmbedding, calls, late_interaction
 from nexus_sli.client.model_info import ModelInfo
-from nexus_sli.exporter.errors import NexusError
+from nexus_sli.cli.main import main
+from nexus_sli.exporter.errors import NexusError, ValidationError
+from nexus_sli.exporter.export import stored_reference
 from nexus_sli.exporter.export.m3_heads import M3Embedder
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.export.revalidate import RECORD, revalidate
 from nexus_sli.gateway import GatewayConfig, create_app
 from nexus_sli.tasks import bge_m3
 
@@ -101,6 +105,28 @@ def test_auto_exports_the_three_heads_and_a_folder_without_them_is_refused(serve
             (plain / item.name).symlink_to(item)
     with pytest.raises(NexusError, match="sparse_linear.pt and colbert_linear.pt"):
         run_export(ExportOptions(model=str(plain), task="bge-m3", out=tmp_path / "repo", allow_pickle=True))
+
+
+def test_validate_checks_the_export_again_with_the_heads_kept_beside_its_reference(served, tmp_path, capsys):
+    copy = tmp_path / "repo"
+    shutil.copytree(served["repo"] / "m3_encoder", copy / "m3_encoder")
+    assert main(["validate", "--repository", str(copy), "--model", "m3"]) == 0
+    assert json.loads(capsys.readouterr().out)["passed"] is True
+    record = json.loads((copy / "m3_encoder" / RECORD).read_text())
+    assert record["texts"] == served["report"].validation.texts
+    assert record["thresholds"] == served["report"].validation.thresholds
+    # the heads are read from the stored reference: other heads there fail the same graph
+    file = copy / "m3_encoder" / stored_reference.FILE
+    with np.load(file) as stored:
+        arrays = dict(stored)
+    arrays["embedder.colbert_weight"] = arrays["embedder.colbert_weight"][::-1].copy()  # its dimensions reordered
+    np.savez_compressed(file, **arrays)
+    with pytest.raises(ValidationError, match="does not match PyTorch on this machine"):
+        revalidate(copy, "m3")
+    # an export from before the heads were kept there is told to export again
+    np.savez_compressed(file, **{key: value for key, value in arrays.items() if not key.startswith("embedder.")})
+    with pytest.raises(NexusError, match="keeps no BGE-M3 heads.*export the model again"):
+        revalidate(copy, "m3")
 
 
 def test_the_client_answers_flag_embeddings_outputs_from_one_pass(served, reference):

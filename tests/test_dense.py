@@ -175,7 +175,8 @@ def test_the_python_post_processing_step_refuses_dense_modules(tmp_path, tiny_ch
 
 @pytest.mark.parametrize("safe", [True, False])
 def test_a_dense_module_is_read_as_sentence_transformers_runs_it(tmp_path, safe):
-    # pickle weights (pytorch_model.bin) too, read without running pickled code; a residual through its projection
+    # pickle weights (pytorch_model.bin) too, only where allowed (exporter/export/pickles.py); a residual through
+    # its projection
     module = modules.Dense(8, 5, activation_function=torch.nn.Sigmoid(), use_residual=True)
     torch.manual_seed(4)
     with torch.no_grad():
@@ -183,7 +184,7 @@ def test_a_dense_module_is_read_as_sentence_transformers_runs_it(tmp_path, safe)
             parameter.uniform_(-1.0, 1.0)
     module.save(str(tmp_path), safe_serialization=safe)
     assert (tmp_path / ("model.safetensors" if safe else "pytorch_model.bin")).is_file()
-    read = st_folder.read_dense(tmp_path, dense.SENTENCE)
+    read = st_folder.read_dense(tmp_path, dense.SENTENCE, allow_pickle=not safe)
     x = torch.randn(3, 8)
     with torch.no_grad():
         expected = module({"sentence_embedding": x})["sentence_embedding"].numpy()

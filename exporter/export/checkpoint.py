@@ -4,7 +4,7 @@ Safetensors files (single or sharded through ``model.safetensors.index.json``)
 are memory-mapped and read key by key, so walking a model never holds more
 than one layer's weights plus the model being assembled.  Pickle checkpoints
 (``pytorch_model.bin``) can execute code when loaded, so they are read only
-when the caller explicitly allows it.
+when the caller explicitly allows it, and only as tensors (:mod:`pickles`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 
 from nexus_sli.exporter.errors import CheckpointError, UnsafeCheckpointError
+
+from .pickles import read_state_dict
 
 # TF-era BERT checkpoints name LayerNorm parameters gamma/beta; torch names them weight/bias.
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
@@ -124,8 +126,7 @@ class Checkpoint:
                 "arbitrary code. Convert it to safetensors, or pass --allow-pickle if you trust the source."
             )
         for file in files:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            for key, tensor in state.items():
+            for key, tensor in read_state_dict(file, allow_pickle).items():
                 self._pickled[_modern_name(key)] = tensor
                 self._where[_modern_name(key)] = (file, key)
 

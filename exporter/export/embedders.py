@@ -30,7 +30,7 @@ from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK
 
 from .dense import chained_size
-from .m3_heads import M3Embedder, M3Head, dropped_token_ids, is_bge_m3, m3_sides, read_m3_heads
+from .m3_heads import M3Embedder, M3Head, check_heads, dropped_token_ids, m3_sides, read_m3_heads
 from .multi_vector import MultiVectorConfig, read_multi_vector
 from .pooling import MultiVectorHead, Pooling, SpladePooling
 from .st_folder import dense_modules, layer_norm, normalizes, pooling_mode, splade_config
@@ -57,7 +57,7 @@ class ModelFolder:
 
 def _sentence(model: ModelFolder) -> tuple[Embedder, Pooling]:
     path, task, hidden_size = model.path, model.task, model.hidden_size
-    on_tokens, on_pooled = dense_modules(path)
+    on_tokens, on_pooled = dense_modules(path, model.allow_pickle)
     embedder = Embedder(pooling_mode(path), normalizes(path), layer_norm(path), [*on_tokens, *on_pooled])
     size = chained_size(embedder.dense, hidden_size, path)
     if embedder.layer_norm is not None and len(embedder.layer_norm.weight) != size:
@@ -90,9 +90,7 @@ def _multi_vector(model: ModelFolder) -> tuple[MultiVectorEmbedder, MultiVectorH
 
 
 def _bge_m3(model: ModelFolder) -> tuple[M3Embedder, M3Head]:
-    if not is_bge_m3(model.path):
-        raise NexusError(f"{model.path} is no BGE-M3 checkpoint: the bge-m3 task reads its heads from "
-                         "sparse_linear.pt and colbert_linear.pt beside the weights, and the folder lacks them")
+    check_heads(model.path, "bge-m3")
     if model.tokenizer is None:
         raise NexusError(f"{model.path}: reading BGE-M3's dropped token ids needs the tokenizer it serves")
     heads = read_m3_heads(model.path, model.hidden_size, model.allow_pickle)

@@ -14,12 +14,12 @@ weights, saved by FlagEmbedding as ``torch.save`` state dicts:
 - ColBERT: ``h W^T + b`` for every token but the first (``</s>`` included),
   each L2-normalised; two texts score MaxSim divided by the query's vector count.
 
-The heads are pickles.  They load only with ``--allow-pickle``, as pickled
-encoder weights do (:mod:`checkpoint`): both are read with
-``torch.load(weights_only=True)``, which unpickles tensors and plain containers
-only, but the project keeps one rule for every pickle file: the user says they
-trust its source.  A checkpoint whose encoder weights are pickled needs the flag
-anyway.
+The heads are pickles, read under the one rule for every pickle file
+(:mod:`pickles`): only with ``--allow-pickle``, and then as tensors only.
+
+A folder with one head but not the other is refused (:func:`check_heads`):
+under ``--task auto`` exporting its encoder as dense embeddings would drop the
+other head without a word.
 
 The graph nodes (:func:`add_m3_heads`) follow :mod:`pooling`: appended in fp32
 after the encoder, named with its prefix, reading the graph's inputs by name.
@@ -53,6 +53,8 @@ from .st_folder import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, special_tokens, sta
 from .validate import M3_POOLING
 
 SPARSE_HEAD, COLBERT_HEAD = "sparse_linear.pt", "colbert_linear.pt"
+#: BGE-M3's head files, in the order errors name them
+HEADS = (SPARSE_HEAD, COLBERT_HEAD)
 #: the graph's three outputs, in order (the ``bge-m3`` task's computed results)
 EMBEDDING, SPARSE_WEIGHTS, MULTI_VECTOR = "EMBEDDING", "SPARSE_WEIGHTS", "MULTI_VECTOR"
 #: the special tokens FlagEmbedding leaves out of the lexical weights, by the names a tokenizer's config
@@ -62,9 +64,30 @@ DROPPED_TOKENS = {"cls_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
 IDS = "input_ids"
 
 
+def missing_heads(path: Path) -> list[str]:
+    """BGE-M3's head files the folder at ``path`` lacks."""
+    return [name for name in HEADS if not (path / name).is_file()]
+
+
 def is_bge_m3(path: Path) -> bool:
     """Whether the folder at ``path`` has BGE-M3's two heads beside its weights."""
-    return (path / SPARSE_HEAD).is_file() and (path / COLBERT_HEAD).is_file()
+    return not missing_heads(path)
+
+
+def check_heads(path: Path, task: str) -> None:
+    """Refuse a folder that carries some of BGE-M3's heads but not all, before anything is exported: under
+    ``task`` ``auto`` (which would export the encoder alone as dense embeddings), naming the missing file and
+    ``--task embedding`` for those who want the dense part; under ``bge-m3``, naming the missing files."""
+    missing = missing_heads(path)
+    lacks = " and ".join(missing)
+    if task == "bge-m3" and missing:
+        raise CheckpointError(f"{path} lacks {lacks}: the bge-m3 task reads BGE-M3's heads from "
+                              f"{' and '.join(HEADS)} beside the weights")
+    if task != "auto" or len(missing) in (0, len(HEADS)):
+        return
+    present = " and ".join(name for name in HEADS if name not in missing)
+    raise CheckpointError(f"{path} has BGE-M3's {present} but not {lacks}: add {lacks} to export BGE-M3's three "
+                          "outputs, or pass --task embedding to export the dense embeddings alone, on purpose")
 
 
 @dataclass(frozen=True)
@@ -89,9 +112,10 @@ def read_m3_heads(path: Path, hidden_size: int, allow_pickle: bool) -> M3Heads:
     if not allow_pickle:
         raise UnsafeCheckpointError(
             f"{path} keeps BGE-M3's heads as pickles ({SPARSE_HEAD}, {COLBERT_HEAD}); loading pickle can run "
-            "arbitrary code. Pass --allow-pickle if you trust the source (they are then read as tensors only).")
-    sparse = state_dict(path / SPARSE_HEAD, {"weight": (1, hidden_size), "bias": (1,)})
-    colbert = state_dict(path / COLBERT_HEAD, {"weight": (None, hidden_size), "bias": (None,)})
+            "arbitrary code. Pass --allow-pickle if you trust the source (they are then read as tensors only), or "
+            "--task embedding to export the dense embeddings alone.")
+    sparse = state_dict(path / SPARSE_HEAD, {"weight": (1, hidden_size), "bias": (1,)}, allow_pickle)
+    colbert = state_dict(path / COLBERT_HEAD, {"weight": (None, hidden_size), "bias": (None,)}, allow_pickle)
     dim = colbert["weight"].shape[0]
     if colbert["bias"].shape != (dim,):
         raise CheckpointError(f"{COLBERT_HEAD}: bias has shape {colbert['bias'].shape}, expected ({dim},) "
@@ -344,6 +368,20 @@ class M3Embedder:
 
     def record(self) -> dict:
         return {"pooling": M3_POOLING, "normalize": True}
+
+    def stored(self) -> dict[str, np.ndarray]:
+        """What validating the graph again needs beside PyTorch's token states, kept with the stored reference
+        (validation.json keeps no weights): the heads and the dropped ids (:meth:`from_stored` reads them)."""
+        return {"sparse_weight": self.heads.sparse_weight, "sparse_bias": np.float32(self.heads.sparse_bias),
+                "colbert_weight": self.heads.colbert_weight, "colbert_bias": self.heads.colbert_bias,
+                "dropped_ids": np.asarray(self.dropped_ids, np.int64)}
+
+    @classmethod
+    def from_stored(cls, arrays: dict[str, np.ndarray], max_length: int) -> M3Embedder:
+        """The embedder :meth:`stored` kept, for an export served at ``max_length``."""
+        heads = M3Heads(arrays["sparse_weight"], float(arrays["sparse_bias"]), arrays["colbert_weight"],
+                        arrays["colbert_bias"])
+        return cls(heads, tuple(int(i) for i in arrays["dropped_ids"]), m3_sides(max_length))
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -117,13 +117,14 @@ def read_multi_vector(path: Path, tokenizer: Tokenizer, max_positions: int, *, s
     expansion token are resolved with it; :func:`add_markers` then adds the markers the result lists);
     ``max_positions``: the encoder's positions (a side longer than that is refused, sentence-transformers
     would fail on long texts); ``similarity``: one asked for in place of the model's;
-    ``allow_pickle``: a Stanford checkpoint's projection may be read from ``pytorch_model.bin``."""
+    ``allow_pickle``: a Stanford checkpoint's projection, or a Dense module's weights, may be read from
+    ``pytorch_model.bin``."""
     found = multi_vector_format(path)
     if found is None:
         raise NexusError(f"{path} is not a late-interaction model: its config_sentence_transformers.json names "
                          "no model_type MultiVectorEncoder or ColBERT and its config.json no HF_ColBERT")
     _refuse_retrieval(path)
-    saved = _read_stanford(path, allow_pickle) if found == STANFORD else _read_listed(path, found)
+    saved = _read_stanford(path, allow_pickle) if found == STANFORD else _read_listed(path, found, allow_pickle)
     sides = _sides(path, saved, tokenizer, trained_length(path, max_positions), max_positions)
     return MultiVectorConfig(sides, saved.dense, saved.normalize, _similarity(path, saved.similarity, similarity),
                              found, _markers_to_register(tokenizer, saved.markers.values()))
@@ -151,7 +152,7 @@ def _similarity(path: Path, saved: str | None, asked: str | None) -> str:
     return saved if saved in SIMILARITIES else "maxsim"
 
 
-def _read_listed(path: Path, found: str) -> _Saved:
+def _read_listed(path: Path, found: str, allow_pickle: bool) -> _Saved:
     """A folder with modules.json: sentence-transformers' own save, or PyLate 3's (whose mask and
     normalisation were implied: PyLate skipped punctuation unless its config named the words)."""
     saved = _from_st_config(path)
@@ -159,7 +160,8 @@ def _read_listed(path: Path, found: str) -> _Saved:
     _check_pipeline(path, found, [module.kind for module in modules])
     transformer = st_folder.transformer_config(path)  # the Transformer's own settings win over the legacy keys
     saved.transformer.update({key: transformer[key] for key in _PYLATE_TRANSFORMER_KEYS if key in transformer})
-    saved.dense = tuple(st_folder.read_dense(module.path, dense.TOKENS, unnamed_input=dense.TOKENS)
+    saved.dense = tuple(st_folder.read_dense(module.path, dense.TOKENS, unnamed_input=dense.TOKENS,
+                                             allow_pickle=allow_pickle)
                         for module in modules if module.kind == "Dense")
     if found == PYLATE:
         words = saved.mask.get("skiplist_words")

@@ -18,16 +18,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.text_format import ParseError
 from tokenizers import Tokenizer
 
 from nexus_sli.exporter.errors import ExportError, ValidationError
 from nexus_sli.exporter.targets import Candidate, Configuration, ExportedGraph, configurations_for
+from nexus_sli.exporter.triton.config import read as read_config
 from nexus_sli.exporter.triton.models import ServingFacts, write_models, write_readme
 from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
 from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK, SIDE_NAMES, Sides, row_width
 from nexus_sli.exporter.triton.staging import Staging
 from nexus_sli.tasks import get_task, infer_task
-from nexus_sli.tasks.model_parameters import MATRYOSHKA_DIMS, Prompts, write
+from nexus_sli.tasks.model_parameters import MATRYOSHKA_DIMS, TASK, Prompts, message_strings, write
 from nexus_sli.tasks.spec import TOKEN_MODEL_SUFFIX
 
 from . import export_report, onnx_files, stored_reference
@@ -35,7 +37,7 @@ from .checkpoint import Checkpoint
 from .embedders import ModelFolder, poolers
 from .export_report import AttemptRecord, CandidateRecord, ExportReport, Heat, MeasuredRow, Timing, WalkRecord
 from .handler import get_registry
-from .m3_heads import M3Embedder, is_bge_m3
+from .m3_heads import M3Embedder, check_heads, is_bge_m3
 from .multi_vector import add_markers, is_multi_vector
 from .onnx_export import export_onnx, model_input_names
 from .quantize import scales_per_batch
@@ -143,7 +145,7 @@ def run_export(options: ExportOptions) -> ExportResult:
     if options.task != "auto":
         get_task(options.task)  # an unknown task fails before any download
     source = resolve_model(options.model, options.allow_pickle)
-    name = check_name(options.name or source.default_name)
+    name = _name(options, source)
     with Staging(Path(options.out)) as stage:
         prepared = _prepare(options, source, stage.work)
         log.info("exporting %s (%s, %d layers) as %s, task %s; trying %s", source.model_id,
@@ -167,10 +169,29 @@ def run_export(options: ExportOptions) -> ExportResult:
     return ExportResult(name, models, report)
 
 
+def _name(options: ExportOptions, source) -> str:
+    """The model's name in the repository: the one asked for, else the model id's."""
+    return check_name(options.name or source.default_name)
+
+
+def _say_replaced(out: Path, name: str, task: str) -> None:
+    """Warn where the repository serves ``name`` for another task (its ensemble's task parameter, as clients read
+    it): the export replaces it once it passes, and clients calling it for the other task's outputs will fail."""
+    ensemble = out / name / "config.pbtxt"
+    try:
+        served = TASK.read(message_strings(read_config(ensemble).parameters), "") if ensemble.is_file() else ""
+    except (ParseError, ValueError):  # a config no export wrote: replaced as before, nothing to say of its task
+        return
+    if served and served != task:
+        log.warning("%s serves %s for the task %s; this export will replace it with one for the task %s once it "
+                    "passes (pass --name to keep both)", out, name, served, task)
+
+
 def _prepare(options: ExportOptions, source, work: Path) -> Prepared:
     """Walk the checkpoint into a PyTorch model, export the plain graph and compute the reference."""
     config = load_config(source.path)
     task = _task(options, source, config)
+    _say_replaced(Path(options.out), _name(options, source), task.name)
     handler = get_registry().detect_family(config)
     family = handler.family
     max_length = max_sequence_length(source.path, family, config)
@@ -242,7 +263,8 @@ def _task(options: ExportOptions, source, config):
     """The task asked for; for ``auto``, BGE-M3's three outputs where the folder has its two heads, sparse
     embeddings where it is a SparseEncoder's, late interaction where it is a MultiVectorEncoder's (PyLate's,
     Stanford ColBERT's), else the task the config's architectures say (a ``*ForMaskedLM`` architecture alone
-    says dense embeddings)."""
+    says dense embeddings).  A folder with some of BGE-M3's heads but not all is refused (:func:`check_heads`)."""
+    check_heads(source.path, options.task)
     if options.task != "auto":
         return get_task(options.task)
     if is_bge_m3(source.path):
@@ -434,7 +456,8 @@ def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: 
     encoder_dir = root / f"{name}_encoder"
     chosen.install(encoder_dir / "1")
     export_report.write(report, encoder_dir)
-    stored_reference.save(prepared.reference, encoder_dir)  # for nexus-sli validate on the serving host
+    # for nexus-sli validate on the serving host, with what only the graph holds besides (BGE-M3's heads)
+    stored_reference.save(prepared.reference, encoder_dir, getattr(embedder, "stored", dict)())
     return ensembles
 
 

@@ -22,8 +22,9 @@ from nexus_sli.tasks import get_task
 from nexus_sli.tasks.model_parameters import message_strings
 
 from . import export_report, stored_reference
+from .m3_heads import M3Embedder
 from .quantize import scales_per_batch
-from .validate import compare, embedder_from_report
+from .validate import M3_POOLING, compare, embedder_from_report
 
 #: Where each run is recorded, beside the export's own ``validation.json``.
 RECORD = "revalidation.json"
@@ -71,7 +72,7 @@ def against_reference(folder: Path, runner, backend: str, trims_padding: bool, p
     exported = export_report.read(folder)
     task = get_task(exported.task)
     reference = stored_reference.load(folder, list(exported.inputs), task.output_names())
-    embedder = embedder_from_report(exported)
+    embedder = _embedder(folder, exported)
     # exports before pooling moved into the graph read as not pooled: their graph answers token states;
     # pooled exports before the token states were kept have one output
     pooled = task.client_output if exported.pooled_in_graph else None
@@ -79,6 +80,18 @@ def against_reference(folder: Path, runner, backend: str, trims_padding: bool, p
     tokens = kept if pooled and kept in (exported.outputs or []) else None
     return compare(runner, reference, exported.validation.precision, embedder, task, backend,
                    exported.validation.thresholds, trims_padding, pooled, tokens, per_batch)
+
+
+def _embedder(folder: Path, exported: export_report.ExportReport):
+    """How the stored token states become the served outputs: as validation.json records it, or for BGE-M3
+    from the heads kept beside the reference (validation.json keeps no weights)."""
+    if exported.pooling != M3_POOLING:
+        return embedder_from_report(exported)
+    arrays = stored_reference.embedder_arrays(folder)
+    if not arrays:
+        raise NexusError(f"{folder / stored_reference.FILE} keeps no BGE-M3 heads (exported before they were kept "
+                         "beside the reference): export the model again to validate it here")
+    return M3Embedder.from_stored(arrays, exported.max_length)
 
 
 def _providers(runner) -> list[str]:

@@ -68,11 +68,14 @@ def resolve_model(model: str | None, allow_pickle: bool = False) -> ModelSource:
 
 
 def _download(model_id: str, allow_pickle: bool) -> Path:
+    from .m3_heads import HEADS
+
     try:
         from huggingface_hub import snapshot_download
 
-        # pickle weights (*.bin) and BGE-M3's pickled heads (sparse_linear.pt, colbert_linear.pt)
-        patterns = _HUB_PATTERNS + (["*.bin", "*.pt"] if allow_pickle else [])
+        # pickle weights (*.bin, *.pt) only where allowed; BGE-M3's two small heads always, so that the folder
+        # says what the model is (--task auto then asks for --allow-pickle, never exports its dense part alone)
+        patterns = _HUB_PATTERNS + list(HEADS) + (["*.bin", "*.pt"] if allow_pickle else [])
         return Path(snapshot_download(model_id, allow_patterns=patterns, etag_timeout=5))
     except Exception as exc:  # the hub client raises many types; all mean "not reachable/found"
         raise ModelSourceError(

@@ -28,6 +28,7 @@ from nexus_sli.exporter.triton.python_models.encoding import POOLING_MODES, SPLA
 from . import dense
 from .dense import Dense
 from .export_report import LayerNormRecord
+from .pickles import read_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -99,29 +100,29 @@ def check_pipeline(path: Path) -> None:
                          f"{_SERVED_PIPELINE_TEXT} and would leave the others out")
 
 
-def dense_modules(path: Path) -> tuple[list[Dense], list[Dense]]:
+def dense_modules(path: Path, allow_pickle: bool = False) -> tuple[list[Dense], list[Dense]]:
     """The pipeline's Dense modules in ``modules.json`` order: (those on the token states, before the
-    pooling; those on the pooled vector, after it).  Empty where it has none."""
+    pooling; those on the pooled vector, after it).  Empty where it has none.  ``allow_pickle``: a module's
+    weights may be read from ``pytorch_model.bin`` (:mod:`pickles`)."""
     check_pipeline(path)
     found: dict[bool, list[Dense]] = {False: [], True: []}
     pooled = False
     for module in modules(path):
         pooled = pooled or module.kind == "Pooling"
         if module.kind == "Dense":
-            found[pooled].append(read_dense(module.path, dense.SENTENCE if pooled else dense.TOKENS))
+            found[pooled].append(read_dense(module.path, dense.SENTENCE if pooled else dense.TOKENS,
+                                            allow_pickle=allow_pickle))
     return found[False], found[True]
 
 
-def _weights(folder: Path) -> dict[str, np.ndarray]:
-    """The module's tensors: model.safetensors, else pytorch_model.bin loaded without running pickled code."""
+def _weights(folder: Path, allow_pickle: bool) -> dict[str, np.ndarray]:
+    """The module's tensors: model.safetensors, else pytorch_model.bin under the pickle policy (:mod:`pickles`)."""
     if (folder / "model.safetensors").is_file():
         from safetensors.numpy import load_file
 
         return load_file(str(folder / "model.safetensors"))
     if (folder / "pytorch_model.bin").is_file():
-        import torch
-
-        loaded = torch.load(str(folder / "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        loaded = read_state_dict(folder / "pytorch_model.bin", allow_pickle)
         return {key: value.float().numpy() for key, value in loaded.items()}
     raise NexusError(f"{folder} has neither model.safetensors nor pytorch_model.bin: the Dense module's "
                      "weights cannot be read")
@@ -135,10 +136,12 @@ def _tensor(tensors: dict[str, np.ndarray], key: str, shape: tuple[int, ...], fo
     return tensors[key].astype(np.float32)
 
 
-def read_dense(folder: Path, expected_input: str, unnamed_input: str = dense.SENTENCE) -> Dense:
+def read_dense(folder: Path, expected_input: str, unnamed_input: str = dense.SENTENCE,
+               allow_pickle: bool = False) -> Dense:
     """The Dense module in ``folder``; ``expected_input``: the feature its place in the pipeline feeds it
     (:data:`dense.TOKENS` before the pooling, :data:`dense.SENTENCE` after); ``unnamed_input``: the feature a
-    config that names none reads (a multi-vector model's older saves imply the token states)."""
+    config that names none reads (a multi-vector model's older saves imply the token states);
+    ``allow_pickle``: its weights may be read from ``pytorch_model.bin``."""
     file = folder / "config.json"
     config = read_json(file)
     if "in_features" not in config or "out_features" not in config:
@@ -149,7 +152,7 @@ def read_dense(folder: Path, expected_input: str, unnamed_input: str = dense.SEN
                          f"{expected_input!r}; it reads {source!r} and writes "
                          f"{config.get('module_output_name') or source!r}")
     size_in, size_out = int(config["in_features"]), int(config["out_features"])
-    tensors = _weights(folder)
+    tensors = _weights(folder, allow_pickle)
     residual = bool(config.get("use_residual", False))
     return Dense(_tensor(tensors, "linear.weight", (size_out, size_in), folder),
                  _tensor(tensors, "linear.bias", (size_out,), folder) if config.get("bias", True) else None,
@@ -295,18 +298,12 @@ def special_tokens(file: Path) -> dict[str, str]:
     return named
 
 
-def state_dict(file: Path, shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
-    """The state dict at ``file`` (a pickle, read as tensors only) as fp32 arrays, checked against ``shapes``
-    (``None``: any size there); a :class:`CheckpointError` naming the file otherwise."""
-    import torch
-
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch's unpickler raises many types; all mean "not a tensors-only state dict"
-        raise CheckpointError(f"{file.name} is not a readable state dict of tensors ({exc})") from exc
-    if not isinstance(state, dict) or sorted(state) != sorted(shapes):
-        found = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"{file.name} holds {found}; expected a linear layer's {sorted(shapes)}")
+def state_dict(file: Path, shapes: dict[str, tuple], allow_pickle: bool) -> dict[str, np.ndarray]:
+    """The state dict pickled at ``file`` (read under the pickle policy, :mod:`pickles`) as fp32 arrays, checked
+    against ``shapes`` (``None``: any size there); a :class:`CheckpointError` naming the file otherwise."""
+    state = read_state_dict(file, allow_pickle)
+    if sorted(state) != sorted(shapes):
+        raise CheckpointError(f"{file.name} holds {sorted(state)}; expected a linear layer's {sorted(shapes)}")
     arrays = {key: value.detach().float().numpy() for key, value in state.items()}
     for key, shape in shapes.items():
         got = arrays[key].shape

@@ -2,7 +2,9 @@
 
 ``nexus-sli validate`` runs it again through the runtime a repository's config
 names, on the machine that serves it (a GPU host needs no PyTorch for that):
-the inputs of every parity case and text batch, and PyTorch fp32's outputs.
+the inputs of every parity case and text batch, and PyTorch fp32's outputs;
+and where the graph alone holds what turns those outputs into the served ones
+(BGE-M3's heads), that too (:func:`embedder_arrays`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ from .validate import Reference
 
 #: The file, in the encoder's model folder beside ``validation.json``.
 FILE = "reference.npz"
+#: the prefix of the embedder's arrays in it
+EMBEDDER = "embedder."
 
 
-def save(reference: Reference, folder: Path) -> Path:
+def save(reference: Reference, folder: Path, embedder: dict[str, np.ndarray] | None = None) -> Path:
+    """``reference`` into ``folder``; ``embedder``: the arrays the embedder needs to be rebuilt where
+    validation.json does not keep them (:func:`embedder_arrays` reads them back)."""
     arrays = {"text_batches": np.array(reference.text_batches)}
+    arrays.update({EMBEDDER + name: value for name, value in (embedder or {}).items()})
     for index, (feeds, outputs) in enumerate(zip(reference.batches, reference.outputs)):
         arrays.update({f"in.{index}.{name}": value for name, value in feeds.items()})
         arrays.update({f"out.{index}.{position}": value for position, value in enumerate(outputs)})
@@ -41,3 +48,12 @@ def load(folder: Path, input_names: list[str], output_names: list[str]) -> Refer
             reference.add({name: stored[f"in.{index}.{name}"] for name in input_names},
                           [stored[f"out.{index}.{position}"] for position in range(len(output_names))])
     return reference
+
+
+def embedder_arrays(folder: Path) -> dict[str, np.ndarray]:
+    """The embedder's arrays :func:`save` kept beside the reference (empty where it kept none)."""
+    path = folder / FILE
+    if not path.is_file():
+        return {}
+    with np.load(path) as stored:
+        return {key[len(EMBEDDER):]: stored[key] for key in stored.files if key.startswith(EMBEDDER)}

@@ -256,8 +256,8 @@ def embedder_from_report(exported: ExportReport) -> Embedder | SparseEmbedder | 
     if not exported.pooling:
         return None
     if exported.pooling == M3_POOLING:
-        raise ValueError("a bge-m3 export keeps its heads' weights in the graph only: validating it again against "
-                         "its stored reference is not offered; export it again to validate it")
+        raise ValueError("a bge-m3 export keeps its heads' weights beside its stored reference, not in its report: "
+                         "M3Embedder.from_stored builds its embedder (as revalidate does)")
     if exported.pooling == MULTI_VECTOR_POOLING:
         return MultiVectorEmbedder(bool(exported.normalize), [Dense.from_record(r) for r in exported.dense or []])
     return Embedder(exported.pooling, bool(exported.normalize), exported.layer_norm,

@@ -5,7 +5,8 @@ repository (Triton would try to load anything inside it), on the same file
 system, and only when everything has validated moves each directory into
 place with ``rename``.  A failed or killed export therefore leaves the served
 repository exactly as it was; stale staging folders of dead exports are
-removed by the next export.
+removed by the next export.  A repository folder the export created is removed
+again when it fails before publishing (it is then empty).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class Staging:
 
     def __init__(self, out: Path):
         self.out = Path(out)
+        #: the folders this export creates for the repository, deepest first: removed again if it fails
+        self._created = [p for p in (self.out.absolute(), *self.out.absolute().parents) if not p.exists()]
         try:
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -60,6 +63,7 @@ class Staging:
         """Move every staged model directory into the repository, replacing old ones; then move the
         repository's models named in ``retire`` out (a step the new ensemble no longer uses)."""
         published = []
+        self.out.mkdir(parents=True, exist_ok=True)  # another export into this new repository failed: it removed it
         retired = self.root / ".retired"
         retired.mkdir(exist_ok=True)
         staged_models = sorted(p for p in self.root.iterdir() if not p.name.startswith("."))
@@ -77,8 +81,18 @@ class Staging:
     def __enter__(self) -> "Staging":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, failed, *exc) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+        if failed is not None:
+            self._remove_created()
+
+    def _remove_created(self) -> None:
+        """The folders made for the repository, where the export failed: only while empty (nothing published)."""
+        for folder in self._created:
+            try:
+                folder.rmdir()
+            except OSError:  # something was written there after all: it stays, and so do the folders above it
+                return
 
 
 def replace_file(path: Path, data: bytes) -> None:
