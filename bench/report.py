@@ -470,10 +470,9 @@ def plot(results: dict, target: Path) -> None:
 BENCHMARKS_INTRO = """\
 # {title}
 
-The latest figures of `{make}`: {model} served end
-to end by this project through the real Triton server (tokenizing included),
-against sentence-transformers and other in-process peers, all measured in one
-run on one machine.
+The latest figures of `{make}`: {model} served end to end by this project through the real Triton
+server (tokenizing included), against sentence-transformers and other in-process peers, all measured
+in one run on one machine.
 
 - Machine: {machine}.
 - Command: `{make}`. It exports the model in each configuration it serves into
