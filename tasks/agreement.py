@@ -64,3 +64,25 @@ def agreement(metric: str, got: list[np.ndarray], expected: list[np.ndarray], ma
         total += int(decided.sum())
         ties += int((~decided).sum())
     return agree, total, ties
+
+
+def ranked_pairs(got: np.ndarray, expected: np.ndarray, scale: np.ndarray, top: int) -> Counts:
+    """(agreeing, decided, ties) over the pairs that decide each query's top ``top`` results.
+
+    ``got`` and ``expected`` are ``[queries, results]`` scores (a query's own row left out); ``scale`` is
+    ``[queries]``, the score each query's ranking is read against (its best reference score).  Each of a
+    query's ``top`` best results by ``expected``, paired with every result ranked below it, is one decision:
+    agreeing where ``got`` orders the pair as ``expected`` does.  A pair whose reference scores are within
+    :data:`TIE_MARGIN` times the query's ``scale`` is a tie (no decision), as for labels; scores are relative
+    here because their range depends on the similarity (a lexical score or MaxSim is no cosine)."""
+    count = min(top, expected.shape[1])
+    rows = np.arange(len(expected))[:, None]
+    best = np.argsort(-expected, axis=1, kind="stable")[:, :count]
+    rank = np.full(expected.shape, count)
+    rank[rows, best] = np.arange(count)
+    below = rank[:, None, :] > np.arange(count)[None, :, None]  # [queries, top, results]: each pair counted once
+    de = expected[rows, best][:, :, None] - expected[:, None, :]
+    dg = got[rows, best][:, :, None] - got[:, None, :]
+    decided = below & (np.abs(de) > TIE_MARGIN * np.abs(scale)[:, None, None])
+    same = np.sign(dg) == np.sign(de)
+    return int((same & decided).sum()), int(decided.sum()), int((below & ~decided).sum())

@@ -11,6 +11,7 @@ from onnx.reference import ReferenceEvaluator
 from helpers.reports import measured_row, version_1
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.static_int8 import SMOOTH_QUANT_ALPHA, STATIC_INT8_GRAPH as STATIC, unsigned_activations
+from nexus_sli.exporter.export.validate import SCORE_BAR
 
 
 def _qdq_matmul(zero_point: int = -7) -> onnx.ModelProto:
@@ -80,7 +81,10 @@ def test_auto_offers_onnx_runtime_a_static_int8_that_keeps_its_bar(auto_int8):
     assert list(candidates) == ["plain", "plain+ffn-out-fp32", "fused", "fused+ffn-out-fp32", STATIC]
     static = candidates[STATIC]
     assert static.passed and static.cosine_min >= 0.98 and static.cosine_mean >= 0.995
-    assert report.validation.thresholds == {"cosine_mean": 0.995, "cosine_min": 0.98}
+    # auto's cosines and score bar (a dense model has no sparse terms to keep)
+    assert report.validation.thresholds == {"cosine_mean": 0.995, "cosine_min": 0.98,
+                                            "score_error": SCORE_BAR["score_error"],
+                                            "rank_agreement": SCORE_BAR["rank_agreement"]}
 
 
 def test_explicit_int8_keeps_to_the_dynamic_variants(tiny_checkpoint, tmp_path):

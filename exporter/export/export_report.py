@@ -182,6 +182,11 @@ class MeasuredRow(Record):
     cosine_mean: float | None
     agreement: float | None
     max_abs_diff: float
+    #: the worst scored output's figures (:class:`report.ValidationReport`'s fields of the same names; absent where
+    #: the task's outputs are not scored against each other, or validation stopped before every text)
+    score_error: float | None = field(default=None, metadata=OPTIONAL)
+    rank_agreement: float | None = field(default=None, metadata=OPTIONAL)
+    terms_kept: float | None = field(default=None, metadata=OPTIONAL)
     #: workload name -> median milliseconds of one run (empty: not timed, it failed validation)
     timings_ms: dict[str, float]
     #: its timing score in the last heat it ran in (1.0 the best); None: not timed, or exported before scores
@@ -335,6 +340,8 @@ class ExportReport(Record):
     workloads: list[str] = field(default_factory=list)
     #: how the passing graphs were timed; None where none passed (or before it was recorded)
     timing: Timing | None = field(default=None, metadata=NONE_AS_EMPTY)
+    #: why this graph was kept, in words, where ``auto`` measured several (absent: one configuration was asked for)
+    kept_because: str | None = field(default=None, metadata=OPTIONAL)
     #: whether the plain graph is past onnx_files.EXTERNAL_DATA_THRESHOLD (weights in a data file,
     #: fewer candidates)
     large_model: bool = False

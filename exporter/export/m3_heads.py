@@ -49,6 +49,7 @@ from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK, Side, Side
 
 from . import onnx_files
 from .pooling import MASK, PREFIX, normalize_nodes, pool_states, pooling_constants, prefixed_node
+from .score_fidelity import COSINE, LEXICAL
 from .st_folder import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, special_tokens, state_dict
 from .validate import M3_POOLING
 
@@ -334,6 +335,8 @@ class M3Embedder:
     token_outputs: ClassVar[tuple[str, ...]] = (SPARSE_WEIGHTS, MULTI_VECTOR)
     #: the served similarity of the ColBERT vectors: MaxSim over the query's vector count
     similarity: ClassVar[str] = "meanmaxsim"
+    #: how users score each output (:mod:`score_fidelity`): cosine, the lexical matching score, MeanMaxSim
+    scored: ClassVar[tuple[str, ...]] = (COSINE, LEXICAL, similarity)
 
     def answer(self, states: np.ndarray, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """The three outputs of a padded batch, as :data:`outputs` orders them."""

@@ -130,7 +130,8 @@ class Attempt:
 
     def rows(self, chosen: Candidate) -> list[MeasuredRow]:
         """The measurement table's rows: every candidate, its fidelity and its timings."""
-        report_fields = ("passed", "cosine_min", "cosine_mean", "agreement", "max_abs_diff")
+        report_fields = ("passed", "cosine_min", "cosine_mean", "agreement", "max_abs_diff", "score_error",
+                         "rank_agreement", "terms_kept")
         return [MeasuredRow(backend=self.configuration.target.name, precision=self.configuration.precision,
                             graph=c.graph, **{f: getattr(c.report, f) for f in report_fields},
                             timings_ms={k: round(v, 3) for k, v in (c.timings or {}).items()},
@@ -147,18 +148,20 @@ def run_export(options: ExportOptions) -> ExportResult:
     source = resolve_model(options.model, options.allow_pickle)
     name = _name(options, source)
     with Staging(Path(options.out)) as stage:
-        prepared = _prepare(options, source, stage.work)
+        prepared = prepare(options, source, stage.work)
         log.info("exporting %s (%s, %d layers) as %s, task %s; trying %s", source.model_id,
                  prepared.family.model_type, prepared.family.num_layers(prepared.config), name,
                  prepared.task.name, ", then ".join(c.describe() for c in configurations))
         # a candidate that misses a bar stops there, unless the closest of failing ones may be kept: that
         # choice reads every text's figures
-        attempts = [_attempt(configuration, prepared, stop_early=not options.allow_degraded)
+        attempts = [try_configuration(configuration, prepared, stop_early=not options.allow_degraded)
                     for configuration in configurations]
         fastest, timing = _time(attempts, prepared.workloads, options.optimize)
         attempt, chosen = _choose(attempts, fastest, options.allow_degraded)
         _log_table(attempts, chosen)
         report = _report(options, prepared, attempts, attempt, chosen, timing)
+        if report.kept_because:
+            log.info("kept %s", report.kept_because)
         ensembles = _write(stage.root, name, prepared, attempt, chosen, report)
         # an earlier export of this name may have had a post-processing step, or a token ensemble, the new lacks
         retire = ((f"{name}_postprocess",) if prepared.graph.pooled else ()) + (
@@ -187,8 +190,9 @@ def _say_replaced(out: Path, name: str, task: str) -> None:
                     "passes (pass --name to keep both)", out, name, served, task)
 
 
-def _prepare(options: ExportOptions, source, work: Path) -> Prepared:
-    """Walk the checkpoint into a PyTorch model, export the plain graph and compute the reference."""
+def prepare(options: ExportOptions, source, work: Path) -> Prepared:
+    """Walk the checkpoint into a PyTorch model, export the plain graph and compute the reference (into ``work``;
+    public for experiments and tests that validate graphs of their own against an export's reference)."""
     config = load_config(source.path)
     task = _task(options, source, config)
     _say_replaced(Path(options.out), _name(options, source), task.name)
@@ -298,7 +302,7 @@ def _pad_id(config, tokenizer) -> int:
     return 0
 
 
-def _attempt(configuration: Configuration, prepared: Prepared, stop_early: bool = True) -> Attempt:
+def try_configuration(configuration: Configuration, prepared: Prepared, stop_early: bool = True) -> Attempt:
     """The configuration's candidate graphs, each validated against the reference and closed again:
     a large model's candidates do not fit in memory together (timing reopens those that passed).
     ``stop_early``: a candidate's validation stops once it has missed a bar for good (:func:`validate.compare`)."""
@@ -410,6 +414,20 @@ def _log_table(attempts: list[Attempt], chosen: Candidate) -> None:
                      attempt.configuration.precision, width, candidate.graph, result)
 
 
+def _kept_because(attempts: list[Attempt], attempt: Attempt, chosen: Candidate) -> str | None:
+    """Why ``auto`` kept ``chosen``: the fastest of the graphs that passed every bar (or the only one), and the
+    first bar each other graph missed (where only fp32 passed: why no reduced precision was kept).  None where
+    one configuration was asked for, or none passed."""
+    if not attempt.configuration.auto or not chosen.report.passed:
+        return None
+    passed = sum(len(a.passed) for a in attempts)
+    why = f"the fastest of the {passed} graphs that passed every bar" if passed > 1 else "the only graph that passed"
+    missed = [f"{a.configuration.describe()} {c.graph}: {c.report.failures[0]}"
+              for a in attempts for c in a.candidates if not c.report.passed]
+    return (f"{attempt.configuration.describe()} {chosen.graph}, {why}"
+            + (f"; missed a bar: {' | '.join(missed)}" if missed else ""))
+
+
 def _closeness(report: ValidationReport) -> float:
     return report.cosine_mean or report.agreement or -report.max_abs_diff
 
@@ -429,7 +447,8 @@ def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt],
                                     score=_rounded(c.score, 4), max_abs_diff=c.report.max_abs_diff,
                                     cosine_min=c.report.cosine_min) for c in attempt.candidates],
         measured=[row for a in attempts for row in a.rows(chosen)],
-        workloads=[load.describe() for load in prepared.workloads], timing=timing, large_model=graph.large,
+        workloads=[load.describe() for load in prepared.workloads], timing=timing,
+        kept_because=_kept_because(attempts, attempt, chosen), large_model=graph.large,
         inputs=graph.served_inputs, truncate=options.truncate, max_length=graph.max_length,
         **(embedder.record() if embedder else {}),
         pooled_in_graph=graph.pooled,

@@ -8,7 +8,7 @@ position limit, plus a fixed, project-written set of texts for fidelity.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -16,6 +16,7 @@ import numpy as np
 
 from .dense import SENTENCE, TOKENS, Dense
 from .export_report import ExportReport, LayerNormRecord, SpladeRecord
+from . import score_fidelity
 from .padding_trim import trimmed_length
 from .report import (
     AgreementShortfall,
@@ -24,25 +25,35 @@ from .report import (
     Measures,
     NameMismatch,
     RuntimeFailure,
+    ScoreShortfall,
     ShapeMismatch,
     ValidationReport,
     ValueMismatch,
 )
+from .score_fidelity import COSINE, DOT, SCORE_METRICS
 from nexus_sli.exporter.triton.python_models.encoding import encode, l2_normalize, pool, splade
-from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK, Sides, side_tokenizers, sided_encode
+from nexus_sli.exporter.triton.python_models.sides import DOCUMENT, SCORE_MASK, Sides, side_tokenizers, sided_encode
 from nexus_sli.tasks import TaskSpec
 from nexus_sli.tasks.agreement import TIE_MARGIN, agreement
 
 if TYPE_CHECKING:  # the folder reader imports the model families (PyTorch): a GPU host validates without them
     from .multi_vector import MultiVectorConfig
 
-#: Embeddings: token states within 1e-4 (fp32); sentence-embedding cosine (bf16, int8).
+#: The scores users compute from embeddings, every validation text against every other
+#: (:mod:`score_fidelity`): the worst text's score error as a share of its best score, the rank agreement of
+#: each text's top results, and the share kept of the sparse terms over the floor.  Derived from what bf16
+#: and fp16, the reduced precisions that keep fidelity, reach against fp32 (docs/export.md, "Scores and
+#: rankings"; the figures: bench/data/tried.md, "Score and ranking bars").
+SCORE_BAR: dict[str, float] = {"score_error": 0.02, "rank_agreement": 0.999, "terms_kept": 1.0}
+
+#: Embeddings: token states within 1e-4 (fp32); sentence-embedding cosine (bf16, int8), and the
+#: score bar where the precision keeps fidelity (bf16, fp16).
 #: fp32's tolerance is also the margin under which two reference scores are a tie
 #: (:data:`tasks.agreement.TIE_MARGIN`): parity allows either order of such scores.
 THRESHOLDS: dict[str, dict[str, float]] = {
     "fp32": {"max_abs_diff": TIE_MARGIN},
-    "bf16": {"cosine_mean": 0.9999, "cosine_min": 0.999},
-    "fp16": {"cosine_mean": 0.9999, "cosine_min": 0.999},
+    "bf16": {"cosine_mean": 0.9999, "cosine_min": 0.999, **SCORE_BAR},
+    "fp16": {"cosine_mean": 0.9999, "cosine_min": 0.999, **SCORE_BAR},
     "int8": {"cosine_mean": 0.99, "cosine_min": 0.95},
 }
 #: Tasks with labels or spans: the same argmax as PyTorch fp32.
@@ -61,18 +72,24 @@ def thresholds(task: TaskSpec | None, precision: str) -> dict[str, float]:
 
 #: The bar a configuration must clear to be exported without being asked for by name
 #: (``auto``), whatever its precision: a reduced precision earns its place by speed
-#: only at this fidelity.  The bench holds the served default to the same bar.
+#: only at this fidelity, and at the :data:`SCORE_BAR`.  The bench holds the served default to the same
+#: cosines.
 AUTO_BAR: dict[str, float] = {"cosine_mean": 0.995, "cosine_min": 0.98}
 AUTO_LABEL_BAR: dict[str, float] = {"agreement": 0.99}
 
 
+#: The metrics whose bar is a most (the others' is a least).
+UPPER_BARS = ("max_abs_diff", "score_error")
+
+
 def with_auto_bar(limits: dict[str, float], task: TaskSpec | None) -> dict[str, float]:
-    """``limits`` tightened to :data:`AUTO_BAR` (or the label bar for tasks that decide):
+    """``limits`` tightened to :data:`AUTO_BAR` and :data:`SCORE_BAR` (or the label bar for tasks that decide):
     of two limits on one metric the stricter holds."""
-    bar = AUTO_LABEL_BAR if task is not None and task.agreement else AUTO_BAR
+    bar = AUTO_LABEL_BAR if task is not None and task.agreement else {**AUTO_BAR, **SCORE_BAR}
     tightened = dict(limits)
     for metric, limit in bar.items():
-        tightened[metric] = max(limit, tightened.get(metric, limit))
+        stricter = min if metric in UPPER_BARS else max
+        tightened[metric] = stricter(limit, tightened.get(metric, limit))
     return tightened
 
 
@@ -142,6 +159,8 @@ class Embedder:
     #: the mask input it pools with, and whether it answers per token (a vector per text here)
     reads: ClassVar[str] = "attention_mask"
     per_token: ClassVar[bool] = False
+    #: how users score its outputs, in order (:mod:`score_fidelity`; the token states kept beside: not scored)
+    scored: ClassVar[tuple[str, ...]] = (COSINE,)
 
     def __call__(self, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
         for module in self.on(TOKENS):
@@ -191,6 +210,7 @@ class SparseEmbedder:
     activation: str
     reads: ClassVar[str] = "attention_mask"
     per_token: ClassVar[bool] = False
+    scored: ClassVar[tuple[str, ...]] = (DOT,)
 
     def __call__(self, logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
         return splade(logits, mask, self.strategy, self.activation)
@@ -221,6 +241,11 @@ class MultiVectorEmbedder:
     config: MultiVectorConfig | None = None
     reads: ClassVar[str] = SCORE_MASK
     per_token: ClassVar[bool] = True
+
+    @property
+    def scored(self) -> tuple[str, ...]:
+        """Its vectors are scored by the model's similarity (MaxSim or MeanMaxSim)."""
+        return (self.similarity,)
 
     def __call__(self, hidden: np.ndarray, score_mask: np.ndarray) -> np.ndarray:
         """``[batch, sequence, size]``: each token's vector where ``score_mask`` is 1, zeros elsewhere; the rows
@@ -271,6 +296,9 @@ class Reference:
     batches: list[dict[str, np.ndarray]] = field(default_factory=list)
     outputs: list[list[np.ndarray]] = field(default_factory=list)
     text_batches: int = 0
+    #: each text row's place among the validation texts' rows, in batch order, where the batches mixed them
+    #: (:func:`mixed_batches`); None: in order
+    order: list[int] | None = None
 
     @property
     def texts(self) -> int:
@@ -320,15 +348,15 @@ def sided_text_batches(tokenizer_path, sides: Sides, input_names: list[str],
                        pad_id: int) -> list[dict[str, np.ndarray]]:
     """The validation texts on each side of a late-interaction model, tokenized as the ``sided`` tokenizer
     step does (``python_models/sides.py``: the side's marker, length, query expansion and scoring mask):
-    the query batches, then the document batches."""
+    the query batches, then the document batches, both in one order (by the documents' lengths), so that the
+    i-th query is the i-th document's text: each text is scored against the others' documents
+    (:mod:`score_fidelity`), not against its own."""
     texts = validation_texts()
-    batches = []
-    for side, tokenizer in side_tokenizers(str(tokenizer_path), sides).items():
-        lengths = [len(e.ids) for e in tokenizer.encode_batch(texts)]
-        ordered = [text for _, text in sorted(zip(lengths, texts), key=lambda pair: pair[0])]
-        batches += [sided_encode(tokenizer, ordered[i:i + TEXT_BATCH], side, sides, input_names, pad_id)
-                    for i in range(0, len(ordered), TEXT_BATCH)]
-    return batches
+    tokenizers = side_tokenizers(str(tokenizer_path), sides)
+    lengths = [len(e.ids) for e in tokenizers[DOCUMENT].encode_batch(texts)]
+    ordered = [text for _, text in sorted(zip(lengths, texts), key=lambda pair: pair[0])]
+    return [sided_encode(tokenizer, ordered[i:i + TEXT_BATCH], side, sides, input_names, pad_id)
+            for side, tokenizer in tokenizers.items() for i in range(0, len(ordered), TEXT_BATCH)]
 
 
 def _masked_max_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None) -> float:
@@ -367,7 +395,11 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
     ``stop_early``: stop at the first text batch after which the graph has missed a bar for good (its least
     cosine below ``cosine_min``, a difference past ``max_abs_diff``): the verdict is the full run's, and the
     report's figures cover the texts run (``texts``).  An export's candidates stop early; ``nexus-sli
-    validate`` runs every text."""
+    validate`` runs every text.
+
+    Where users score the outputs against each other (an embedder's ``scored``), a graph that ran every text
+    is judged on those scores too (:mod:`score_fidelity`: every text against every other, once the batches
+    are done, in each batching), against the bars of ``limits`` that apply to its outputs."""
     limits = limits or thresholds(task, precision)
     measures = Measures()
     if pooled is not None:
@@ -375,18 +407,25 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
         per_token = {tokens, pooled if embedder.per_token else None, *getattr(embedder, "token_outputs", ())} - {None}
     else:
         per_token = set(reference.output_names) if task is not None and task.per_token else set()
+    scoring = score_fidelity.scoring(embedder, task, reference.output_names, pooled is not None)
+    limits = score_fidelity.applicable(limits, scoring)
     failures = _name_failures(session, reference)
     trimmed = per_token if trims_padding else set()
     stop_below = limits if stop_early else None
-    if not failures:
-        failures = _run_batches(session, reference, embedder, task, backend, measures, trimmed, per_token,
-                                pooled is not None, exact="max_abs_diff" in limits, stop_below=stop_below)
-    if per_batch and not failures and measures.stopped_after is None:
-        failures = _run_batches(session, mixed_batches(reference, per_token), embedder, task, backend, measures,
-                                trimmed, per_token, pooled is not None, exact="max_abs_diff" in limits,
-                                stop_below=stop_below)
+    scores: dict = {}
+    for mixed in (False, True) if per_batch else (False,):
+        if failures or measures.stopped_after is not None:
+            break
+        batches = mixed_batches(reference, per_token) if mixed else reference
+        gathered = replace(scoring, got={}, expected={}) if scoring is not None else None
+        failures = _run_batches(session, batches, embedder, task, backend, measures, trimmed, per_token,
+                                pooled is not None, exact="max_abs_diff" in limits, stop_below=stop_below,
+                                scoring=gathered)
+        if gathered is not None and not failures and measures.stopped_after is None:
+            found = gathered.figures(batches.order)
+            scores = score_fidelity.worst(found, scores) if scores else found
     texts = measures.stopped_after or reference.texts
-    report = ValidationReport.from_measures(precision, backend, limits, texts, measures, failures)
+    report = ValidationReport.from_measures(precision, backend, limits, texts, measures, failures, scores)
     if not failures:
         report.failures.extend(_threshold_failures(report))
     return report
@@ -412,6 +451,7 @@ def mixed_batches(reference: Reference, per_token: set[str], size: int = TEXT_BA
         feeds, outputs = _padded(rows[start::count], reference.input_names, reference.output_names, per_token, pad_id)
         mixed.add(feeds, outputs)
     mixed.text_batches = count
+    mixed.order = [place for start in range(count) for place in range(start, len(rows), count)]
     return mixed
 
 
@@ -485,13 +525,15 @@ def _pooled_reference(reference: Reference, embedder: Embedder | SparseEmbedder 
 
 def _run_batches(session: Any, reference: Reference, embedder, task: TaskSpec | None, backend: str,
                  measures: Measures, trimmed: set[str], per_token: set[str], pooled: bool = False,
-                 exact: bool = False, stop_below: dict[str, float] | None = None) -> list[Failure]:
+                 exact: bool = False, stop_below: dict[str, float] | None = None,
+                 scoring: score_fidelity.Scoring | None = None) -> list[Failure]:
     """Every reference batch through ``session``: shapes and values always, fidelity on
     the text batches while nothing has failed.  ``per_token``: the outputs that follow the
     sequence (compared over real tokens only); ``trimmed``: those the graph cuts to the
     batch's longest real token.  ``exact``: the parity bar (fp32) holds, under which an embedder that keeps
     terms (BGE-M3's token weights) must keep every term PyTorch keeps.  ``stop_below``: the bars; the run
-    stops at the first text batch after which one is missed for good (:meth:`Measures.missed`)."""
+    stops at the first text batch after which one is missed for good (:meth:`Measures.missed`).  ``scoring``
+    gathers the text batches' scored outputs."""
     failures: list[Failure] = []
     names = reference.output_names
     for index, (feeds, expected) in enumerate(zip(reference.batches, reference.outputs)):
@@ -513,6 +555,8 @@ def _run_batches(session: Any, reference: Reference, embedder, task: TaskSpec | 
             failures.extend(ValueMismatch(message) for message in embedder.lost_terms(got, expected))
         if index >= reference.first_text and not failures:
             _measure_fidelity(got, expected, mask, embedder, task, measures, pooled, scored)
+            if scoring is not None:
+                scoring.add(got, expected, feeds, mask, scored)
             if stop_below is not None and measures.missed(stop_below):
                 measures.stopped_after = sum(len(b["input_ids"])
                                              for b in reference.batches[reference.first_text:index + 1])
@@ -552,17 +596,37 @@ def _measure_fidelity(got, expected, mask: np.ndarray, embedder: Embedder | None
 
 
 def _threshold_failures(report: ValidationReport) -> list[Failure]:
+    """Every bar of the report's thresholds its figures miss; the score bars last, as what users compute from the
+    outputs.  A score figure that is None had nothing to judge (every pair a tie: the texts score alike; no term
+    over the floor), or validation stopped at another bar; only a missing score error with no other failure
+    counts."""
     failures: list[Failure] = []
-    for metric, limit in report.thresholds.items():
-        value = getattr(report, metric)
+    metrics = sorted(report.thresholds, key=lambda metric: metric in SCORE_METRICS)
+    for metric in metrics:
+        value, limit = getattr(report, metric), report.thresholds[metric]
         kind = {"max_abs_diff": ValueMismatch, "agreement": AgreementShortfall}.get(metric, FidelityShortfall)
+        if metric in SCORE_METRICS:
+            if value is None and metric == "score_error" and not failures:
+                failures.append(ScoreShortfall("score_error could not be measured"))
+            if value is None:
+                continue
+            kind = ScoreShortfall
         if value is None and metric == "agreement" and report.ties:
             failures.append(kind(f"agreement could not be measured: all {report.ties} decisions were ties "
                                  f"(PyTorch's own scores within {TIE_MARGIN:g})"))
         elif value is None:
             failures.append(kind(f"{metric} could not be measured"))
-        elif metric == "max_abs_diff" and value > limit:
-            failures.append(kind(f"max_abs_diff {value:.3g} > {limit:g}"))
-        elif metric != "max_abs_diff" and value < limit:
-            failures.append(kind(f"{metric} {value:.5f} < {limit:g}"))
+        elif metric in UPPER_BARS and value > limit:
+            failures.append(kind(f"{metric} {value:.3g} > {limit:g}{_worst_output(report, metric)}"))
+        elif metric not in UPPER_BARS and value < limit:
+            failures.append(kind(f"{metric} {value:.5f} < {limit:g}{_worst_output(report, metric)}"))
     return failures
+
+
+def _worst_output(report: ValidationReport, metric: str) -> str:
+    """`` (OUTPUT, similarity)``: the scored output whose figure the report's ``metric`` is (empty for others)."""
+    value = getattr(report, metric)
+    for name, figures in report.scores.items() if metric in SCORE_METRICS else ():
+        if getattr(figures, metric) == value:
+            return f" ({name}, {figures.similarity})"
+    return ""
