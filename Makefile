@@ -49,11 +49,15 @@ publish: install
 	$(BIN)/nexus-sli publish --repository '$(OUT)' --to '$(TO)' \
 		$(if $(ENDPOINT_URL),--endpoint-url '$(ENDPOINT_URL)') $(if $(DRY_RUN),--dry-run) $(if $(PRUNE),--prune)
 
-# Exports the default model first when OUT holds no model yet.
+# Where OUT holds no model yet, serve exports MODEL in ONNX Runtime fp32 (one graph, no search), answers with
+# it, then exports as asked (auto: the fastest faithful graph) in the background and swaps the winner in
+# (NO_SEARCH=1: not that).  A GPU export (TARGET=gpu) is made first, as make export makes it.
 serve: install
-	@ls '$(OUT)'/*/config.pbtxt >/dev/null 2>&1 || $(MAKE) --no-print-directory export
+	@[ '$(TARGET)' = cpu ] || ls '$(OUT)'/*/config.pbtxt >/dev/null 2>&1 || $(MAKE) --no-print-directory export
 	$(BIN)/nexus-sli serve --model-repository '$(OUT)' --http-port $(HTTP_PORT) \
-		--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --gateway-port $(GATEWAY_PORT)
+		--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --gateway-port $(GATEWAY_PORT) \
+		$(if $(MODEL),--model '$(MODEL)') --task '$(TASK)' --precision '$(PRECISION)' --backend '$(BACKEND)' \
+		--optimize '$(OPTIMIZE)' $(if $(NAME),--name '$(NAME)') $(if $(NO_SEARCH),--no-search)
 
 # Everything but the long tiers (pyproject's addopts deselect the `load` and `real_checkpoint` markers),
 # a module per worker on every core (pytest-xdist), handed out in collection order (tests/conftest.py puts

@@ -28,16 +28,45 @@ def add_parser(commands) -> None:
                        help="serve each ensemble as exported, its steps in separate processes (by default each "
                             "batched ensemble's steps run in one process, which a short query crosses faster; "
                             "docs/serving.md)")
+    _add_first_export_options(serve)
     serve.set_defaults(run=run)
 
 
+def _add_first_export_options(serve: argparse.ArgumentParser) -> None:
+    """What a repository folder with no model gets: the model exported in ONNX Runtime fp32 (one graph, no
+    search) and served at once, then the export asked for searched in the background and swapped in."""
+    from nexus_sli.exporter.targets import AUTO, TARGETS, precisions
+
+    first = serve.add_argument_group(
+        "a repository with no model", "exported first in ONNX Runtime fp32 (no search) and served at once; the "
+        "export asked for (auto: the fastest faithful graph) runs in the background and is swapped in when it "
+        "wins, with no failed call (docs/serving.md). A repository that holds a model is served as it is.")
+    first.add_argument("--model", default="", help="as for export (default: packaged all-MiniLM-L6-v2)")
+    first.add_argument("--task", default="auto", help="as for export")
+    first.add_argument("--name", default="", help="as for export")
+    first.add_argument("--backend", default=AUTO, choices=[AUTO, *TARGETS], help="the search's, as for export")
+    first.add_argument("--precision", default=AUTO, choices=[AUTO, *precisions()], help="the search's, as for export")
+    first.add_argument("--optimize", default="balanced", choices=["balanced", "throughput", "latency"],
+                       help="the search's, as for export")
+    first.add_argument("--no-search", action="store_true",
+                       help="serve the fp32 export and search for nothing faster")
+
+
 def run(args: argparse.Namespace) -> int:
+    from nexus_sli.exporter.serving.search import BackgroundSearch, ModelChoice, export_first, holds_a_model
     from nexus_sli.exporter.serving.server import is_remote, serve_forever
 
     # Path() would fold the '//' of an s3:// URL
     repository = args.model_repository if is_remote(args.model_repository) else Path(args.model_repository)
+    search = None
+    if not is_remote(repository) and not holds_a_model(repository):
+        choice = ModelChoice(args.model, args.task, args.name, args.backend, args.precision, args.optimize)
+        name = export_first(choice, repository)
+        if choice.searches and not args.no_search:
+            search = lambda server: BackgroundSearch(choice, repository, name, server)  # noqa: E731
     return serve_forever(repository, args.http_port, args.grpc_port, args.metrics_port, args.host,
-                         args.gpu_models_on_cpu, beside=gateway_command(args), separate_steps=args.separate_steps)
+                         args.gpu_models_on_cpu, beside=gateway_command(args), separate_steps=args.separate_steps,
+                         background=search)
 
 
 def gateway_command(args: argparse.Namespace) -> list[str] | None:

@@ -60,6 +60,8 @@ class AsyncEncoderClient:
         #: how long one call keeps retrying retryable failures
         self.retry_s = retry_s
         self._info: dict[str, ModelInfo] = {}
+        #: the version each model last answered with: another one drops its description (:func:`p.note_version`)
+        self._versions: dict[str, str] = {}
 
     async def _on_replicas(self, model: str, send):
         """``await send(tritonclient)`` on the replicas in turn until one answers or a non-retryable
@@ -118,6 +120,7 @@ class AsyncEncoderClient:
         except Exception:
             self._info.pop(model, None)
             raise
+        p.note_version(self._versions, self._info, model, result)
         return tuple(result.as_numpy(output) for output in call.outputs)
 
     async def _call(self, model: str | None, make):

@@ -122,6 +122,8 @@ class EncoderClient:
         #: how long one call keeps retrying retryable failures
         self.retry_s = retry_s
         self._info: dict[str, ModelInfo] = {}
+        #: the version each model last answered with: another one drops its description (:func:`p.note_version`)
+        self._versions: dict[str, str] = {}
 
     def _on_replicas(self, model: str, send):
         """``send(tritonclient)`` on the replicas in turn until one answers or a non-retryable error;
@@ -200,6 +202,7 @@ class EncoderClient:
         except Exception:
             self._info.pop(model, None)  # the model may come back changed
             raise
+        p.note_version(self._versions, self._info, model, result)
         return tuple(result.as_numpy(output) for output in call.outputs)
 
     def _call(self, model: str | None, make):

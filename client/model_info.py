@@ -144,6 +144,12 @@ class ModelInfo:
         return parameters.PRECISION.read(self.params, None)
 
     @property
+    def backend(self) -> str | None:
+        """The runtime serving the encoder (``onnxruntime``, ``openvino`` ...; None: an export that did not
+        record it)."""
+        return parameters.BACKEND.read(self.params, None)
+
+    @property
     def pooling(self) -> str | None:
         """How an embedding model pools its token states (``mean``, ``cls``, ``max``; None: not said)."""
         return parameters.POOLING.read(self.params, None)

@@ -85,6 +85,24 @@ _TRITON_QUEUE_REFUSED = re.compile(r"Exceeds maximum queue size|Request timeout 
 _TRITON_QUEUE_TIMED_OUT = re.compile(r"Request timeout expired", re.IGNORECASE)
 
 
+def answered_version(result) -> str | None:
+    """The model version that answered (tritonclient's result, HTTP's JSON header or gRPC's message): a new
+    one means the model was swapped for a new export (``nexus-sli serve``'s search), whose description may
+    differ (its precision, backend)."""
+    response = result.get_response()
+    version = response.get("model_version") if isinstance(response, dict) else getattr(response, "model_version", None)
+    return str(version) if version else None
+
+
+def note_version(versions: dict[str, str], info: dict, model: str, result) -> None:
+    """Forget ``model``'s cached description (``info``) where ``result`` comes from another version than the
+    last answer did (``versions``: the last version each model answered with)."""
+    version = answered_version(result)
+    if version is not None and versions.setdefault(model, version) != version:
+        versions[model] = version
+        info.pop(model, None)
+
+
 def queue_timeout(timeout_s: float | None) -> dict:
     """The call's deadline as Triton's per-request ``timeout`` (microseconds), for ``infer``.  A batching
     step whose queue policy lets a request shorten its timeout drops the request unrun once it has

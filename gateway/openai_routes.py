@@ -61,7 +61,8 @@ async def models(request: Request) -> JSONResponse:
     never turns into a discovery per request."""
     served = await request.app.state.backend.catalog.models()
     # an embedding model's NAME_tokens ensemble is part of it (TEI's /embed_all), not a model of its own
-    data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "nexus-sli", "task": m.task, **_described(m)}
+    data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "nexus-sli", "task": m.task,
+             "precision": m.precision, "backend": m.backend, **_described(m)}
             for m in sorted(served.values(), key=lambda m: m.name) if m.task != TOKEN_TASK]
     return JSONResponse({"object": "list", "data": data})
 

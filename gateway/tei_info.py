@@ -43,8 +43,8 @@ def model_type(model: ModelInfo) -> dict:
 
 #: Info's fields beyond TEI's: the size of the vectors an embedding or multi-vector model serves (the
 #: Dense-projected size where its pipeline has Dense modules), which TEI's clients otherwise learn from a first
-#: /embed.
-EXTENSIONS = ("dimensions",)
+#: /embed; and the runtime serving the encoder (``nexus-sli serve`` may swap in a faster one while it serves).
+EXTENSIONS = ("dimensions", "backend")
 
 
 def info(model: ModelInfo, config: GatewayConfig) -> dict:
@@ -53,7 +53,7 @@ def info(model: ModelInfo, config: GatewayConfig) -> dict:
     step = model.tokenizer_step
     max_length, rows = (step.max_length, step.rows) if step else (0, model.max_batch_size)
     described = model.task in ("embedding", "multi-vector") or model.serves("embedding")
-    extensions = {"dimensions": model.dimensions} if described else {}
+    extensions = {**({"dimensions": model.dimensions} if described else {}), "backend": model.backend}
     return {**extensions,
         "model_id": model.name, "model_sha": None, "served_model_name": model.name,
         "model_dtype": DTYPES.get(model.precision or "", model.precision or "unknown"),

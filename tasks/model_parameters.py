@@ -182,6 +182,8 @@ TOP_K = integer("top_k")
 # What the ensembles tell clients besides (ModelInfo).
 #: the precision the encoder was exported in (``fp32``, ``fp16``, ``int8`` ...)
 PRECISION = text("precision")
+#: the runtime target serving the encoder (``onnxruntime``, ``openvino`` ...: ``targets.TARGETS``' names)
+BACKEND = text("backend")
 #: the sizes a Matryoshka model was trained for, largest first, JSON
 MATRYOSHKA_DIMS = json_value("matryoshka_dims")
 #: the ensemble serving this one's token states (``NAME_tokens``, ``spec.TOKEN_MODEL_SUFFIX``)
@@ -214,7 +216,7 @@ TOKENIZER = (MODE, MAX_LENGTH, PAD_ID, TRUNCATE, PAD_WIDTHS, STRIDE, MAX_ROWS, S
 TASK_PARAMETERS = (POOLING, NORMALIZE, ID2LABEL, MULTI_LABEL, SPLADE_POOLING, SPLADE_ACTIVATION, VOCAB_SIZE,
                    SIMILARITY, VECTOR_SIZE, INPUT_TYPES, SERVES, SPARSE_FORM, TOP_K)
 POSTPROCESS = (TASK, HEAD, *TASK_PARAMETERS)
-DESCRIBED = (PRECISION, MATRYOSHKA_DIMS, TOKEN_MODEL, EMBEDDING_MODEL)
+DESCRIBED = (PRECISION, BACKEND, MATRYOSHKA_DIMS, TOKEN_MODEL, EMBEDDING_MODEL)
 ENSEMBLE = (TASK, *TASK_PARAMETERS, PROMPTS, DEFAULT_PROMPT_NAME, *DESCRIBED)
 ENCODER = (HINT_BF16, PERFORMANCE_HINT, INFERENCE_NUM_THREADS, NUM_STREAMS, WARMUP_QUERY_TOKENS)
 JOINED = (JOINED_STEPS, JOINED_SCHEDULE, JOINED_BACKENDS)

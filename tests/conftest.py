@@ -45,7 +45,8 @@ def cores_shared_between_workers():
 #: The modules that take longest, longest first (make test's durations).  pytest-xdist hands modules to its
 #: workers in collection order under make test's ``--no-loadscope-reorder`` (by default it orders them by their
 #: number of tests): one of these started last would run alone while the other workers wait.
-LONGEST_FIRST = ("test_serving.py", "test_reliability.py", "test_gateway.py", "test_bench.py", "test_tasks.py")
+LONGEST_FIRST = ("test_serving.py", "test_reliability.py", "test_gateway.py", "test_bench.py", "test_tasks.py",
+                 "test_serve_first.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -132,9 +132,10 @@ def tei_answer(gateway: Gateway, route: str, body: dict, request_schema: str, re
 
 
 def _info_problems(info: dict) -> list[str]:
-    """TEI's Info schema, with the one field the gateway adds beside it (tei_info.EXTENSIONS)."""
+    """TEI's Info schema, with the fields the gateway adds beside it (tei_info.EXTENSIONS)."""
     schema = tei_schema("Info")
-    extended = {**schema, "properties": {**schema["properties"], "dimensions": {"type": "integer", "minimum": 1}}}
+    extended = {**schema, "properties": {**schema["properties"], "dimensions": {"type": "integer", "minimum": 1},
+                                         "backend": {"type": ["string", "null"]}}}
     return schema_problems(info, extended)
 
 
@@ -147,6 +148,7 @@ def test_info_describes_the_export_and_the_gateways_limits(gateway, served):
     assert info["model_id"] == info["served_model_name"] == "embedder"
     assert info["model_type"] == {"embedding": {"pooling": ensemble.parameters["pooling"].string_value}}
     assert info["model_dtype"] == "float32" and info["auto_truncate"] is True
+    assert info["backend"] == ensemble.parameters["backend"].string_value == "onnxruntime"
     assert info["max_input_length"] == max_length == 128
     assert info["max_batch_requests"] == ensemble.max_batch_size == 64
     assert info["max_batch_tokens"] == 64 * max_length

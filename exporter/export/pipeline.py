@@ -81,6 +81,9 @@ class ExportOptions:
     optimize: str = DEFAULT_OBJECTIVE
 
 
+    #: False: the first configuration's first candidate graph only, validated as every candidate is, nothing
+    #: else made or timed (ONNX Runtime fp32: the plain graph; what ``nexus-sli serve`` answers with first)
+    search: bool = True
 @dataclass
 class ExportResult:
     name: str
@@ -144,6 +147,7 @@ def run_export(options: ExportOptions) -> ExportResult:
     configurations = configurations_for(options.backend, options.precision, device=options.device)
     check_objective(options.optimize)
     if options.task != "auto":
+    configurations = configurations if options.search else configurations[:1]
         get_task(options.task)  # an unknown task fails before any download
     source = resolve_model(options.model, options.allow_pickle)
     name = _name(options, source)
@@ -154,7 +158,8 @@ def run_export(options: ExportOptions) -> ExportResult:
                  prepared.task.name, ", then ".join(c.describe() for c in configurations))
         # a candidate that misses a bar stops there, unless the closest of failing ones may be kept: that
         # choice reads every text's figures
-        attempts = [try_configuration(configuration, prepared, stop_early=not options.allow_degraded)
+        attempts = [try_configuration(configuration, prepared, stop_early=not options.allow_degraded,
+                                      first_only=not options.search)
                     for configuration in configurations]
         fastest, timing = _time(attempts, prepared.workloads, options.optimize)
         attempt, chosen = _choose(attempts, fastest, options.allow_degraded)
@@ -302,20 +307,23 @@ def _pad_id(config, tokenizer) -> int:
     return 0
 
 
-def try_configuration(configuration: Configuration, prepared: Prepared, stop_early: bool = True) -> Attempt:
+def try_configuration(configuration: Configuration, prepared: Prepared, stop_early: bool = True,
+                      first_only: bool = False) -> Attempt:
     """The configuration's candidate graphs, each validated against the reference and closed again:
     a large model's candidates do not fit in memory together (timing reopens those that passed).
-    ``stop_early``: a candidate's validation stops once it has missed a bar for good (:func:`validate.compare`)."""
+    ``stop_early``: a candidate's validation stops once it has missed a bar for good (:func:`validate.compare`).
+    ``first_only``: the target's first candidate only (:attr:`ExportedGraph.first_only`)."""
     target, precision = configuration.target, configuration.precision
     work = prepared.graph.work / f"{target.name}-{precision}"
     work.mkdir(exist_ok=True)
-    graph = replace(prepared.graph, work=work, auto=configuration.auto)
+    graph = replace(prepared.graph, work=work, auto=configuration.auto, first_only=first_only)
     limits = target.thresholds(prepared.task, precision) or validate_thresholds(prepared.task, precision)
     if configuration.auto:
         limits = with_auto_bar(limits, prepared.task)
     left_out = target.left_out(graph, precision)
     log.info("%s %s: making the candidate graphs%s", target.name, precision, f" ({left_out})" if left_out else "")
-    attempt = Attempt(configuration, target.candidates(graph, precision), left_out)
+    candidates = target.candidates(graph, precision)
+    attempt = Attempt(configuration, candidates[:1] if first_only else candidates, left_out)
     gc.collect()  # what the graph tools left in reference cycles (see optimize.fuse) goes before validation
     for number, candidate in enumerate(attempt.candidates, 1):
         log.info("%s %s, %s graph (%d of %d): validating against PyTorch", target.name, precision, candidate.graph,
@@ -470,7 +478,8 @@ def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: 
                          configuration.target.serving(configuration.precision), f"model{chosen.path.suffix}",
                          prepared.graph.pooled, *_retrieval(prepared),
                          vocab_size=prepared.family.vocab_size(config), embedded_size=_embedded_size(prepared),
-                         precision=configuration.precision, sides=getattr(embedder, "sides", None))
+                         precision=configuration.precision, backend=configuration.target.name,
+                         sides=getattr(embedder, "sides", None))
     ensembles = write_models(root, name, task.name, facts, prepared.tokenizer_path)
     encoder_dir = root / f"{name}_encoder"
     chosen.install(encoder_dir / "1")

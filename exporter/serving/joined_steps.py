@@ -173,23 +173,29 @@ def _joinable(repository: Path, ensemble: tc.pb.ModelConfig) -> list[tc.pb.Model
     return steps if shims == 1 else None
 
 
+def _write_entry(model: Path, shadow: Path, ensembles: dict[str, tc.pb.ModelConfig]) -> None:
+    """``model``'s folder in the shadow: a joined model where ``ensembles`` has it (at the ensemble's version: a
+    client reads a new version in an answer as a changed model), else links into the repository."""
+    (shadow / model.name).mkdir()
+    if model.name in ensembles:
+        tc.write(ensembles[model.name], shadow / model.name)
+        version = shadow / model.name / _version(model, -1)
+        version.mkdir()
+        (version / "model.py").write_text(
+            resources.files("nexus_sli.exporter.serving.backends").joinpath("joined_model.py").read_text())
+        return
+    # links to the repository's own paths, not their targets: a re-export replaces the folders
+    for entry in model.iterdir():
+        (shadow / model.name / entry.name).symlink_to(entry.absolute())
+
+
 def _write_shadow(repository: Path, shadow: Path, ensembles: dict[str, tc.pb.ModelConfig]) -> None:
-    model_file = resources.files("nexus_sli.exporter.serving.backends").joinpath("joined_model.py").read_text()
     for model in (p for p in repository.iterdir() if p.is_dir() and (p / "config.pbtxt").is_file()):
-        (shadow / model.name).mkdir()
-        if model.name in ensembles:
-            tc.write(ensembles[model.name], shadow / model.name)
-            (shadow / model.name / "1").mkdir()
-            (shadow / model.name / "1" / "model.py").write_text(model_file)
-            continue
-        # links to the repository's own paths, not their targets: a re-export replaces the folders
-        for entry in model.iterdir():
-            (shadow / model.name / entry.name).symlink_to(entry.absolute())
+        _write_entry(model, shadow, ensembles)
 
 
-def join(repository: Path, backends: Path) -> Path | None:
-    """A shadow of ``repository`` whose batched ensembles are joined models, or None where none can be joined.
-    ``backends``: the backend folder the server starts with (the encoder shims the joined models load)."""
+def _joined_ensembles(repository: Path, backends: Path) -> dict[str, tc.pb.ModelConfig]:
+    """The joined config of each of ``repository``'s ensembles that one process can serve, by name."""
     ensembles = {}
     for path in sorted(Path(repository).glob("*/config.pbtxt")):
         config = tc.read(path)
@@ -197,6 +203,23 @@ def join(repository: Path, backends: Path) -> Path | None:
             steps = _joinable(Path(repository), config)
             if steps is not None:
                 ensembles[config.name] = joined_config(config, steps, backends)
+    return ensembles
+
+
+def refresh(repository: Path, shadow: Path, backends: Path, names: list[str]) -> None:
+    """Write the shadow's entries of the models ``names`` again, as ``repository`` holds them now (after a swap
+    replaced their folders: new version folders, a joined model's new steps)."""
+    ensembles = _joined_ensembles(repository, backends)
+    for name in names:
+        shutil.rmtree(shadow / name, ignore_errors=True)
+        if (repository / name / "config.pbtxt").is_file():
+            _write_entry(repository / name, shadow, ensembles)
+
+
+def join(repository: Path, backends: Path) -> Path | None:
+    """A shadow of ``repository`` whose batched ensembles are joined models, or None where none can be joined.
+    ``backends``: the backend folder the server starts with (the encoder shims the joined models load)."""
+    ensembles = _joined_ensembles(repository, backends)
     if not ensembles:
         return None
     shadow = Path(tempfile.mkdtemp(prefix="nexus-sli-joined-"))

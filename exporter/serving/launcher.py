@@ -65,6 +65,8 @@ class TritonServer(subprocess.Popen):
     Its ``args`` are redacted: the model-control secret is never shown."""
 
     supervisor: StubSupervisor | None = None
+    #: (shadow, backends) where each batched ensemble is served joined (:mod:`joined_steps`), else None
+    joined: tuple[Path, Path] | None = None
 
     def __init__(self, command: ServerCommand, admin_key: str | None, temporary: tuple[Path, ...] = (), **popen):
         super().__init__(command.argv, env=command.env, **popen)

@@ -60,6 +60,13 @@ def _repository_to_serve(repository: Path | str, gpu_on_cpu: bool,
     return (shadows[-1] if shadows else repository), tuple(shadows)
 
 
+def _joined(served: Path | str, shadows: tuple[Path, ...], backends: Path | None, separate_steps: bool):
+    """(the joined shadow, the backends folder) where ``served`` is the joined shadow, else None."""
+    if separate_steps or backends is None or not shadows or served != shadows[-1]:
+        return None
+    return shadows[-1], backends
+
+
 def start(repository: Path | str, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
           host: str = "127.0.0.1", timeout: float = 180.0, supervise: bool = True, gpu_on_cpu: bool = False,
           separate_steps: bool = False, **popen) -> TritonServer:
@@ -76,12 +83,15 @@ def start(repository: Path | str, http_port: int = 8000, grpc_port: int = 8001, 
     backends = None if system_binary() else Path(tempfile.mkdtemp(prefix="nexus-sli-backends-"))
     made = [backends] if backends else []
     try:
-        repository, shadows = _repository_to_serve(repository, gpu_on_cpu, None if separate_steps else backends)
+        served, shadows = _repository_to_serve(repository, gpu_on_cpu, None if separate_steps else backends)
         made += shadows
+        joined = _joined(served, shadows, backends, separate_steps) if not gpu_on_cpu else None
+        repository = served
         admin_key = secrets.token_urlsafe(32)
         command = server_command(repository, http_port, grpc_port, metrics_port, host, backend_dir=backends,
                                  admin_key=admin_key, reload_models=supervise)
         process = TritonServer(command, admin_key, tuple(made), **popen)
+        process.joined = joined
     except BaseException:  # nothing started: the folders made for it go
         for folder in made:
             shutil.rmtree(folder, ignore_errors=True)
@@ -110,22 +120,29 @@ def _wait_any(processes: list[subprocess.Popen | KeptServer]) -> int:
 
 
 def serve_forever(repository: Path, http_port: int, grpc_port: int, metrics_port: int, host: str,
-                  gpu_on_cpu: bool = False, beside: list[str] | None = None, separate_steps: bool = False) -> int:
+                  gpu_on_cpu: bool = False, beside: list[str] | None = None, separate_steps: bool = False,
+                  background=None) -> int:
     """The ``serve`` command: start, print the URLs, stop cleanly on Ctrl-C / SIGTERM (exit code 0).
     A server that dies by itself, or holds too many dead workers, is started again (:mod:`keeper`).
 
     ``beside``: the command of a process started once Triton is ready (the HTTP
     gateway); whichever of the two ends first, the other is stopped too, and the
     exit code is the one that ended first's: its own, or 128 + the signal that
-    killed it (the shell's convention; a negative code would become 256 - n)."""
+    killed it (the shell's convention; a negative code would become 256 - n).
+
+    ``background``: called with the kept server once it is ready, a thread to start beside it (the search of
+    :mod:`search`), stopped before the server is."""
     process = KeptServer(lambda: start(repository, http_port, grpc_port, metrics_port, host, gpu_on_cpu=gpu_on_cpu,
                                        separate_steps=separate_steps))
     print(f"Triton is ready: HTTP http://{host}:{http_port}  gRPC {host}:{grpc_port}  "
           f"metrics http://{host}:{metrics_port}/metrics", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    companion = None
+    companion = worker = None
     try:
         companion = subprocess.Popen(beside) if beside else None
+        worker = background(process) if background else None
+        if worker is not None:
+            worker.start()
         code = _wait_any([process, *([companion] if companion else [])])
         code = 128 - code if code < 0 else code  # Popen's -N (killed by signal N) as the shell says it
         if companion is not None and companion.poll() is not None:
@@ -134,6 +151,8 @@ def serve_forever(repository: Path, http_port: int, grpc_port: int, metrics_port
         print("stopping Triton ...", flush=True)
         code = 0
     finally:
+        if worker is not None:
+            worker.stop()
         if companion is not None:
             end(companion, grace=10.0)
         process.stop()  # also when the server was given up on: the supervisor and temporary files go too

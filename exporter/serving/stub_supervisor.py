@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 from google.protobuf.text_format import ParseError
@@ -77,6 +78,8 @@ class StubSupervisor(threading.Thread):
         self._expected = self.stub_counts()
         self._ready = set(self._ready_models())
         self._ensembles: set[str] | None = None
+        #: held while the stub processes are counted and reloaded, and while models are swapped (:meth:`swapping`)
+        self._checking = threading.Lock()
 
     def stub_processes(self) -> dict[str, list]:
         """Live stub processes (``psutil.Process``) of this server, per model name."""
@@ -181,22 +184,66 @@ class StubSupervisor(threading.Thread):
         self.restarts.append((time.time(), model))
         log.warning("model %s reloaded", model)
 
+    @contextmanager
+    def swapping(self):
+        """While models are swapped for new ones (:mod:`swap`): no reload, since the old models' processes
+        go on purpose; then the new processes and ready models are the ones expected."""
+        with self._checking:
+            try:
+                yield self
+            finally:
+                self._wait_old_versions_gone()
+                self._expected = self.stub_counts()
+                self._ready = set(self._ready_models())
+
+    def _wait_old_versions_gone(self, timeout: float = 60.0) -> None:
+        """Until no process serves a version older than its model's newest (Triton unloads the old version once
+        the new one is ready, and its processes then exit): counted before, they would read as lost after."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self._stopping.is_set():
+            old = [process for processes in self.stub_processes().values() for process in processes
+                   if self._is_old(process)]
+            if not old:
+                return
+            time.sleep(0.2)
+        log.warning("python-backend processes of replaced model versions still run after %.0f s", timeout)
+
+    def _is_old(self, process) -> bool:
+        """Whether a stub serves a version folder older than its model's newest."""
+        import psutil
+
+        try:
+            version = Path(process.cmdline()[1]).parent
+        except (psutil.Error, IndexError):
+            return False
+        newest = max((int(p.name) for p in version.parent.iterdir() if p.name.isdigit()), default=0)
+        return version.name.isdigit() and int(version.name) < newest
+
+    def load(self, model: str) -> None:
+        """Load ``model`` as the repository holds it now (Triton serves the loaded one until it has)."""
+        self._post(f"/v2/repository/models/{model}/load")
+
     def run(self) -> None:
         failures = 0
         while not self._stopping.wait(min(self.interval * 2 ** failures, 30.0)):
             if self.server.poll() is not None:
                 return
-            counts = self.stub_counts()
-            lost = [m for m, n in self._expected.items() if counts.get(m, 0) < n]
-            if not lost or not self._serving():
-                continue
-            try:
-                for model in lost:
-                    self.reload(model)
-                failures = 0
-            except (OSError, ValueError) as exc:  # tried again, later and later
-                failures += 1
-                log.error("could not reload model %s (%s); trying again", model, exc)
+            with self._checking:
+                failures = self._check(failures)
+
+    def _check(self, failures: int) -> int:
+        """Reload each model that lost a stub process; the failures in a row (the next wait's backoff)."""
+        counts = self.stub_counts()
+        lost = [m for m, n in self._expected.items() if counts.get(m, 0) < n]
+        if not lost or not self._serving():
+            return failures
+        try:
+            for model in lost:
+                self.reload(model)
+            return 0
+        except (OSError, ValueError) as exc:  # tried again, later and later
+            log.error("could not reload model %s (%s); trying again", model, exc)
+            return failures + 1
 
     def stop(self) -> None:
         self._stopping.set()

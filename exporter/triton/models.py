@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nexus_sli.tasks import get_task
-from nexus_sli.tasks.model_parameters import EMBEDDING_MODEL, HEAD, PRECISION, TASK, TOKEN_MODEL, Prompts, write
+from nexus_sli.tasks.model_parameters import BACKEND, EMBEDDING_MODEL, HEAD, PRECISION, TASK, TOKEN_MODEL, Prompts, write
 from nexus_sli.tasks.spec import TOKEN_MODEL_SUFFIX
 
 from . import config as tc
@@ -99,6 +99,8 @@ class ServingFacts:
     embedded_size: int = 0
     #: the precision the served encoder was exported in (``fp32``, ``fp16``, ``int8`` ...), for clients
     precision: str = ""
+    #: the runtime target serving the encoder (``onnxruntime``, ``openvino`` ...), for clients
+    backend: str = ""
     #: a late-interaction model's two sides (``python_models/sides.py``'s ``Sides``), which its ``sided``
     #: tokenizer step reads; None for other tasks
     sides: Any = None
@@ -137,7 +139,8 @@ def write_models(root: Path, name: str, task: str, facts: ServingFacts, tokenize
         head = write({TASK: task, HEAD: get_task(task).head})
         tc.write(tc.postprocess_config(postprocess, lay, {**head, **facts.post_params}, rows), root / postprocess)
     tokens = name + TOKEN_MODEL_SUFFIX if lay.token_states is not None else None
-    described = {**facts.described, **write({TOKEN_MODEL: tokens, PRECISION: facts.precision or None})}
+    described = {**facts.described, **write({TOKEN_MODEL: tokens, PRECISION: facts.precision or None,
+                                                BACKEND: facts.backend or None})}
     prompts = facts.prompts.write()
     _write_ensemble(root, tc.ensemble_config(name, task, lay, facts.input_names, steps,
                                              {**facts.post_params, **prompts, **described}, rows))

@@ -1,0 +1,160 @@
+"""``nexus-sli serve`` on a folder with no model: answer first, search after.
+
+    the one graph that needs no search (ONNX Runtime fp32, the plain graph, validated at fp32's parity bar)
+      -> exported and served (:func:`export_first`)
+      -> the export asked for (``auto``: every configuration this CPU runs) in a background process
+         (:class:`BackgroundSearch`), at a lower priority and on fewer threads, into a folder beside the
+         repository, which Triton never reads
+      -> its winner, where it is not the graph served, swapped in with no failed call (:mod:`swap`)
+
+A search that fails, or is stopped (Ctrl-C), leaves the first export served and removes what it wrote.
+The search validates and times its graphs beside the served model: traffic while it times is in its figures
+(validation.json records the timing as it ran).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from nexus_sli.exporter.export.threads import ENV as THREADS_ENV
+
+from .binary import ServerError
+from .swap import swap_in
+
+log = logging.getLogger(__name__)
+
+#: What the first export serves: the configuration every supported family exports at exact parity, in the one
+#: graph that needs neither a search nor timing.
+FIRST = ("onnxruntime", "fp32")
+#: How much lower the search's priority is than the server's (``nice``).
+NICENESS = 10
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """The model ``nexus-sli serve`` exports into a folder with no model, and the export its search makes."""
+
+    model: str = ""
+    task: str = "auto"
+    name: str = ""
+    backend: str = "auto"
+    precision: str = "auto"
+    optimize: str = "balanced"
+
+    def export_command(self, out: Path, name: str = "", first: bool = False) -> list[str]:
+        """``nexus-sli export`` of this model into ``out``: the first export, or the search's."""
+        backend, precision = FIRST if first else (self.backend, self.precision)
+        return [sys.executable, "-m", "nexus_sli.cli.main", "export", "--task", self.task, "--backend", backend,
+                "--precision", precision, "--optimize", self.optimize, "--out", str(out),
+                *(["--model", self.model] if self.model else []),
+                *(["--name", name or self.name] if name or self.name else []),
+                *(["--no-search"] if first else [])]
+
+    @property
+    def searches(self) -> bool:
+        """Whether the export asked for may differ from the first (else the first is what was asked for)."""
+        return (self.backend, self.precision) != FIRST
+
+
+def holds_a_model(repository: Path) -> bool:
+    return any(p.joinpath("config.pbtxt").is_file() for p in Path(repository).glob("*"))
+
+
+def export_first(choice: ModelChoice, repository: Path) -> str:
+    """Export the first graph into ``repository`` (its log on stderr, as it goes); the model's name."""
+    print("nexus-sli: no model in the repository yet: exporting the one graph that needs no search first "
+          f"({' '.join(FIRST)}, validated against PyTorch), then serving it", file=sys.stderr, flush=True)
+    done = subprocess.run(choice.export_command(repository, first=True), stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise ServerError(f"the first export failed (exit code {done.returncode}); nothing is served")
+    return json.loads(done.stdout.strip().splitlines()[-1])["name"]
+
+
+def _served(encoder: Path) -> tuple[str, str, str]:
+    """(backend, precision, graph) of the encoder in ``encoder``, from its validation.json."""
+    report = json.loads((encoder / "validation.json").read_text())
+    return report["backend"], report["precision"], report["graph"]
+
+
+class BackgroundSearch(threading.Thread):
+    """The search's export in a process of its own, then its winner swapped in on the kept server.
+
+    ``server``: the :class:`~.keeper.KeptServer` serving ``repository`` (the server it runs when the search
+    ends is the one swapped).  ``outcome``: None while it runs, then ``"swapped"``, ``"kept"`` (the served
+    graph won), ``"failed"`` or ``"stopped"``."""
+
+    def __init__(self, choice: ModelChoice, repository: Path, name: str, server):
+        super().__init__(name="nexus-sli-search", daemon=True)
+        self.choice, self.repository, self.model_name, self.server = choice, Path(repository).resolve(), name, server
+        self.out = self.repository.parent / f".{self.repository.name}-search-{os.getpid()}"
+        self.outcome: str | None = None
+        self._process: subprocess.Popen | None = None
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.outcome = self._search()
+        except Exception as exc:  # noqa: BLE001 - whatever went wrong, the first export stays served
+            log.error("the background search failed (%s); serving the first export", exc)
+            self.outcome = "failed"
+        finally:
+            self._remove_folders()
+
+    def _search(self) -> str:
+        shutil.rmtree(self.out, ignore_errors=True)
+        threads = max(1, (os.cpu_count() or 2) // 2)
+        env = {**os.environ, THREADS_ENV: os.environ.get(THREADS_ENV) or str(threads)}
+        log.info("searching for a faster graph in the background (%s %s, %s thread%s, lower priority); "
+                 "serving %s meanwhile", self.choice.backend, self.choice.precision, env[THREADS_ENV],
+                 "" if env[THREADS_ENV] == "1" else "s", " ".join(self._served()))
+        self._process = subprocess.Popen(self.choice.export_command(self.out, name=self.model_name), env=env,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                         preexec_fn=lambda: os.nice(NICENESS))
+        for line in self._process.stderr:  # its log, said as the search's
+            print(f"search: {line.rstrip()}", file=sys.stderr, flush=True)
+        code = self._process.wait()
+        if self._stopping.is_set():
+            return "stopped"
+        if code != 0:
+            log.error("the background search exited with code %d; serving the first export", code)
+            return "failed"
+        found = _served(self.out / f"{self.model_name}_encoder")
+        if found == self._served():
+            log.info("the search kept the graph served (%s): nothing to swap", " ".join(found))
+            return "kept"
+        log.info("swapping in the search's winner, %s, for %s", " ".join(found), " ".join(self._served()))
+        swap_in(self.out, self.repository, self.server.process)
+        log.info("serving %s", " ".join(self._served()))
+        return "swapped"
+
+    def _served(self) -> tuple[str, str, str]:
+        return _served(self.repository / f"{self.model_name}_encoder")
+
+    def stop(self, grace: float = 30.0) -> None:
+        """Stop the search (what it wrote goes; the first export stays served)."""
+        self._stopping.set()
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGINT)  # the export's own clean-up runs (its staging folder goes)
+            try:
+                process.wait(grace)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.join(grace)
+        self._remove_folders()
+
+    def _remove_folders(self) -> None:
+        """The search's repository, and the staging folders of its export (a killed one leaves its own)."""
+        shutil.rmtree(self.out, ignore_errors=True)
+        for staging in self.out.parent.glob(f".{self.out.name}.staging-*"):
+            shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,94 @@
+"""Swap a served model set for a new export of it, with no failed call.
+
+The new set (the tokenizer, encoder and ensembles an export wrote into a repository of its own) takes the
+served one's place folder by folder, each at the next version number, and the server loads it model by
+model, the steps before the ensembles that call them.  Triton keeps serving a model's loaded version until
+its new one has loaded, and only then unloads the old: calls in flight finish on the old graph, the next
+ones run on the new.  A client that sees the new version number in an answer reads the model's description
+again (its precision and backend).  While both are loaded the server holds the old encoder and the new one.
+
+Where ``nexus-sli serve`` joins each ensemble's steps in one process, the joined model's shadow entries are
+written again for the new steps (:func:`joined_steps.refresh`) before it is loaded.  A model that fails to
+load puts the old folders back and loads those again: what was served stays served.
+"""
+
+from __future__ import annotations
+
+import compileall
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from nexus_sli.exporter.triton import config as tc
+
+from .joined_steps import refresh
+
+log = logging.getLogger(__name__)
+
+
+def models_in(repository: Path) -> list[str]:
+    """The model folders of ``repository`` (those with a config)."""
+    return sorted(p.name for p in repository.iterdir() if (p / "config.pbtxt").is_file())
+
+
+def _newest_version(folder: Path) -> int:
+    return max((int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit()), default=0)
+
+
+def _load_order(repository: Path, names: list[str]) -> list[str]:
+    """``names`` with the ensembles last: an ensemble is loaded once the steps it calls are."""
+    return sorted(names, key=lambda name: (tc.read(repository / name / "config.pbtxt").platform == "ensemble", name))
+
+
+def swap_in(found: Path, repository: Path, server) -> list[str]:
+    """Serve ``found``'s models (an export's repository, left empty) in place of ``repository``'s of the same
+    names, on ``server`` (the :class:`~.launcher.TritonServer` serving ``repository``, with its supervisor);
+    the names swapped.  Raises (after putting the served set back) where the server fails to load one."""
+    names = models_in(found)
+    version = 1 + max(_newest_version(repository / name) for name in names if (repository / name).is_dir()) \
+        if any((repository / name).is_dir() for name in names) else 1
+    for name in names:  # every model of the set at one new version: the number clients compare
+        for old in [p for p in (found / name).iterdir() if p.is_dir() and p.name.isdigit()]:
+            os.rename(old, found / name / str(version))
+    # The python steps' bytecode written now, not by their first load: Triton reads a folder written to after a
+    # model loaded as a changed model, and loads it again with the next ensemble that calls it.
+    compileall.compile_dir(found, quiet=1)
+    retired = Path(tempfile.mkdtemp(prefix=f".{repository.name}-retired-", dir=repository.parent))
+    try:
+        for name in names:
+            if (repository / name).exists():
+                os.rename(repository / name, retired / name)
+            os.rename(found / name, repository / name)
+        with server.supervisor.swapping():
+            try:
+                _load(repository, names, server)
+            except BaseException:
+                log.error("the new models did not load; serving the ones served before")
+                _put_back(repository, retired, names, found)
+                _load(repository, names, server)
+                raise
+    finally:
+        shutil.rmtree(retired, ignore_errors=True)
+    log.info("serving the new %s at version %d", ", ".join(names), version)
+    return names
+
+
+def _load(repository: Path, names: list[str], server) -> None:
+    """Have ``server`` load ``names`` as ``repository`` holds them (through its joined shadow, where it has one)."""
+    joined = getattr(server, "joined", None)
+    if joined is not None:
+        shadow, backends = joined
+        refresh(repository, shadow, backends, names)
+    for name in _load_order(repository, names):
+        server.supervisor.load(name)
+
+
+def _put_back(repository: Path, retired: Path, names: list[str], found: Path) -> None:
+    """The retired folders back in ``repository``; the new ones back in ``found``."""
+    for name in names:
+        if (repository / name).exists():
+            os.rename(repository / name, found / name)
+        if (retired / name).exists():
+            os.rename(retired / name, repository / name)

@@ -1,0 +1,155 @@
+"""``nexus-sli serve`` on a folder with no model: the first export answers, the search's winner is swapped in
+under load with no failed call, and a search stopped or failed leaves the first export served and nothing
+half written (exporter/serving/search.py, swap.py)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import openai
+import pytest
+
+from nexus_sli.client import EncoderClient
+from nexus_sli.exporter.serving.search import BackgroundSearch, ModelChoice, export_first
+
+from helpers.servers import free_ports
+from helpers.waiting import wait_until
+
+GATEWAY_READY = "gateway is ready"
+
+
+def _serve(repository: Path, model: Path, log: Path, *options: str) -> tuple[subprocess.Popen, dict]:
+    http, grpc, metrics, gateway = free_ports(4)
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "nexus_sli.cli.main", "serve", "--model-repository",
+                                    str(repository), "--model", str(model), "--name", "tiny", "--http-port", str(http),
+                                    "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--gateway-port",
+                                    str(gateway), *options], stdout=out, stderr=subprocess.STDOUT)
+    return process, {"grpc": f"127.0.0.1:{grpc}", "gateway": f"http://127.0.0.1:{gateway}/v1"}
+
+
+def _said(process: subprocess.Popen, log: Path, line: str, timeout: float) -> str:
+    def said() -> str | None:
+        text = log.read_text()
+        if line not in text and process.poll() is not None:
+            raise AssertionError(f"serve exited with {process.returncode} before saying {line!r}:\n{text}")
+        return text if line in text else None
+
+    return wait_until(said, f"{line!r} in {log}", timeout)
+
+
+def _encoder(repository: Path) -> dict:
+    return json.loads((repository / "tiny_encoder" / "validation.json").read_text())
+
+
+def _left_beside(repository: Path) -> list[str]:
+    """What a search or an export left beside the repository (its folders are hidden ones there)."""
+    return sorted(p.name for p in repository.parent.iterdir() if p.name.startswith("."))
+
+
+def test_the_search_winner_is_swapped_in_under_load_with_no_failed_call(tiny_checkpoint, tmp_path):
+    repository = tmp_path / "repo"
+    log = tmp_path / "serve.log"
+    # the search asks for one configuration (OpenVINO fp32), so that it differs from the first export and wins
+    process, urls = _serve(repository, tiny_checkpoint("bert"), log, "--backend", "openvino", "--precision", "fp32")
+    stop, failures, answered = threading.Event(), [], {"openai": 0, "grpc": 0}
+
+    def through_openai():
+        client = openai.OpenAI(base_url=urls["gateway"], api_key="unused", max_retries=0, timeout=60)
+        while not stop.is_set():
+            try:
+                client.embeddings.create(model="tiny", input=["a text", "another text"])
+                answered["openai"] += 1
+            except Exception as exc:  # noqa: BLE001 - every failure is counted and shown
+                failures.append(f"openai: {exc!r}")
+
+    def through_grpc():
+        with EncoderClient(urls["grpc"], model="tiny") as client:
+            while not stop.is_set():
+                try:
+                    client.embed(["a text", "another text"])
+                    answered["grpc"] += 1
+                except Exception as exc:  # noqa: BLE001
+                    failures.append(f"grpc: {exc!r}")
+
+    try:
+        _said(process, log, GATEWAY_READY, timeout=180)
+        served_first = _encoder(repository)
+        assert (served_first["backend"], served_first["precision"], served_first["graph"]) == (
+            "onnxruntime", "fp32", "plain")
+        assert [row["graph"] for row in served_first["measured"]] == ["plain"]  # the one graph, nothing searched
+        clients = [threading.Thread(target=f) for f in (through_openai, through_grpc) * 2]
+        for client in clients:
+            client.start()
+        wait_until(lambda: min(answered.values()) > 0, "both APIs answering", timeout=60)
+        _said(process, log, "serving openvino fp32", timeout=240)
+        with EncoderClient(urls["grpc"], model="tiny") as client:
+            before = answered["grpc"]
+            wait_until(lambda: answered["grpc"] > before + 20, "calls after the swap", timeout=60)
+            assert client.info("tiny").backend == "openvino"
+        stop.set()
+        for client in clients:
+            client.join(60)
+        assert failures == [], failures[:5]
+        assert min(answered.values()) > 20, answered
+        assert _encoder(repository)["backend"] == "openvino"
+        assert sorted(p.name for p in (repository / "tiny_encoder").iterdir() if p.is_dir()) == ["2"]
+        # the gateway reads its catalog again within its discovery interval
+        models = openai.OpenAI(base_url=urls["gateway"], api_key="unused", max_retries=0)
+        wait_until(lambda: models.models.list().data[0].model_extra["backend"] == "openvino",
+                   "the gateway to describe the new backend", timeout=30)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 0
+    finally:
+        stop.set()
+        if process.poll() is None:
+            process.kill()
+    assert _left_beside(repository) == []
+
+
+def test_a_stopped_search_leaves_the_first_export_served_and_nothing_half_written(tiny_checkpoint, tmp_path):
+    repository = tmp_path / "repo"
+    log = tmp_path / "serve.log"
+    process, urls = _serve(repository, tiny_checkpoint("bert"), log)  # auto: a search of every configuration
+    try:
+        _said(process, log, "making the candidate graphs", timeout=180)  # the search's export is under way
+        with EncoderClient(urls["grpc"], model="tiny") as client:
+            hidden = json.loads((tiny_checkpoint("bert") / "config.json").read_text())["hidden_size"]
+            assert client.embed("served meanwhile").shape == (hidden,)
+        process.send_signal(signal.SIGINT)  # Ctrl-C
+        assert process.wait(90) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    report = _encoder(repository)
+    assert (report["backend"], report["precision"], report["graph"]) == ("onnxruntime", "fp32", "plain")
+    assert sorted(p.name for p in (repository / "tiny_encoder").iterdir() if p.is_dir()) == ["1"]
+    assert _left_beside(repository) == []
+    assert "swapping in" not in log.read_text()
+
+
+def test_a_failed_search_leaves_the_first_export_as_it_was(tiny_checkpoint, tmp_path):
+    repository = tmp_path / "repo"
+    name = export_first(ModelChoice(model=str(tiny_checkpoint("bert")), name="tiny"), repository)
+    before = {p.relative_to(repository): p.stat().st_mtime_ns for p in repository.rglob("*")}
+    # ONNX Runtime serves no bf16: the search's export fails at once
+    search = BackgroundSearch(ModelChoice(model=str(tiny_checkpoint("bert")), name="tiny", backend="onnxruntime",
+                                          precision="bf16"), repository, name, server=None)
+    search.run()
+    assert search.outcome == "failed"
+    assert {p.relative_to(repository): p.stat().st_mtime_ns for p in repository.rglob("*")} == before
+    assert _left_beside(repository) == []
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_the_first_export_is_onnxruntime_fp32_without_a_search(first):
+    command = ModelChoice(model="m", backend="openvino", precision="bf16").export_command(Path("out"), "tiny", first)
+    at = {flag: command[command.index(flag) + 1] for flag in ("--backend", "--precision", "--name")}
+    assert at == ({"--backend": "onnxruntime", "--precision": "fp32", "--name": "tiny"} if first else
+                  {"--backend": "openvino", "--precision": "bf16", "--name": "tiny"})
+    assert ("--no-search" in command) is first
