@@ -105,8 +105,11 @@ $(BENCH_STAMP): $(VENV)/.installed $(shell find exporter tasks -name "*.py")
 # QUICK=1: a smoke run without peers), and the served stack's ceiling (bench/stack_ceiling.py; STACK=1:
 # only that, written into the last run's page).
 # MODEL=all-mpnet-base-v2: a base-size model, measured with a smaller run size (docs/benchmarks.md, "Another model").
-bench: $(if $(STACK),install,$(BENCH_STAMP))
-	$(BIN)/nexus-sli bench $(BENCH_MODEL) $(if $(QUICK),--quick,--benchmarks-md) $(if $(STACK),--stack-only)
+# FIRST_ANSWER=1: only a new user's wait, make serve's first answer on an empty folder and layer cache, and its
+# search's swap under load (bench/first_answer.py, into bench/results/first_answer.json).
+bench: $(if $(STACK)$(FIRST_ANSWER),install,$(BENCH_STAMP))
+	$(if $(FIRST_ANSWER),$(BIN)/python -m nexus_sli.bench.first_answer $(BENCH_MODEL),\
+		$(BIN)/nexus-sli bench $(BENCH_MODEL) $(if $(QUICK),--quick,--benchmarks-md) $(if $(STACK),--stack-only))
 
 clean:
 	rm -rf $(OUT)/*/ .pytest_cache

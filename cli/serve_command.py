@@ -63,10 +63,20 @@ def run(args: argparse.Namespace) -> int:
         choice = ModelChoice(args.model, args.task, args.name, args.backend, args.precision, args.optimize)
         name = export_first(choice, repository)
         if choice.searches and not args.no_search:
-            search = lambda server: BackgroundSearch(choice, repository, name, server)  # noqa: E731
+            search = lambda server: BackgroundSearch(choice, repository, name, server, _search_threads())  # noqa: E731
     return serve_forever(repository, args.http_port, args.grpc_port, args.metrics_port, args.host,
                          args.gpu_models_on_cpu, beside=gateway_command(args), separate_steps=args.separate_steps,
                          background=search)
+
+
+def _search_threads() -> dict[str, str]:
+    """The background search's threads: half the cores, the rest left to the served model (unless the
+    exporter's variable already says)."""
+    import os
+
+    from nexus_sli.exporter.export.threads import ENV
+
+    return {ENV: os.environ.get(ENV) or str(max(1, (os.cpu_count() or 2) // 2))}
 
 
 def gateway_command(args: argparse.Namespace) -> list[str] | None:

@@ -135,7 +135,7 @@ def _info_problems(info: dict) -> list[str]:
     """TEI's Info schema, with the fields the gateway adds beside it (tei_info.EXTENSIONS)."""
     schema = tei_schema("Info")
     extended = {**schema, "properties": {**schema["properties"], "dimensions": {"type": "integer", "minimum": 1},
-                                         "backend": {"type": ["string", "null"]}}}
+                                         "backend": {"type": "string", "nullable": True}}}
     return schema_problems(info, extended)
 
 

@@ -25,8 +25,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from nexus_sli.exporter.export.threads import ENV as THREADS_ENV
-
 from .binary import ServerError
 from .swap import swap_in
 
@@ -89,11 +87,13 @@ class BackgroundSearch(threading.Thread):
     """The search's export in a process of its own, then its winner swapped in on the kept server.
 
     ``server``: the :class:`~.keeper.KeptServer` serving ``repository`` (the server it runs when the search
-    ends is the one swapped).  ``outcome``: None while it runs, then ``"swapped"``, ``"kept"`` (the served
+    ends is the one swapped).  ``threads``: the environment that gives the export fewer threads than the cores
+    (the caller knows the exporter's variable: ``{variable: count}``).  ``outcome``: None while it runs, then ``"swapped"``, ``"kept"`` (the served
     graph won), ``"failed"`` or ``"stopped"``."""
 
-    def __init__(self, choice: ModelChoice, repository: Path, name: str, server):
+    def __init__(self, choice: ModelChoice, repository: Path, name: str, server, threads: dict[str, str] | None = None):
         super().__init__(name="nexus-sli-search", daemon=True)
+        self.threads = threads or {}
         self.choice, self.repository, self.model_name, self.server = choice, Path(repository).resolve(), name, server
         self.out = self.repository.parent / f".{self.repository.name}-search-{os.getpid()}"
         self.outcome: str | None = None
@@ -111,11 +111,10 @@ class BackgroundSearch(threading.Thread):
 
     def _search(self) -> str:
         shutil.rmtree(self.out, ignore_errors=True)
-        threads = max(1, (os.cpu_count() or 2) // 2)
-        env = {**os.environ, THREADS_ENV: os.environ.get(THREADS_ENV) or str(threads)}
-        log.info("searching for a faster graph in the background (%s %s, %s thread%s, lower priority); "
-                 "serving %s meanwhile", self.choice.backend, self.choice.precision, env[THREADS_ENV],
-                 "" if env[THREADS_ENV] == "1" else "s", " ".join(self._served()))
+        env = {**os.environ, **self.threads}
+        log.info("searching for a faster graph in the background (%s %s, at a lower priority%s); serving %s "
+                 "meanwhile", self.choice.backend, self.choice.precision,
+                 "".join(f", {k}={v}" for k, v in self.threads.items()), " ".join(self._served()))
         self._process = subprocess.Popen(self.choice.export_command(self.out, name=self.model_name), env=env,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                          preexec_fn=lambda: os.nice(NICENESS))
