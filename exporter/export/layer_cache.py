@@ -9,13 +9,10 @@ reported as a miss instead of being returned.
 
 Keys are ``(model_id, layer_index, source_hash)``: the caller hashes the
 checkpoint tensors the layer came from (:func:`tensor_digest`), so weights
-that changed on disk never come back stale.  Writes go to a temporary file in
-the cache directory, are fsynced and then ``os.replace``\\ d into place, so a
-killed process leaves either the old entry, the new one, or nothing.
-
-Recency lives in the entry files' modification times: a hit touches the file,
-eviction removes the oldest first, and both survive a new :class:`LayerCache`
-over the same directory.
+that changed on disk never come back stale.  Entries are written atomically and
+evicted least recently used first (:mod:`cache_files`, which the candidate cache
+shares), so a killed process leaves either the old entry, the new one, or
+nothing, and recency survives a new :class:`LayerCache` over the same directory.
 
 Concurrency: there are no locks.  Every file operation tolerates the file
 vanishing under it (another thread or process evicted it) and readers load an
@@ -35,8 +32,6 @@ import math
 import os
 import re
 import struct
-import tempfile
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -46,6 +41,9 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from nexus_sli.exporter.errors import LayerCacheError, LayerIndexError
+from . import cache_files
+from .cache_files import touch as _touch
+from .cache_files import unlink as _unlink
 from .quantize import get_int8_config
 
 log = logging.getLogger(__name__)
@@ -55,14 +53,13 @@ QUANTIZATION_MODES = ("int8", "fp16", "none")
 
 _FORMAT = "nexus-sli-layer-cache/1"
 _ENTRY_SUFFIX = ".safetensors"
-_TEMP_SUFFIX = ".tmp"
 # ':' never occurs in a torch state-dict key written by nn.Module attribute
 # names, so scale tensors cannot collide with the layer's own tensors.
 _SCALE_SUFFIX = ":scale"
 _GIB = 1024**3
 _FP16_MAX = torch.finfo(torch.float16).max
-
-_last_tick = 0
+#: how the cache's files are named in the log (:mod:`cache_files`)
+_WHAT = "layer cache"
 
 
 # --------------------------------------------------------------------------- hashing
@@ -168,74 +165,6 @@ def _decode(stored: Mapping[str, torch.Tensor], manifest: Mapping[str, str]) -> 
 # --------------------------------------------------------------------------- files
 
 
-def _tick() -> int:
-    """A nanosecond timestamp, strictly increasing within this process (ties would blur LRU order).
-
-    Not locked: two threads racing here at worst share a timestamp, which only
-    makes their two entries' relative order arbitrary.
-    """
-    global _last_tick
-    _last_tick = max(time.time_ns(), _last_tick + 1)
-    return _last_tick
-
-
-def _touch(path: Path) -> None:
-    now = _tick()
-    try:
-        os.utime(path, ns=(now, now))
-    except FileNotFoundError:  # evicted by another process meanwhile: nothing to mark
-        pass
-
-
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-
-
-def _fsync_directory(directory: Path) -> None:
-    # The rename is durable only once the directory itself is on disk.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file, the new one, or none."""
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=_TEMP_SUFFIX)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        _unlink(Path(temp))
-        raise
-    _fsync_directory(path.parent)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, it is just someone else's
-        return True
-    return True
-
-
-def _writer_pid(temp: Path) -> int | None:
-    """The pid a temp file name carries (``.<entry>.<pid>.<random>.tmp``), or None if not ours."""
-    parts = temp.name.rsplit(".", 3)
-    if len(parts) != 4 or not parts[0].endswith(_ENTRY_SUFFIX) or not parts[1].isdigit():
-        return None
-    return int(parts[1])
-
-
 def _read_metadata(data: bytes) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors byte string (8-byte length, then a JSON header)."""
     (length,) = struct.unpack("<Q", data[:8])
@@ -251,7 +180,8 @@ def _read_metadata(data: bytes) -> dict[str, str]:
 CACHE_DIR_ENV = "NEXUS_SLI_CACHE_DIR"
 
 
-def _default_cache_dir() -> Path:
+def default_cache_dir() -> Path:
+    """$NEXUS_SLI_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/nexus-sli/layers."""
     if os.environ.get(CACHE_DIR_ENV):
         return Path(os.environ[CACHE_DIR_ENV])
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -311,7 +241,7 @@ class LayerCache:
 
     def __init__(self, cache_dir: str | os.PathLike | None = None, max_cache_size_gb: float = 10.0):
         self.max_bytes = _budget_bytes(max_cache_size_gb)
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         #: (model_id, layer_index) -> weightless layer copy, for get_layer without a factory
         self._skeletons: dict[tuple[str, int], nn.Module] = {}
@@ -345,8 +275,8 @@ class LayerCache:
             log.warning("layer %s[%d] (%d bytes as %s) exceeds the cache bound of %d bytes; not cached",
                         model_id, layer_index, len(data), quantization_mode, self.max_bytes)
             return None
-        self._make_room(len(data), replacing=path)
-        _write_atomic(path, data)
+        cache_files.make_room(self.cache_dir, _ENTRY_SUFFIX, len(data), self.max_bytes, path, _WHAT)
+        cache_files.write_atomic(path, lambda handle: handle.write(data))
         _touch(path)
         self._skeletons[(model_id, layer_index)] = _skeleton(layer)
         return path
@@ -486,34 +416,10 @@ class LayerCache:
 
     def _entries(self) -> list[tuple[int, Path, int]]:
         """(last use in ns, path, bytes) of every entry, least recently used first."""
-        entries = []
-        for path in self.cache_dir.glob("*" + _ENTRY_SUFFIX):
-            try:
-                stat = path.stat()
-            except FileNotFoundError:
-                continue
-            entries.append((stat.st_mtime_ns, path, stat.st_size))
-        return sorted(entries)
-
-    def _make_room(self, incoming: int, replacing: Path) -> None:
-        """Evict least recently used entries until ``incoming`` more bytes fit the bound."""
-        entries = [entry for entry in self._entries() if entry[1] != replacing]
-        total = sum(size for _, _, size in entries)
-        for _, path, size in entries:
-            if total + incoming <= self.max_bytes:
-                break
-            log.info("layer cache: evicting %s (%d bytes, least recently used)", path.name, size)
-            _unlink(path)
-            total -= size
+        return cache_files.entries(self.cache_dir, _ENTRY_SUFFIX)
 
     def _remove_dead_temps(self) -> None:
-        # A writer killed before its os.replace leaves its temp file behind;
-        # one whose writer is still alive may be in the middle of a write.
-        for temp in self.cache_dir.glob(".*" + _TEMP_SUFFIX):
-            pid = _writer_pid(temp)
-            if pid is not None and not _pid_alive(pid):
-                log.info("layer cache: removing %s left by dead writer %d", temp.name, pid)
-                _unlink(temp)
+        cache_files.remove_dead_temps(self.cache_dir, _ENTRY_SUFFIX, _WHAT)
 
 
 def _entry_problem(metadata, stored, model_id, layer_index, source_hash) -> str | None:
