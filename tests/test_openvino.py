@@ -99,10 +99,31 @@ def test_openvino_int8_is_an_nncf_ir_held_to_the_static_thresholds(tiny_checkpoi
     assert result.report.validation.thresholds == {"cosine_mean": 0.995, "cosine_min": 0.98}
     assert result.report.validation.passed is True and result.report.allow_degraded is False
     assert result.report.validation.cosine_mean >= 0.995 and result.report.validation.cosine_min >= 0.98
-    # every MatMul int8, the feed-forward outputs kept, and SmoothQuant 0.75 with the attention outputs
-    # kept, alone and with the feed-forward outputs: each validated, the fastest that passed kept
-    assert [c.graph for c in result.report.candidates] == [
-        "plain", "plain+ffn-out-fp32", "plain+sq0.75+attn-out-fp32", "plain+sq0.75+attn-ffn-out-fp32"]
+    # SmoothQuant 0.75 with the attention outputs kept, alone and with the feed-forward outputs: each validated,
+    # the fastest that passed kept.  Every MatMul int8, and the feed-forward outputs kept alone, are not made for
+    # an embedding (they missed this bar in every kept run: docs/export.md, "What auto skips")
+    assert [c.graph for c in result.report.candidates] == ["plain+sq0.75+attn-out-fp32",
+                                                           "plain+sq0.75+attn-ffn-out-fp32"]
+
+
+@pytest.mark.parametrize("task, made", [
+    ("embedding", ["-sq-attn-out-fp32", "-sq-attn-ffn-out-fp32"]),
+    # no kept run measured a classifier (held to its own int8 bar): every variant
+    ("classification", ["", "-ffn-fp32", "-sq-attn-out-fp32", "-sq-attn-ffn-out-fp32"])])
+def test_openvino_int8_variants_made_by_task(task, made, tiny_checkpoint, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from nexus_sli.exporter.export.pipeline import prepare
+    from nexus_sli.exporter.export.source import resolve_model
+    from nexus_sli.exporter.targets import openvino_cpu
+    from nexus_sli.tasks import get_task
+
+    options = ExportOptions(model=str(tiny_checkpoint("bert")), task="embedding", out=tmp_path / "repo", cache=False)
+    graph = prepare(options, resolve_model(options.model), tmp_path).graph
+    quantized = []
+    monkeypatch.setattr(openvino_cpu, "quantize_ir", lambda source, target, *args: quantized.append(target.name))
+    openvino_cpu.OpenVINOCPU().candidates(replace(graph, task=get_task(task)), "int8")
+    assert quantized == [f"plain.ov-int8{suffix}.xml" for suffix in made]
 
 
 #: where each family's attention output projection lives in its exported graph's node names

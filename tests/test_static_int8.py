@@ -78,7 +78,9 @@ def auto_int8(tiny_checkpoint, tmp_path_factory):
 def test_auto_offers_onnx_runtime_a_static_int8_that_keeps_its_bar(auto_int8):
     report, _ = auto_int8
     candidates = {c.graph: c for c in report.measured}
-    assert list(candidates) == ["plain", "plain+ffn-out-fp32", "fused", "fused+ffn-out-fp32", STATIC]
+    # for an embedding, the static graph alone: no dynamic variant kept the auto bar in a kept run (docs/export.md,
+    # "What auto skips")
+    assert list(candidates) == [STATIC]
     static = candidates[STATIC]
     assert static.passed and static.cosine_min >= 0.98 and static.cosine_mean >= 0.995
     # auto's cosines and score bar (a dense model has no sparse terms to keep)

@@ -33,6 +33,7 @@ from nexus_sli.tasks.model_parameters import MATRYOSHKA_DIMS, TASK, Prompts, mes
 from nexus_sli.tasks.spec import TOKEN_MODEL_SUFFIX
 
 from . import export_report, onnx_files, stored_reference
+from .candidate_cache import open_candidate_cache
 from .checkpoint import Checkpoint
 from .embedders import ModelFolder, poolers
 from .export_report import AttemptRecord, CandidateRecord, ExportReport, Heat, MeasuredRow, Timing, WalkRecord
@@ -68,7 +69,8 @@ class ExportOptions:
     allow_pickle: bool = False
     allow_degraded: bool = False
     truncate: bool = True
-    #: reuse layers cached by an earlier export of the same checkpoint (and cache this one's)
+    #: reuse layers and derived (quantized) candidate graphs cached by an earlier export of the same checkpoint
+    #: (and cache this one's): :mod:`layer_cache`, :mod:`candidate_cache`
     cache: bool = True
     #: None: $NEXUS_SLI_CACHE_DIR, else ~/.cache/nexus-sli/layers (the LayerCache default)
     cache_dir: Path | None = None
@@ -79,11 +81,11 @@ class ExportOptions:
     pool_in_graph: bool = True
     #: what ``auto`` keeps the fastest graph for (:data:`timing.OBJECTIVES`): balanced, throughput or latency
     optimize: str = DEFAULT_OBJECTIVE
-
-
     #: False: the first configuration's first candidate graph only, validated as every candidate is, nothing
     #: else made or timed (ONNX Runtime fp32: the plain graph; what ``nexus-sli serve`` answers with first)
     search: bool = True
+
+
 @dataclass
 class ExportResult:
     name: str
@@ -145,9 +147,9 @@ class Attempt:
 def run_export(options: ExportOptions) -> ExportResult:
     """Export, validate and publish one model; see the module docstring for the steps."""
     configurations = configurations_for(options.backend, options.precision, device=options.device)
+    configurations = configurations if options.search else configurations[:1]
     check_objective(options.optimize)
     if options.task != "auto":
-    configurations = configurations if options.search else configurations[:1]
         get_task(options.task)  # an unknown task fails before any download
     source = resolve_model(options.model, options.allow_pickle)
     name = _name(options, source)
@@ -225,7 +227,8 @@ def prepare(options: ExportOptions, source, work: Path) -> Prepared:
     log.info("plain ONNX graph: %s", f"{sum(f.stat().st_size for f in data) / 1e9:.2f} GB of weights in "
              f"{data[0].name}, beside the graph (past ONNX's 2 GB protobuf limit)" if data else "one file")
     graph = ExportedGraph(work / "plain.onnx", work, family, config, task, input_names, tokenizer, pad_id,
-                          max_length, in_graph, large=bool(data))
+                          max_length, in_graph, large=bool(data),
+                          cache=open_candidate_cache(options.cache_dir) if options.cache else None)
     reference = _reference(model, graph, tokenizer_path, embedder)
     loads = [replace(load, feeds=graph.complete(load.feeds))
              for load in workloads(tokenizer, input_names, pad_id, max_length, pairs=task.pair)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,10 +20,17 @@ import numpy as np
 
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export import onnx_files
+from nexus_sli.exporter.export.candidate_cache import CandidateCache, graph_files
 from nexus_sli.exporter.export.padding_trim import add_padding_trim
 from nexus_sli.exporter.export.pooling import MultiVectorHead, Pooling, SpladePooling
 from nexus_sli.exporter.export.quantize import attention_output_matmuls, ffn_output_matmuls
 from nexus_sli.exporter.triton.config import EncoderServing
+
+
+#: The task of the real models every kept bench run measured (dense sentence embeddings): for it, a target leaves
+#: out the variants that missed the auto bar in each of those runs (docs/export.md, "What auto skips"); nothing was
+#: measured for other tasks, which keep them
+MEASURED_TASK = "embedding"
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,11 @@ class ExportedGraph:
     #: the candidates are held to ``validate.AUTO_BAR`` (``auto`` chose the configuration): a target may offer
     #: variants that only such a bar needs, slower than the ones that keep the precision's own bar
     auto: bool = False
+    #: only the first candidate is wanted (an export without a search, ``--no-search``): a target need not
+    #: make the others
+    first_only: bool = False
+    #: where derived graphs made by an earlier export are kept (:mod:`export.candidate_cache`); None: make each
+    cache: CandidateCache | None = None
 
     @property
     def pooled(self) -> bool:
@@ -81,6 +94,12 @@ class ExportedGraph:
             per_token = self.task.output_names() if self.task.per_token else []
         return add_padding_trim(self.pooled_graph(path), self.work / f"{path.stem}.trim.onnx", per_token)
 
+    def derived(self, target: Path, make: Callable[[], Path], sources: list[Path], **recipe: Any) -> Path:
+        """The graph ``make()`` writes at ``target`` from the graphs ``sources`` by ``recipe`` (what else it
+        depends on, JSON-able): restored from the candidate cache where an earlier export made the same, else
+        made (and cached).  Either way the pipeline validates it."""
+        return make() if self.cache is None else self.cache.made(target, make, sources, recipe)
+
     def ffn_outputs(self, path: Path) -> list[str]:
         """The feed-forward output MatMuls of ``path``: int8 variants keep them in fp32."""
         width = self.family.ffn_width(self.config)
@@ -108,9 +127,7 @@ class Candidate:
     def files(self) -> list[Path]:
         """The model file and what it reads beside it: an OpenVINO IR's weights, an ONNX graph's
         external data (past 2 GB, :mod:`export.onnx_files`)."""
-        if self.path.suffix == ".xml":
-            return [self.path, self.path.with_suffix(".bin")]
-        return onnx_files.files(self.path)
+        return graph_files(self.path)
 
     def install(self, folder: Path, stem: str = "model") -> list[Path]:
         """The candidate's files into a model version ``folder`` as ``stem.*`` (``model.onnx``, ``model.xml``
