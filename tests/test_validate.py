@@ -12,11 +12,13 @@ from nexus_sli.exporter.export.report import (
     FidelityShortfall,
     NameMismatch,
     RuntimeFailure,
+    ScoreShortfall,
     ShapeMismatch,
     ValidationReport,
     ValueMismatch,
 )
-from nexus_sli.exporter.export.validate import TIE_MARGIN, Embedder, Reference, compare, mixed_batches
+from nexus_sli.exporter.export.validate import (TIE_MARGIN, Embedder, Reference, compare, mixed_batches, thresholds,
+                                               with_auto_bar)
 
 
 class FixedSession:
@@ -258,3 +260,39 @@ def test_stopping_early_gives_the_full_runs_verdict_and_runs_fewer_texts_only_wh
     off = compare(cases["slightly off everywhere"], reference, "int8", embedder, embedding)
     assert compare(cases["faithful"], reference, "int8", embedder, embedding).passed
     assert not off.passed and off.cosine_min >= off.thresholds["cosine_min"], (off.cosine_min, off.cosine_mean)
+
+
+class Shifted(Drifting):
+    """A graph whose answers are PyTorch's moved by ``shift`` along one fixed direction, from text batch ``start``
+    on: each text keeps its own direction well (its cosine) while its scores against the others move."""
+
+    def __init__(self, reference: Reference, start: int, shift: float):
+        super().__init__(reference, start, 0.0)
+        self.shift = shift
+
+    def run(self, _names, feeds):
+        number, states = self.by_ids[feeds["input_ids"].tobytes()]
+        if number < self.start:
+            return [states]
+        direction = np.random.default_rng(0).normal(size=states.shape[-1]).astype(np.float32)
+        return [states + self.shift * direction / np.linalg.norm(direction)]
+
+
+def test_stopping_on_the_score_error_gives_the_full_runs_verdict():
+    """A cosine-scored output stops once the texts so far put the score error past its bar for good (a cosine's
+    best score is at most 1, so a score difference already bounds the error): the verdict is the full run's."""
+    reference, embedding, embedder = _seeded_reference(), get_task("embedding"), Embedder("mean", True)
+    limits = with_auto_bar(thresholds(embedding, "int8"), embedding)
+    for start, shift in [(0, 0.0), (0, 0.05), (2, 0.05), (2, 0.1), (0, 0.2)]:
+        session = Shifted(reference, start, shift)
+        full = compare(session, reference, "int8", embedder, embedding, limits=limits)
+        early = compare(session, reference, "int8", embedder, embedding, limits=limits, stop_early=True)
+        assert early.passed == full.passed, (start, shift)
+        if full.passed:
+            assert early.to_dict() == full.to_dict()
+            continue
+        assert full.score_error > limits["score_error"] and full.cosine_min >= limits["cosine_min"] or shift == 0.2
+        # stopped at the first shifted batch, saying what those texts put under the score error
+        assert early.texts == (start + 1) * 4 < full.texts
+        (score,) = [f for f in early.failures if isinstance(f, ScoreShortfall)]
+        assert "or more > 0.02 (EMBEDDING, cosine)" in str(score)

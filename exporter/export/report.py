@@ -99,6 +99,9 @@ class Measures:
     ties: int = 0
     #: the texts whose fidelity was measured before a bar was already missed (None: every text)
     stopped_after: int | None = None
+    #: (floor, output) where the run stopped on the score error: what those texts put under it
+    #: (:meth:`score_fidelity.Scoring.error_floor`)
+    score_floor: tuple[float, str] | None = None
 
     def missed(self, limits: dict[str, float]) -> bool:
         """Whether a bar that can only get worse as texts are added is missed already: the least cosine, or the

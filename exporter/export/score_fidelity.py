@@ -89,6 +89,25 @@ class Scoring:
                 array = self.pool(answers[0], mask) if self.pool is not None else answers[output.position]
                 kept.setdefault(output.name, []).extend(_texts(output.similarity, array, feeds, scored))
 
+    def error_floor(self) -> tuple[float, str] | None:
+        """(floor, output): a floor the texts gathered so far already put under the score error, where one holds.
+        A cosine is at most 1 away from 0, so a text's error (its largest score difference over its best score)
+        is at least its largest score difference against the texts gathered so far: texts gathered later only
+        add differences.  None where no output has such a floor: other similarities' scores are unbounded, and
+        a sided model's texts are scored against a side gathered after them."""
+        if self.sided:
+            return None
+        floors = []
+        for output in self.outputs:
+            got, expected = self.got.get(output.name, []), self.expected.get(output.name, [])
+            if output.similarity != COSINE or len(expected) < 2:
+                continue
+            g, e = _scores(COSINE, got, got), _scores(COSINE, expected, expected)
+            others = ~np.eye(len(e), dtype=bool)
+            ranked = np.where(others, np.abs(e), 0.0).max(axis=1) > 0  # a text the full run judges, as below
+            floors.append((float(np.where(others, np.abs(g - e), 0.0)[ranked].max(initial=0.0)), output.name))
+        return max(floors, default=None)
+
     def figures(self, order: list[int] | None = None) -> dict[str, ScoreFigures]:
         """Each output's figures over the texts gathered (``order``: each text's place in the validation texts,
         where the batches mixed them; None: in order)."""

@@ -393,7 +393,8 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
     text batched with longer, louder ones must keep the bar too.
 
     ``stop_early``: stop at the first text batch after which the graph has missed a bar for good (its least
-    cosine below ``cosine_min``, a difference past ``max_abs_diff``): the verdict is the full run's, and the
+    cosine below ``cosine_min``, a difference past ``max_abs_diff``, a cosine score difference past
+    ``score_error``: :meth:`score_fidelity.Scoring.error_floor`): the verdict is the full run's, and the
     report's figures cover the texts run (``texts``).  An export's candidates stop early; ``nexus-sli
     validate`` runs every text.
 
@@ -427,7 +428,7 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
     texts = measures.stopped_after or reference.texts
     report = ValidationReport.from_measures(precision, backend, limits, texts, measures, failures, scores)
     if not failures:
-        report.failures.extend(_threshold_failures(report))
+        report.failures.extend(_threshold_failures(report, measures.score_floor))
     return report
 
 
@@ -557,11 +558,28 @@ def _run_batches(session: Any, reference: Reference, embedder, task: TaskSpec | 
             _measure_fidelity(got, expected, mask, embedder, task, measures, pooled, scored)
             if scoring is not None:
                 scoring.add(got, expected, feeds, mask, scored)
-            if stop_below is not None and measures.missed(stop_below):
+            if stop_below is not None and (measures.missed(stop_below) or _past_score_bar(scoring, stop_below,
+                                                                                          measures)):
                 measures.stopped_after = sum(len(b["input_ids"])
                                              for b in reference.batches[reference.first_text:index + 1])
                 break
     return failures
+
+
+#: how far past the score bar a floor must be to stop on it: the floor's scores come from smaller matrices than the
+#: full run's, whose products may round differently in the last bits (float64: about 1e-16 of a score)
+FLOOR_ROUNDING = 1e-9
+
+
+def _past_score_bar(scoring: score_fidelity.Scoring | None, limits: dict[str, float], measures: Measures) -> bool:
+    """Whether the texts so far put the score error past its bar for good (kept in ``measures``)."""
+    if scoring is None or "score_error" not in limits:
+        return False
+    floor = scoring.error_floor()
+    if floor is None or floor[0] <= limits["score_error"] + FLOOR_ROUNDING:
+        return False
+    measures.score_floor = floor
+    return True
 
 
 def _compare_outputs(names: list[str], got, expected, masks: list[np.ndarray | None],
@@ -595,18 +613,21 @@ def _measure_fidelity(got, expected, mask: np.ndarray, embedder: Embedder | None
         measures.count(*agreement(task.agreement, got, expected, mask))
 
 
-def _threshold_failures(report: ValidationReport) -> list[Failure]:
+def _threshold_failures(report: ValidationReport, score_floor: tuple[float, str] | None = None) -> list[Failure]:
     """Every bar of the report's thresholds its figures miss; the score bars last, as what users compute from the
     outputs.  A score figure that is None had nothing to judge (every pair a tie: the texts score alike; no term
-    over the floor), or validation stopped at another bar; only a missing score error with no other failure
-    counts."""
+    over the floor), or validation stopped at a bar (``score_floor``: at the score error's, with the floor the
+    texts run put under it); only a missing score error with no other failure counts."""
     failures: list[Failure] = []
     metrics = sorted(report.thresholds, key=lambda metric: metric in SCORE_METRICS)
     for metric in metrics:
         value, limit = getattr(report, metric), report.thresholds[metric]
         kind = {"max_abs_diff": ValueMismatch, "agreement": AgreementShortfall}.get(metric, FidelityShortfall)
         if metric in SCORE_METRICS:
-            if value is None and metric == "score_error" and not failures:
+            if value is None and metric == "score_error" and score_floor is not None:
+                failures.append(ScoreShortfall(f"score_error {score_floor[0]:.3g} or more > {limit:g} "
+                                               f"({score_floor[1]}, {COSINE})"))
+            elif value is None and metric == "score_error" and not failures:
                 failures.append(ScoreShortfall("score_error could not be measured"))
             if value is None:
                 continue
