@@ -25,7 +25,7 @@ from .machine import checkout, machine_info, tree_rss_bytes
 from .served import free_ports
 
 #: What serve's log says when the search has ended, whichever way (exporter/serving/search.py).
-SEARCH_ENDED = re.compile(r"nexus-sli: (serving (?!the new)\w+ \w+|the search kept|the background search)")
+SEARCH_ENDED = re.compile(r"nexus-sli: (now serving .+, the search's winner|the search kept|the background search)")
 
 
 class Load:
@@ -121,7 +121,7 @@ def run(serve_options: list[str], search_timeout: float) -> dict:
             "errors": load.errors[:5], "swapped": "swapping in" in text,
             "server_rss_mb_before_swap": round(max(rss, default=0) / 2**20),
             "server_rss_mb_peak_during_swap": round(max(swap_rss, default=0) / 2**20),
-            "served_after": re.findall(r"nexus-sli: serving (\w+ \w+ \w+)", text)[-1:]}
+            "served_after": re.findall(r"nexus-sli: now serving (.+), the search's winner", text)[-1:]}
 
 
 def _server_pid(serve_pid: int) -> int:

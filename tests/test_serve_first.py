@@ -83,15 +83,18 @@ def test_the_search_winner_is_swapped_in_under_load_with_no_failed_call(tiny_che
         assert (served_first["backend"], served_first["precision"], served_first["graph"]) == (
             "onnxruntime", "fp32", "plain")
         assert [row["graph"] for row in served_first["measured"]] == ["plain"]  # the one graph, nothing searched
+        watcher = EncoderClient(urls["grpc"], model="tiny")  # its description cached before the swap
+        assert watcher.info("tiny").backend == "onnxruntime"
         clients = [threading.Thread(target=f) for f in (through_openai, through_grpc) * 2]
         for client in clients:
             client.start()
         wait_until(lambda: min(answered.values()) > 0, "both APIs answering", timeout=60)
-        _said(process, log, "serving openvino fp32", timeout=240)
-        with EncoderClient(urls["grpc"], model="tiny") as client:
-            before = answered["grpc"]
-            wait_until(lambda: answered["grpc"] > before + 20, "calls after the swap", timeout=60)
-            assert client.info("tiny").backend == "openvino"
+        _said(process, log, "now serving openvino fp32", timeout=240)
+        before = answered["grpc"]
+        wait_until(lambda: answered["grpc"] > before + 20, "calls after the swap", timeout=60)
+        watcher.embed("an answer from the new version")  # which says the description changed
+        assert watcher.info("tiny").backend == "openvino"
+        watcher.close()
         stop.set()
         for client in clients:
             client.join(60)
@@ -153,3 +156,23 @@ def test_the_first_export_is_onnxruntime_fp32_without_a_search(first):
     assert at == ({"--backend": "onnxruntime", "--precision": "fp32", "--name": "tiny"} if first else
                   {"--backend": "openvino", "--precision": "bf16", "--name": "tiny"})
     assert ("--no-search" in command) is first
+
+
+class _Answer:
+    """An HTTP answer as tritonclient gives it: its JSON header."""
+
+    def __init__(self, version: str):
+        self.version = version
+
+    def get_response(self) -> dict:
+        return {"model_name": "tiny", "model_version": self.version}
+
+
+def test_a_new_version_in_an_answer_drops_the_cached_description():
+    from nexus_sli.client.protocol import note_version
+
+    versions, info = {}, {"tiny": "described at version 1"}
+    note_version(versions, info, "tiny", _Answer("1"))
+    assert info == {"tiny": "described at version 1"}
+    note_version(versions, info, "tiny", _Answer("2"))
+    assert info == {} and versions == {"tiny": "2"}

@@ -132,7 +132,7 @@ class BackgroundSearch(threading.Thread):
             return "kept"
         log.info("swapping in the search's winner, %s, for %s", " ".join(found), " ".join(self._served()))
         swap_in(self.out, self.repository, self.server.process)
-        log.info("serving %s", " ".join(self._served()))
+        log.info("now serving %s, the search's winner", " ".join(self._served()))
         return "swapped"
 
     def _served(self) -> tuple[str, str, str]:
