@@ -167,10 +167,12 @@ class EncoderClient:
                 config = client.get_model_config(model, **kwargs)
                 if not ready:
                     raise p.not_ready(model)
-                return config
+                return config, client.get_model_metadata(model, **kwargs)
 
-            config = self._on_replicas(model, read)
+            config, metadata = self._on_replicas(model, read)
             self._info[model] = ModelInfo.from_config(model, config)
+            if version := p.newest_version(metadata):  # the version described: an answer from another drops it
+                self._versions[model] = version
         return self._info[model]
 
     def _run(self, model: str, call: calls.Call):

@@ -94,6 +94,12 @@ def answered_version(result) -> str | None:
     return str(version) if version else None
 
 
+def newest_version(metadata: dict) -> str | None:
+    """The newest of the versions a model's metadata (JSON) lists: the one its description was read at."""
+    versions = [int(v) for v in metadata.get("versions", []) if str(v).isdigit()]
+    return str(max(versions)) if versions else None
+
+
 def note_version(versions: dict[str, str], info: dict, model: str, result) -> None:
     """Forget ``model``'s cached description (``info``) where ``result`` comes from another version than the
     last answer did (``versions``: the last version each model answered with)."""
