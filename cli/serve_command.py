@@ -59,7 +59,11 @@ def run(args: argparse.Namespace) -> int:
     # Path() would fold the '//' of an s3:// URL
     repository = args.model_repository if is_remote(args.model_repository) else Path(args.model_repository)
     search = None
-    if not is_remote(repository) and not holds_a_model(repository):
+    first_export = not is_remote(repository) and not holds_a_model(repository)
+    if not first_export and _first_export_options(args):
+        print(f"nexus-sli: {repository} holds a model: served as it is ({', '.join(_first_export_options(args))} "
+              "only apply to a folder with no model)", file=sys.stderr, flush=True)
+    if first_export:
         choice = ModelChoice(args.model, args.task, args.name, args.backend, args.precision, args.optimize)
         name = export_first(choice, repository)
         if choice.searches and not args.no_search:
@@ -67,6 +71,16 @@ def run(args: argparse.Namespace) -> int:
     return serve_forever(repository, args.http_port, args.grpc_port, args.metrics_port, args.host,
                          args.gpu_models_on_cpu, beside=gateway_command(args), separate_steps=args.separate_steps,
                          background=search)
+
+
+def _first_export_options(args: argparse.Namespace) -> list[str]:
+    """The options for a folder with no model given other values than their defaults (ModelChoice's)."""
+    from dataclasses import fields
+
+    from nexus_sli.exporter.serving.search import ModelChoice
+
+    given = [f"--{f.name}" for f in fields(ModelChoice) if getattr(args, f.name) != f.default]
+    return given + (["--no-search"] if args.no_search else [])
 
 
 def _search_threads() -> dict[str, str]:
