@@ -21,7 +21,6 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import openai
@@ -34,7 +33,7 @@ from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 
 from helpers.servers import serving, start_gateway, step_counts
-from helpers.waiting import wait_until
+from helpers.waiting import wait_for_line, wait_until
 from helpers import task_models
 from helpers.exports import MINILM
 from helpers.http_api import call, schema_problems, tei, tei_schema
@@ -84,16 +83,6 @@ def served(tmp_path_factory, tiny_tokenizer, tiny_checkpoint, exports):
                              name="reranker", out=repo))
     with serving(repo) as server:
         yield server
-
-
-def wait_for_line(process: subprocess.Popen, log: Path, line: str, timeout: float = 120.0) -> str:
-    def said() -> str | None:
-        text = log.read_text()
-        if line not in text and process.poll() is not None:
-            raise AssertionError(f"exited with {process.returncode} before saying {line!r}:\n{text}")
-        return text if line in text else None
-
-    return wait_until(said, f"{line!r} in {log}", timeout)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from nexus_sli.client import EncoderClient
 from nexus_sli.exporter.serving.search import BackgroundSearch, ModelChoice, export_first
 
 from helpers.servers import free_ports
-from helpers.waiting import wait_until
+from helpers.waiting import wait_for_line, wait_until
 
 GATEWAY_READY = "gateway is ready"
 
@@ -31,16 +31,6 @@ def _serve(repository: Path, model: Path, log: Path, *options: str) -> tuple[sub
                                     "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--gateway-port",
                                     str(gateway), *options], stdout=out, stderr=subprocess.STDOUT)
     return process, {"grpc": f"127.0.0.1:{grpc}", "gateway": f"http://127.0.0.1:{gateway}/v1"}
-
-
-def _said(process: subprocess.Popen, log: Path, line: str, timeout: float) -> str:
-    def said() -> str | None:
-        text = log.read_text()
-        if line not in text and process.poll() is not None:
-            raise AssertionError(f"serve exited with {process.returncode} before saying {line!r}:\n{text}")
-        return text if line in text else None
-
-    return wait_until(said, f"{line!r} in {log}", timeout)
 
 
 def _encoder(repository: Path) -> dict:
@@ -78,7 +68,7 @@ def test_the_search_winner_is_swapped_in_under_load_with_no_failed_call(tiny_che
                     failures.append(f"grpc: {exc!r}")
 
     try:
-        _said(process, log, GATEWAY_READY, timeout=180)
+        wait_for_line(process, log, GATEWAY_READY, timeout=180)
         served_first = _encoder(repository)
         assert (served_first["backend"], served_first["precision"], served_first["graph"]) == (
             "onnxruntime", "fp32", "plain")
@@ -89,7 +79,7 @@ def test_the_search_winner_is_swapped_in_under_load_with_no_failed_call(tiny_che
         for client in clients:
             client.start()
         wait_until(lambda: min(answered.values()) > 0, "both APIs answering", timeout=60)
-        _said(process, log, "now serving openvino fp32", timeout=240)
+        wait_for_line(process, log, "now serving openvino fp32", timeout=240)
         before = answered["grpc"]
         wait_until(lambda: answered["grpc"] > before + 20, "calls after the swap", timeout=60)
         watcher.embed("an answer from the new version")  # which says the description changed
@@ -120,7 +110,7 @@ def test_a_stopped_search_leaves_the_first_export_served_and_nothing_half_writte
     log = tmp_path / "serve.log"
     process, urls = _serve(repository, tiny_checkpoint("bert"), log)  # auto: a search of every configuration
     try:
-        _said(process, log, "making the candidate graphs", timeout=180)  # the search's export is under way
+        wait_for_line(process, log, "making the candidate graphs", timeout=180)  # the search's export is under way
         with EncoderClient(urls["grpc"], model="tiny") as client:
             hidden = json.loads((tiny_checkpoint("bert") / "config.json").read_text())["hidden_size"]
             assert client.embed("served meanwhile").shape == (hidden,)

@@ -32,3 +32,15 @@ def holds(value) -> bool:
         return len(value) > 0
     except TypeError:  # no length: a number, a 0-d array
         return True
+
+
+def wait_for_line(process, log, line: str, timeout: float = 120.0) -> str:
+    """``log``'s text once it holds ``line``, written by ``process`` (a ``Popen``); fails at once, with the
+    log, where the process exits before saying it."""
+    def said() -> str | None:
+        text = log.read_text()
+        if line not in text and process.poll() is not None:
+            raise AssertionError(f"exited with {process.returncode} before saying {line!r}:\n{text}")
+        return text if line in text else None
+
+    return wait_until(said, f"{line!r} in {log}", timeout)
