@@ -625,7 +625,7 @@ def _threshold_failures(report: ValidationReport, score_floor: tuple[float, str]
         kind = {"max_abs_diff": ValueMismatch, "agreement": AgreementShortfall}.get(metric, FidelityShortfall)
         if metric in SCORE_METRICS:
             if value is None and metric == "score_error" and score_floor is not None:
-                failures.append(ScoreShortfall(f"score_error {score_floor[0]:.3g} or more > {limit:g} "
+                failures.append(ScoreShortfall(f"score_error {score_floor[0]:.6g} or more > {limit:g} "
                                                f"({score_floor[1]}, {COSINE})"))
             elif value is None and metric == "score_error" and not failures:
                 failures.append(ScoreShortfall("score_error could not be measured"))
