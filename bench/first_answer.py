@@ -100,7 +100,8 @@ def run(serve_options: list[str], search_timeout: float) -> dict:
                    "--gateway-port", str(port), *serve_options]
         started = time.monotonic()
         with open(log, "w") as out:
-            process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
         try:
             answered_at, model_name = first_answer(gateway, process, timeout=600)
             rss, swap_rss = [], []
@@ -112,8 +113,8 @@ def run(serve_options: list[str], search_timeout: float) -> dict:
                 time.sleep(3)  # calls after the swap count too
             ended = SEARCH_ENDED.search(log.read_text())
             searched_s = time.monotonic() - answered_at
-        finally:
-            process.send_signal(signal.SIGINT)
+        finally:  # Ctrl-C to its group, as a terminal sends it: serve, Triton, the gateway, the search
+            os.killpg(process.pid, signal.SIGINT)
             process.wait(90)
         text = log.read_text()
     return {"model": model_name, "first_answer_s": round(answered_at - started, 1), "search_ended": ended.group(1) if ended else None,

@@ -5,6 +5,7 @@ half written (exporter/serving/search.py, swap.py)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -29,8 +30,21 @@ def _serve(repository: Path, model: Path, log: Path, *options: str) -> tuple[sub
         process = subprocess.Popen([sys.executable, "-m", "nexus_sli.cli.main", "serve", "--model-repository",
                                     str(repository), "--model", str(model), "--name", "tiny", "--http-port", str(http),
                                     "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--gateway-port",
-                                    str(gateway), *options], stdout=out, stderr=subprocess.STDOUT)
+                                    str(gateway), *options], stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)  # a group of its own: a failed test ends it all
     return process, {"grpc": f"127.0.0.1:{grpc}", "gateway": f"http://127.0.0.1:{gateway}/v1"}
+
+
+def _end(process: subprocess.Popen) -> None:
+    """Stop serve where a failed test left it running, and what it started (Triton, the gateway, the search):
+    SIGKILL to serve alone would leave them running."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def _encoder(repository: Path) -> dict:
@@ -100,8 +114,7 @@ def test_the_search_winner_is_swapped_in_under_load_with_no_failed_call(tiny_che
         assert process.wait(60) == 0
     finally:
         stop.set()
-        if process.poll() is None:
-            process.kill()
+        _end(process)
     assert _left_beside(repository) == []
 
 
@@ -117,8 +130,7 @@ def test_a_stopped_or_failed_search_leaves_the_first_export_served_and_nothing_h
         process.send_signal(signal.SIGINT)  # Ctrl-C
         assert process.wait(90) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
+        _end(process)
     report = _encoder(repository)
     assert (report["backend"], report["precision"], report["graph"]) == ("onnxruntime", "fp32", "plain")
     assert sorted(p.name for p in (repository / "tiny_encoder").iterdir() if p.is_dir()) == ["1"]
