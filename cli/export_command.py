@@ -45,10 +45,11 @@ def _add_safety_options(export: argparse.ArgumentParser) -> None:
     export.add_argument("--no-truncate", action="store_true",
                         help="reject texts longer than the model's limit instead of truncating them")
     export.add_argument("--no-cache", action="store_true",
-                        help="read every layer from the checkpoint; neither use nor fill the layer cache")
+                        help="read every layer from the checkpoint and make every quantized graph; neither use "
+                             "nor fill the layer and candidate caches")
     export.add_argument("--cache-dir", default="",
-                        help="layer cache directory (default: $NEXUS_SLI_CACHE_DIR, else "
-                             "${XDG_CACHE_HOME:-~/.cache}/nexus-sli/layers)")
+                        help="layer cache directory, quantized graphs in its candidates/ (default: "
+                             "$NEXUS_SLI_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/nexus-sli/layers)")
 
 
 def run(args: argparse.Namespace) -> int:
