@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from nexus_sli.exporter.export import timing
-from nexus_sli.exporter.export.layer_cache import CACHE_DIR_ENV
+from nexus_sli.exporter.export.cache_files import CACHE_DIR_ENV
 from nexus_sli.exporter.export.threads import ENV as THREADS_ENV
 from helpers.exports import ExportStore
 from helpers.tiny_models import build_tiny

@@ -38,6 +38,9 @@ class _Answer:
     def as_numpy(self, name):
         return self.rows
 
+    def get_response(self) -> dict:  # HTTP's JSON header (the version that answered)
+        return {"model_version": "1"}
+
 
 class _Server:
     """A tritonclient stand-in.  Texts are numbers; a request's answer is one row per text, ``[number, 1]``.

@@ -123,7 +123,7 @@ def test_exports_validate_and_describe_the_sparse_ensemble(served):
         prompts = {"prompts": json.dumps({"document": "", "query": ""})} if name == "bert_splade" else {}
         assert {k: v.string_value for k, v in ensemble.parameters.items()} == {
             "task": "sparse-embedding", "vocab_size": str(VOCAB), "splade_pooling": "max", "splade_activation": "relu",
-            "precision": report.validation.precision, **prompts}
+            "precision": report.validation.precision, "backend": report.to_dict()["backend"], **prompts}
         assert [s.model_name for s in ensemble.ensemble_scheduling.step] == [f"{name}_tokenizer", f"{name}_encoder"]
         encoder = tc.read(served["repo"] / f"{name}_encoder" / "config.pbtxt")
         assert [(o.name, list(o.dims)) for o in encoder.output] == [("SPARSE_EMBEDDING", [VOCAB])]

@@ -27,6 +27,18 @@ log = logging.getLogger(__name__)
 
 TEMP_SUFFIX = ".tmp"
 
+#: Environment variable naming the default cache directory (CI and tests point it at a scratch folder).
+CACHE_DIR_ENV = "NEXUS_SLI_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """$NEXUS_SLI_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/nexus-sli/layers: the layer cache's folder, in
+    which the candidate cache keeps a folder of its own."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "nexus-sli" / "layers"
+
 _last_tick = 0
 
 

@@ -48,7 +48,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from . import cache_files, onnx_files
-from .layer_cache import default_cache_dir
+from .cache_files import default_cache_dir
 
 log = logging.getLogger(__name__)
 

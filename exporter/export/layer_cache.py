@@ -42,6 +42,7 @@ from torch import nn
 
 from nexus_sli.exporter.errors import LayerCacheError, LayerIndexError
 from . import cache_files
+from .cache_files import default_cache_dir
 from .cache_files import touch as _touch
 from .cache_files import unlink as _unlink
 from .quantize import get_int8_config
@@ -174,18 +175,6 @@ def _read_metadata(data: bytes) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- the cache
-
-
-#: Environment variable naming the default cache directory (CI and tests point it at a scratch folder).
-CACHE_DIR_ENV = "NEXUS_SLI_CACHE_DIR"
-
-
-def default_cache_dir() -> Path:
-    """$NEXUS_SLI_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/nexus-sli/layers."""
-    if os.environ.get(CACHE_DIR_ENV):
-        return Path(os.environ[CACHE_DIR_ENV])
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "nexus-sli" / "layers"
 
 
 def _budget_bytes(max_cache_size_gb: float) -> float:
