@@ -47,8 +47,8 @@ def swap_in(found: Path, repository: Path, server) -> list[str]:
     names, on ``server`` (the :class:`~.launcher.TritonServer` serving ``repository``, with its supervisor);
     the names swapped.  Raises (after putting the served set back) where the server fails to load one."""
     names = models_in(found)
-    version = 1 + max(_newest_version(repository / name) for name in names if (repository / name).is_dir()) \
-        if any((repository / name).is_dir() for name in names) else 1
+    version = 1 + max((_newest_version(repository / name) for name in names if (repository / name).is_dir()),
+                      default=0)
     for name in names:  # every model of the set at one new version: the number clients compare
         for old in [p for p in (found / name).iterdir() if p.is_dir() and p.name.isdigit()]:
             os.rename(old, found / name / str(version))
