@@ -107,9 +107,13 @@ $(BENCH_STAMP): $(VENV)/.installed $(shell find exporter tasks -name "*.py")
 # MODEL=all-mpnet-base-v2: a base-size model, measured with a smaller run size (docs/benchmarks.md, "Another model").
 # FIRST_ANSWER=1: only a new user's wait, make serve's first answer on an empty folder and layer cache, and its
 # search's swap under load (bench/first_answer.py, into bench/results/first_answer.json).
-bench: $(if $(STACK)$(FIRST_ANSWER),install,$(BENCH_STAMP))
+# AUTO_SEARCH=1: only how long an auto export of MODEL (here all-mpnet-base-v2 unless named) takes with empty caches,
+# step by step (bench/auto_search.py,
+# into bench/results/auto_search-<model>.json).
+bench: $(if $(STACK)$(FIRST_ANSWER)$(AUTO_SEARCH),install,$(BENCH_STAMP))
 	$(if $(FIRST_ANSWER),$(BIN)/python -m nexus_sli.bench.first_answer $(BENCH_MODEL),\
-		$(BIN)/nexus-sli bench $(BENCH_MODEL) $(if $(QUICK),--quick,--benchmarks-md) $(if $(STACK),--stack-only))
+		$(if $(AUTO_SEARCH),$(BIN)/python -m nexus_sli.bench.auto_search $(BENCH_MODEL),\
+		$(BIN)/nexus-sli bench $(BENCH_MODEL) $(if $(QUICK),--quick,--benchmarks-md) $(if $(STACK),--stack-only)))
 
 clean:
 	rm -rf $(OUT)/*/ .pytest_cache

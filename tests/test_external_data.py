@@ -299,20 +299,30 @@ def test_graphs_that_fit_are_timed_in_one_heat_and_validation_holds_one_open_at_
 
 
 class _FakeRunner:
-    """A graph whose every run 'takes' ``ms`` milliseconds (timing.run_ms is patched to read it)."""
+    """A graph whose every run 'takes' ``ms`` milliseconds (timing.run_ms is patched to read it), or the
+    ``spikes`` milliseconds given for its runs by number (warm-ups counted)."""
 
-    def __init__(self, ms: float):
-        self.ms, self.runs = ms, 0
+    def __init__(self, ms: float, spikes: dict[int, float] | None = None):
+        self.ms, self.runs, self.spikes = ms, 0, spikes or {}
 
     def run(self, outputs, feeds):
         self.runs += 1
+
+    def took(self) -> float:
+        return self.spikes.get(self.runs, self.ms)
+
+
+def _fake_run_ms(runner, feeds):
+    runner.run(None, feeds)
+    return runner.took()
 
 
 @pytest.mark.real_timing
 @pytest.mark.parametrize("ms, rounds", [(5.0, timing.ROUNDS), (30_000.0, timing.LONG_ROUNDS)])
 def test_heats_carry_the_fastest_forward_and_long_runs_take_fewer_rounds(monkeypatch, ms, rounds):
-    monkeypatch.setattr(timing, "run_ms", lambda runner, feeds: runner.run(None, feeds) or runner.ms)
-    speeds = [ms * 3, ms * 2, ms, ms * 4]  # graph 2 is the fastest
+    monkeypatch.setattr(timing, "run_ms", _fake_run_ms)
+    # graph 2 is the fastest; none far enough behind another to stop being timed (timing.LEFT_BEHIND)
+    speeds = [ms * 1.3, ms * 1.2, ms, ms * 1.4]
     opened: list[int] = []
     runners: dict[int, _FakeRunner] = {}
 
@@ -324,11 +334,50 @@ def test_heats_carry_the_fastest_forward_and_long_runs_take_fewer_rounds(monkeyp
     load = timing.Workload("batch", {"input_ids": np.zeros((1, 4), np.int64)})
     heats = timing.time_in_heats(open_graph, [3, 3, 3, 3], [load], budget=7)
     assert [sorted(heat) for heat in heats.heats] == [[0, 1], [1, 2], [2, 3]] and heats.rounds == [rounds] * 3
-    assert heats.fastest == 2 and heats.heats[-1] == pytest.approx({2: 1.0, 3: 4.0})  # ratios to the heat's best
+    assert heats.fastest == 2 and heats.heats[-1] == pytest.approx({2: 1.0, 3: 1.4})  # ratios to the heat's best
+    assert heats.left == [{}, {}, {}]
     assert opened == [0, 1, 2, 3]  # the leader stays open into the next heat, never reopened
     assert [heats.timings[i]["batch"] for i in range(4)] == speeds
     per_heat = timing.WARMUP + rounds if rounds == timing.ROUNDS else 1 + rounds  # warm-ups, then rounds
     assert runners[0].runs == per_heat and runners[1].runs == 2 * per_heat and runners[3].runs == per_heat
+
+
+def _race(monkeypatch, runners: list[_FakeRunner], objective: str = "balanced") -> timing.Heats:
+    monkeypatch.setattr(timing, "run_ms", _fake_run_ms)
+    loads = [timing.Workload("batch of 32", {}, "batch"), timing.Workload("one short text", {}, "single")]
+    return timing.time_in_heats(lambda i: runners[i], [1] * len(runners), loads, budget=10, objective=objective)
+
+
+@pytest.mark.real_timing
+def test_a_graph_far_behind_stops_being_timed_and_the_race_ends_with_one_left(monkeypatch):
+    # graph 0 is 3x slower than graph 1 on every run; graph 2 is 1.2x slower than graph 1: it stays in the race
+    runners = [_FakeRunner(30.0), _FakeRunner(10.0), _FakeRunner(12.0)]
+    heats = _race(monkeypatch, runners)
+    assert heats.fastest == 1 and heats.left == [{0: timing.ROUNDS_BEFORE_LEAVING}]
+    assert heats.heats[0][0] >= timing.LEFT_BEHIND  # a graph left behind scores at least that far from the best
+    loads = 2  # each round runs every graph still racing on both workloads
+    assert runners[0].runs == loads * (timing.WARMUP + timing.ROUNDS_BEFORE_LEAVING)
+    assert runners[1].runs == runners[2].runs == loads * (timing.WARMUP + timing.ROUNDS)
+    # where the last other graph leaves, the race is over: the fastest runs no further rounds either
+    runners = [_FakeRunner(30.0), _FakeRunner(10.0)]
+    heats = _race(monkeypatch, runners)
+    assert heats.fastest == 1 and heats.left == [{0: timing.ROUNDS_BEFORE_LEAVING}]
+    assert runners[0].runs == runners[1].runs == loads * (timing.WARMUP + timing.ROUNDS_BEFORE_LEAVING)
+    assert heats.timings[1] == {"batch of 32": 10.0, "one short text": 10.0}
+
+
+@pytest.mark.real_timing
+def test_one_slow_run_leaves_no_graph_behind(monkeypatch):
+    # graph 0's first timed batch takes 10x its usual time (run 5: two warm-ups on each of two workloads
+    # first); at its fastest it is still level with graph 1
+    runners = [_FakeRunner(10.0, spikes={5: 100.0}), _FakeRunner(10.0)]
+    heats = _race(monkeypatch, runners)
+    assert heats.left == [{}] and runners[0].runs == runners[1].runs == 2 * (timing.WARMUP + timing.ROUNDS)
+    # a graph slower on the batch only, under the latency objective (the lone query alone counts), stays
+    runners = [_FakeRunner(10.0, spikes={n: 40.0 for n in range(1, 20, 2)}), _FakeRunner(10.0)]
+    assert _race(monkeypatch, runners, objective="latency").left == [{}]
+    assert _race(monkeypatch, [_FakeRunner(10.0, spikes={n: 40.0 for n in range(1, 20, 2)}), _FakeRunner(10.0)],
+                 objective="throughput").left == [{0: timing.ROUNDS_BEFORE_LEAVING}]
 
 
 def test_the_objective_weighs_batch_and_lone_query_as_ratios_to_the_best():

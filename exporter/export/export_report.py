@@ -207,6 +207,9 @@ class Heat(Record):
     fastest: str
     #: timed rounds (each graph once on each workload per round)
     rounds: int
+    #: graph label -> the timed rounds it ran, where fewer than ``rounds``: left far behind by another graph, it
+    #: stopped being timed (:func:`timing.left_behind`); empty in exports before that rule
+    left_behind: dict[str, int] = field(default_factory=dict, metadata=OPTIONAL)
 
 
 @dataclass(kw_only=True)

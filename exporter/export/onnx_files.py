@@ -13,6 +13,8 @@ one home and a graph never loses its weights on the way:
 - :func:`gather`: a graph copied under a new name with all of its external
   tensors in ``<new name>.data`` (the torch export's one file per tensor, the
   repository's ``model.onnx`` + ``model.onnx.data``), streamed, never in memory;
+- :func:`detach`: a graph with its weights in a data file whatever its size,
+  for a library that carries the graph without them (NNCF's ONNX backend);
 - :func:`external` tells the steps that save through their own library
   (ONNX Runtime's quantizer and optimizer) which form to ask for.
 
@@ -131,6 +133,18 @@ def _copy(source: Path, target: Path) -> None:
         # another graph's weights under the same name: replacing them would break that graph
         raise ExportError(f"cannot put {source} beside its graph as {target}: a different file of that name is there")
     shutil.copyfile(source, target)
+
+
+def detach(source: Path, target: Path) -> Path:
+    """The graph at ``source`` as ``target`` with every tensor of :data:`INLINE_BYTES` or more in
+    ``<target name>.data``, whatever its size: for a library that serializes the graph at each of its steps
+    (NNCF's ONNX backend), which then carries a graph without its weights and reads them from the file."""
+    source, target = Path(source), Path(target)
+    model = onnx.load(str(source))
+    _remove_data(target)
+    onnx.save_model(model, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data_path(target).name, size_threshold=INLINE_BYTES)
+    return target
 
 
 def rewrite(source: Path, target: Path, edit: Callable[[onnx.ModelProto], None]) -> Path:

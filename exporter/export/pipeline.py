@@ -378,15 +378,17 @@ def _timing_record(objective: str, passed: list[tuple[Configuration, Candidate]]
     return Timing(
         optimize=objective,
         heats=[Heat(score={_label(*passed[i]): round(score, 4) for i, score in heat.items()},
-                    fastest=_label(*passed[min(heat, key=heat.get)]), rounds=rounds)
-               for heat, rounds in zip(heats.heats, heats.rounds)],
+                    fastest=_label(*passed[min(heat, key=heat.get)]), rounds=rounds,
+                    left_behind={_label(*passed[i]): ran for i, ran in left.items()})
+               for heat, rounds, left in zip(heats.heats, heats.rounds, heats.left)],
         memory_budget_bytes=budget, estimated_bytes={_label(*p): size for p, size in zip(passed, sizes)},
         why=("every graph open at once, side by side" if one else
              "the graphs did not fit in the memory budget together: timed side by side in heats, the "
              "fastest of each heat carried into the next; each graph's timings in `measured` are from its "
              "last heat, so compare scores within a heat"),
         score="each workload's median over the heat's best on it, combined by a geometric mean weighted "
-              "as `optimize` says (timing.OBJECTIVES); 1.0 is the best on every workload that counts")
+              "as `optimize` says (timing.OBJECTIVES); 1.0 is the best on every workload that counts; a graph "
+              "in `left_behind` stopped being timed once it was far behind (timing.left_behind)")
 
 
 def _timings(candidate: Candidate) -> str:

@@ -27,6 +27,14 @@ leader in one heat; where all fit, that is one heat, as before.  Where one
 round takes longer than :data:`LONG_ROUND_S` (a large model's batch of 32 on a
 small CPU) each run is long enough to measure on its own: one warm-up run and
 :data:`LONG_ROUNDS` rounds instead of two and five.
+
+A graph far behind stops being timed (:func:`left_behind`): once, at its
+fastest run so far, it is :data:`LEFT_BEHIND` times slower than another graph
+at that graph's slowest, as the objective weighs the workloads, its medians
+cannot make it the fastest, so the rounds left are spent on the graphs still
+in the race, and they stop where one is left.  On a base-size model whose
+bf16 graph runs a batch three to four times faster than the fp32 ones, that
+was half the timing (bench/data/tried.md, "A faster auto search").
 """
 
 from __future__ import annotations
@@ -98,19 +106,58 @@ def run_ms(runner, feeds: dict[str, np.ndarray]) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def time_side_by_side(runners: list, loads: list[Workload], rounds: int = ROUNDS,
-                      warmup: int = WARMUP) -> list[dict[str, float]]:
-    """Median milliseconds of one run of each workload, per runner, the runners taking turns."""
+#: How many times slower than another graph a graph must be, at its fastest run against that graph's slowest,
+#: to stop being timed (:func:`left_behind`): run-to-run noise on a busy 2-core machine stays well under it, and the
+#: graphs it leaves behind (fp32 beside bf16 on a base-size model: 2-4x) are far past it.
+LEFT_BEHIND = 1.5
+#: Timed rounds every graph runs before one can be left behind: one slow run alone never leaves a graph behind.
+ROUNDS_BEFORE_LEAVING = 2
+
+
+@dataclass
+class SideBySide:
+    """What :func:`time_side_by_side` measured: per runner, its median milliseconds on each workload and the timed
+    rounds it ran (fewer than asked where it was left behind, or where it was the last one in the race)."""
+
+    medians: list[dict[str, float]]
+    rounds: list[int]
+
+
+def time_side_by_side(runners: list, loads: list[Workload], rounds: int = ROUNDS, warmup: int = WARMUP,
+                      objective: str = DEFAULT_OBJECTIVE) -> SideBySide:
+    """Median milliseconds of one run of each workload, per runner, the runners taking turns; a runner
+    :func:`left_behind` by another stops running, and the rounds stop where one runner is left."""
     for runner in runners:
         for load in loads:
             for _ in range(warmup):
                 runner.run(None, load.feeds)
     times: list[dict[str, list[float]]] = [{load.name: [] for load in loads} for _ in runners]
-    for _ in range(rounds):
-        for runner, taken in zip(runners, times):
+    racing = set(range(len(runners)))
+    for done in range(1, rounds + 1):
+        for index in sorted(racing):
             for load in loads:
-                taken[load.name].append(run_ms(runner, load.feeds))
-    return [{name: statistics.median(values) for name, values in taken.items()} for taken in times]
+                times[index][load.name].append(run_ms(runners[index], load.feeds))
+        if done >= ROUNDS_BEFORE_LEAVING:
+            racing -= left_behind({i: times[i] for i in racing}, loads, objective)
+        if len(racing) == 1:
+            break
+    return SideBySide([{name: statistics.median(values) for name, values in taken.items()} for taken in times],
+                      [len(next(iter(taken.values()))) for taken in times])
+
+
+def left_behind(times: dict[int, dict[str, list[float]]], loads: list[Workload], objective: str) -> set[int]:
+    """The graphs of ``times`` (graph -> workload name -> the milliseconds of each run so far) that, at their
+    fastest on each workload, are :data:`LEFT_BEHIND` times slower than another graph at its slowest, the
+    workloads weighed as :func:`scores` weighs them: whatever their next runs take, their medians stay behind
+    that graph's unless its runs turn that much slower than every run it has made so far."""
+    counted = _counted(loads, objective)
+    total = sum(counted.values())
+
+    def behind(slow: int, fast: int) -> float:
+        return float(np.exp(sum(w * np.log(min(times[slow][name]) / max(times[fast][name]))
+                                for name, w in counted.items()) / total))
+
+    return {i for i in times if any(behind(i, j) >= LEFT_BEHIND for j in times if j != i)}
 
 
 #: Seconds of one round (every graph of a heat once on every workload) past which runs are measured
@@ -153,12 +200,14 @@ def footprint(files: list[Path]) -> int:
 class Heats:
     """What :func:`time_in_heats` measured: each graph's medians (from the last heat it ran in), the fastest,
     and how: each heat's graphs with their scores there (graph index -> :func:`scores`, 1.0 the best
-    possible) and rounds."""
+    possible), rounds, and the graphs that ran fewer rounds (graph index -> the timed rounds it ran: left
+    behind, :func:`left_behind`)."""
 
     timings: list[dict[str, float]]
     fastest: int
     heats: list[dict[int, float]] = field(default_factory=list)
     rounds: list[int] = field(default_factory=list)
+    left: list[dict[int, int]] = field(default_factory=list)
 
 
 def check_objective(objective: str) -> str:
@@ -172,14 +221,19 @@ def scores(timings: dict[int, dict[str, float]], loads: list[Workload], objectiv
     medians over the best graph's, workload by workload, weighted by ``objective``'s weight of the workload's
     kind (workloads of a kind the objective does not weigh do not count).  1.0: the best on every workload
     that counts; 1.2: 20% slower than the best, on the weighted average."""
-    weights = {load.name: OBJECTIVES[check_objective(objective)].get(load.kind, 0.0) for load in loads}
-    counted = {name: w for name, w in weights.items() if w > 0}
-    if not counted:  # no workload of a kind this objective weighs: every workload counts alike
-        counted = {name: 1.0 for name in weights}
+    counted = _counted(loads, objective)
     total = sum(counted.values())
     best = {name: min(t[name] for t in timings.values()) for name in counted}
     return {i: float(np.exp(sum(w * np.log(t[name] / best[name]) for name, w in counted.items()) / total))
             for i, t in timings.items()}
+
+
+def _counted(loads: list[Workload], objective: str) -> dict[str, float]:
+    """Workload name -> its weight under ``objective``, for the workloads that count (:func:`scores`)."""
+    weights = {load.name: OBJECTIVES[check_objective(objective)].get(load.kind, 0.0) for load in loads}
+    counted = {name: w for name, w in weights.items() if w > 0}
+    # no workload of a kind this objective weighs: every workload counts alike
+    return counted or {name: 1.0 for name in weights}
 
 
 def _next_heat(leader: int | None, rest: list[int], sizes: list[int], budget: int) -> list[int]:
@@ -215,10 +269,16 @@ def time_in_heats(open_graph: Callable[[int], Any], sizes: list[int], loads: lis
         warmup, rounds = _rounds(runners, loads)
         if rounds != ROUNDS:
             log.info("one round takes more than %.0f s: one warm-up run and %d rounds", LONG_ROUND_S, rounds)
-        for index, measured in zip(heat, time_side_by_side(runners, loads, rounds, warmup)):
-            timings[index] = measured
+        measured = time_side_by_side(runners, loads, rounds, warmup, objective)
+        for index, medians in zip(heat, measured.medians):
+            timings[index] = medians
         scored = scores({i: timings[i] for i in heat}, loads, objective)
         leader = min(heat, key=scored.get)
+        # the leader may have run fewer rounds too: the last graph in the race needs no more
+        left = {i: ran for i, ran in zip(heat, measured.rounds) if ran < rounds and i != leader}
+        if left:
+            log.info("left behind (%s): %s", objective, ", ".join(
+                f"{name(i)} after {ran} rounds ({scored[i]:.2f})" for i, ran in left.items()))
         kept = runners[heat.index(leader)]
         del runners  # the heat's other graphs are closed before the next heat opens its own
         if len(sizes) > len(heat) or result.heats:  # in heats: say who goes on (one heat: the table says it all)
@@ -226,5 +286,6 @@ def time_in_heats(open_graph: Callable[[int], Any], sizes: list[int], loads: lis
                      ", ".join(f"{name(i)} {scored[i]:.3f}" for i in heat), name(leader))
         result.heats.append(scored)
         result.rounds.append(rounds)
+        result.left.append(left)
     result.fastest = leader
     return result

@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -63,6 +63,10 @@ class ExportedGraph:
     first_only: bool = False
     #: where derived graphs made by an earlier export are kept (:mod:`export.candidate_cache`); None: make each
     cache: CandidateCache | None = None
+    #: the graphs :meth:`trimmed` made in this export, by source: every configuration's copy of this object shares
+    #: it, so that the targets that serve the same trimmed graph (ONNX Runtime's and OpenVINO's plain one) make it
+    #: once
+    trimmed_made: dict[Path, Path] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def pooled(self) -> bool:
@@ -87,12 +91,17 @@ class ExportedGraph:
         return self.pooling.append(path, self.work / f"{path.stem}.pooled.onnx")
 
     def trimmed(self, path: Path) -> Path:
-        """``path`` pooled (:meth:`pooled_graph`) and with the padding trim in front (see :mod:`padding_trim`)."""
+        """``path`` pooled (:meth:`pooled_graph`) and with the padding trim in front (see :mod:`padding_trim`), made
+        once per export: a later configuration reads the same file (no target writes to a candidate's graph)."""
+        if path in self.trimmed_made:
+            return self.trimmed_made[path]
         if self.pooling is not None:
             per_token = self.pooling.per_token
         else:
             per_token = self.task.output_names() if self.task.per_token else []
-        return add_padding_trim(self.pooled_graph(path), self.work / f"{path.stem}.trim.onnx", per_token)
+        made = add_padding_trim(self.pooled_graph(path), self.work / f"{path.stem}.trim.onnx", per_token)
+        self.trimmed_made[path] = made
+        return made
 
     def derived(self, target: Path, make: Callable[[], Path], sources: list[Path], **recipe: Any) -> Path:
         """The graph ``make()`` writes at ``target`` from the graphs ``sources`` by ``recipe`` (what else it
