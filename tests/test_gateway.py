@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 
-from helpers.servers import serving, start_gateway, step_counts
+from helpers.servers import end_serve, serving, start_gateway, step_counts
 from helpers.waiting import wait_for_line, wait_until
 from helpers import task_models
 from helpers.exports import MINILM
@@ -687,7 +687,7 @@ def test_serve_starts_the_gateway_beside_triton_and_stopping_one_stops_both(serv
         process = subprocess.Popen([sys.executable, "-m", "nexus_sli.cli.main", "serve", "--model-repository",
                                     str(served["repo"]), "--http-port", str(http), "--grpc-port", str(grpc),
                                     "--metrics-port", str(metrics), "--gateway-port", str(port)],
-                                   stdout=out, stderr=subprocess.STDOUT)
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         text = wait_for_line(process, log, READY_LINE, timeout=240)
         assert f"http://127.0.0.1:{port}/v1" in text and "Triton is ready" in text
@@ -704,8 +704,7 @@ def test_serve_starts_the_gateway_beside_triton_and_stopping_one_stops_both(serv
             assert process.wait(60) == 0
             assert "the process beside Triton exited (code 0)" in log.read_text()
     finally:
-        if process.poll() is None:
-            process.kill()
+        end_serve(process)
     for url in (f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{http}/v2/health/ready"):
         with pytest.raises(OSError):  # both are gone
             urllib.request.urlopen(url, timeout=5)

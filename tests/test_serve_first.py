@@ -5,7 +5,6 @@ half written (exporter/serving/search.py, swap.py)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import pytest
 from nexus_sli.client import EncoderClient
 from nexus_sli.exporter.serving.search import BackgroundSearch, ModelChoice
 
-from helpers.servers import free_ports
+from helpers.servers import end_serve, free_ports
 from helpers.waiting import wait_for_line, wait_until
 
 GATEWAY_READY = "gateway is ready"
@@ -33,18 +32,6 @@ def _serve(repository: Path, model: Path, log: Path, *options: str) -> tuple[sub
                                     str(gateway), *options], stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)  # a group of its own: a failed test ends it all
     return process, {"grpc": f"127.0.0.1:{grpc}", "gateway": f"http://127.0.0.1:{gateway}/v1"}
-
-
-def _end(process: subprocess.Popen) -> None:
-    """Stop serve where a failed test left it running, and what it started (Triton, the gateway, the search):
-    SIGKILL to serve alone would leave them running."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 def _encoder(repository: Path) -> dict:
@@ -114,7 +101,7 @@ def test_the_search_winner_is_swapped_in_under_load_with_no_failed_call(tiny_che
         assert process.wait(60) == 0
     finally:
         stop.set()
-        _end(process)
+        end_serve(process)
     assert _left_beside(repository) == []
 
 
@@ -130,7 +117,7 @@ def test_a_stopped_or_failed_search_leaves_the_first_export_served_and_nothing_h
         process.send_signal(signal.SIGINT)  # Ctrl-C
         assert process.wait(90) == 0
     finally:
-        _end(process)
+        end_serve(process)
     report = _encoder(repository)
     assert (report["backend"], report["precision"], report["graph"]) == ("onnxruntime", "fp32", "plain")
     assert sorted(p.name for p in (repository / "tiny_encoder").iterdir() if p.is_dir()) == ["1"]

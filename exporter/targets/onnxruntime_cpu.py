@@ -59,7 +59,7 @@ class OnnxRuntimeCPU(Target):
 
     @staticmethod
     def _int8_variants(graph: ExportedGraph, source: Candidate) -> list[Candidate]:
-        log.info("quantizing the %s graph to int8 (ONNX Runtime, dynamic)", source.graph)
+        log.info("int8 of the %s graph (ONNX Runtime, dynamic; made, or restored from the cache)", source.graph)
         variants = [(source.graph, ".int8.onnx", [])]
         ffn = graph.ffn_outputs(source.path)
         if ffn:
@@ -83,7 +83,7 @@ class OnnxRuntimeCPU(Target):
         keep = graph.attention_outputs(graph.plain) + graph.ffn_outputs(graph.plain)
         if not keep:
             return []
-        log.info("quantizing the plain graph to static int8 with NNCF (%s)", STATIC_INT8_GRAPH)
+        log.info("static int8 of the plain graph (NNCF, %s; made, or restored from the cache)", STATIC_INT8_GRAPH)
         calibration = calibration_feeds(graph.tokenizer, graph.input_names, graph.pad_id, graph.max_length,
                                         graph.task.pair)
         target = graph.work / "plain.static-int8.onnx"

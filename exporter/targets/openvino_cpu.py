@@ -127,7 +127,7 @@ class OpenVINOCPU(Target):
         calibration = [graph.complete(feeds) for feeds in calibration_feeds(
             graph.tokenizer, graph.input_names, graph.pad_id, graph.max_length, graph.task.pair,
             LARGE_MODEL_CALIBRATION_BATCH if graph.large else CALIBRATION_BATCH)]
-        log.info("quantizing with NNCF on %d calibration texts in batches of %d: %s",
+        log.info("int8 with NNCF on %d calibration texts in batches of %d (made, or restored from the cache): %s",
                  sum(len(f["input_ids"]) for f in calibration), len(calibration[0]["input_ids"]),
                  ", ".join(label for label, *_ in variants))
         pool = pooling_nodes(trimmed)  # an embedding graph's pooling stays in fp32 (:mod:`export.pooling`)

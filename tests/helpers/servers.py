@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 from pathlib import Path
 from typing import Iterator
 
@@ -69,6 +70,19 @@ def end_now(process) -> None:
         supervisor.stop()
     kill_server({"process": process})
     process.remove_temporary_files()
+
+
+def end_serve(process) -> None:
+    """A ``nexus-sli serve`` process a failed test left running, with what it started (Triton, the gateway, a
+    background search): Ctrl-C to its process group (started with ``start_new_session``), as a terminal sends
+    it, then SIGKILL to the group.  SIGKILL to serve alone would leave the others running."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def kill_server(server: dict) -> None:
