@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import signal
 import sys
 from pathlib import Path
 
@@ -55,6 +56,11 @@ def _add_first_export_options(serve: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from nexus_sli.exporter.serving.search import BackgroundSearch, ModelChoice, export_first, holds_a_model
     from nexus_sli.exporter.serving.server import is_remote, serve_forever
+
+    # Started in the background by a shell without job control (a script's `&`), serve inherits SIGINT ignored,
+    # and Python leaves it so: Ctrl-C's signal sent by `kill -INT` or a process manager would be lost, and with it
+    # the clean stop (the search, the gateway, Triton).  The first export and the search inherit the handler's reset.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     # Path() would fold the '//' of an s3:// URL
     repository = args.model_repository if is_remote(args.model_repository) else Path(args.model_repository)

@@ -23,13 +23,18 @@ from helpers.waiting import wait_for_line, wait_until
 GATEWAY_READY = "gateway is ready"
 
 
-def _serve(repository: Path, model: Path, log: Path, *options: str) -> tuple[subprocess.Popen, dict]:
+#: serve started as a script's `&` starts it (a shell without job control): with SIGINT ignored, which it inherits
+IGNORING_SIGINT = ["bash", "-c", 'trap "" INT; exec "$@"', "serve"]
+
+
+def _serve(repository: Path, model: Path, log: Path, *options: str,
+           prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen, dict]:
     http, grpc, metrics, gateway = free_ports(4)
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "nexus_sli.cli.main", "serve", "--model-repository",
-                                    str(repository), "--model", str(model), "--name", "tiny", "--http-port", str(http),
-                                    "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--gateway-port",
-                                    str(gateway), *options], stdout=out, stderr=subprocess.STDOUT,
+        process = subprocess.Popen([*prefix, sys.executable, "-m", "nexus_sli.cli.main", "serve",
+                                    "--model-repository", str(repository), "--model", str(model), "--name", "tiny",
+                                    "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+                                    "--gateway-port", str(gateway), *options], stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)  # a group of its own: a failed test ends it all
     return process, {"grpc": f"127.0.0.1:{grpc}", "gateway": f"http://127.0.0.1:{gateway}/v1"}
 
@@ -108,9 +113,11 @@ def test_the_search_winner_is_swapped_in_under_load_with_no_failed_call(tiny_che
 def test_a_stopped_or_failed_search_leaves_the_first_export_served_and_nothing_half_written(tiny_checkpoint, tmp_path):
     repository = tmp_path / "repo"
     log = tmp_path / "serve.log"
-    process, urls = _serve(repository, tiny_checkpoint("bert"), log)  # auto: a search of every configuration
+    # auto: a search of every configuration; started with SIGINT ignored, which serve must not keep (Ctrl-C below)
+    process, urls = _serve(repository, tiny_checkpoint("bert"), log, prefix=IGNORING_SIGINT)
     try:
-        wait_for_line(process, log, "making the candidate graphs", timeout=180)  # the search's export is under way
+        # the search's export under way (the first export says the same, unprefixed, before the server is up)
+        wait_for_line(process, log, "search: nexus-sli: onnxruntime fp32: making the candidate graphs", timeout=180)
         with EncoderClient(urls["grpc"], model="tiny") as client:
             hidden = json.loads((tiny_checkpoint("bert") / "config.json").read_text())["hidden_size"]
             assert client.embed("served meanwhile").shape == (hidden,)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import numpy as np
 
 from nexus_sli.tasks import get_task
+from nexus_sli.exporter.export import score_fidelity
 from nexus_sli.exporter.export.report import (
     AgreementShortfall,
     FidelityShortfall,
@@ -279,8 +281,8 @@ class Shifted(Drifting):
 
 
 def test_stopping_on_the_score_error_gives_the_full_runs_verdict():
-    """A cosine-scored output stops once the texts so far put the score error past its bar for good (a cosine's
-    best score is at most 1, so a score difference already bounds the error): the verdict is the full run's."""
+    """A cosine-scored output stops once the texts so far put the score error past its bar for good (each text's
+    differences so far over its scale already bound its error): the verdict is the full run's."""
     reference, embedding, embedder = _seeded_reference(), get_task("embedding"), Embedder("mean", True)
     limits = with_auto_bar(thresholds(embedding, "int8"), embedding)
     for start, shift in [(0, 0.0), (0, 0.05), (2, 0.05), (2, 0.1), (0, 0.2)]:
@@ -296,3 +298,27 @@ def test_stopping_on_the_score_error_gives_the_full_runs_verdict():
         assert early.texts == (start + 1) * 4 < full.texts
         (score,) = [f for f in early.failures if isinstance(f, ScoreShortfall)]
         assert "or more > 0.02 (EMBEDDING, cosine)" in str(score)
+
+
+def test_the_score_floor_divides_by_each_texts_scale_known_from_pytorch(monkeypatch):
+    """Each text's scale (its largest reference score against all the other texts) comes from PyTorch's scores
+    before the graph runs, so the floor is the text's differences so far over its own scale, not over 1: a graph
+    whose errors pass the bar stops at its first shifted batch, where the floor over 1 ran on."""
+    reference, embedding, embedder = _seeded_reference(), get_task("embedding"), Embedder("mean", True)
+    limits = with_auto_bar(thresholds(embedding, "int8"), embedding)
+    stopped = {}
+    for shift in (0.02, 0.03):
+        session = Shifted(reference, 2, shift)
+        full = compare(session, reference, "int8", embedder, embedding, limits=limits)
+        early = compare(session, reference, "int8", embedder, embedding, limits=limits, stop_early=True)
+        assert not full.passed and not early.passed and full.cosine_min >= limits["cosine_min"]
+        assert early.texts == 3 * 4 < full.texts  # the first shifted batch
+        (score,) = [f for f in early.failures if isinstance(f, ScoreShortfall)]
+        floor = float(re.search(r"score_error (\S+) or more", str(score)).group(1))
+        assert limits["score_error"] < floor <= full.score_error  # a floor of the full run's error
+        stopped[shift] = early.texts
+    monkeypatch.setattr(score_fidelity.Scoring, "know_scales", lambda self, batches: None)
+    for shift, texts in stopped.items():
+        unscaled = compare(Shifted(reference, 2, shift), reference, "int8", embedder, embedding, limits=limits,
+                           stop_early=True)
+        assert not unscaled.passed and unscaled.texts > texts

@@ -29,7 +29,7 @@ Each scored output gets its figures against PyTorch fp32's scores
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -79,6 +79,9 @@ class Scoring:
     pool: Any = None
     got: dict[str, list] = field(default_factory=dict)
     expected: dict[str, list] = field(default_factory=dict)
+    #: per cosine output, each text's scale over all the texts (its largest reference score against the others),
+    #: in the order the texts are gathered, where known before the graph runs (:meth:`know_scales`)
+    scales: dict[str, np.ndarray] = field(default_factory=dict)
 
     def add(self, got: list[np.ndarray], expected: list[np.ndarray], feeds: dict[str, np.ndarray],
             mask: np.ndarray, scored: np.ndarray) -> None:
@@ -89,12 +92,30 @@ class Scoring:
                 array = self.pool(answers[0], mask) if self.pool is not None else answers[output.position]
                 kept.setdefault(output.name, []).extend(_texts(output.similarity, array, feeds, scored))
 
+    def know_scales(self, batches: Iterable[tuple[list[np.ndarray], dict[str, np.ndarray], np.ndarray, np.ndarray]]
+                    ) -> None:
+        """Each text's scale over all the texts, per cosine output, from PyTorch's outputs alone (every text
+        batch's ``(expected, feeds, mask, scored)``, as :meth:`add` takes them, in the order it will): the scale
+        :func:`_figures` divides each text's score differences by, known before the graph runs."""
+        if self.sided:
+            return
+        texts: dict[str, list] = {}
+        for expected, feeds, mask, scored in batches:
+            for output in self.outputs:
+                if output.similarity == COSINE:
+                    array = self.pool(expected[0], mask) if self.pool is not None else expected[output.position]
+                    texts.setdefault(output.name, []).extend(_texts(COSINE, array, feeds, scored))
+        for name, vectors in texts.items():
+            e = _scores(COSINE, vectors, vectors)
+            self.scales[name] = np.where(~np.eye(len(e), dtype=bool), np.abs(e), 0.0).max(axis=1)
+
     def error_floor(self) -> tuple[float, str] | None:
         """(floor, output): a floor the texts gathered so far already put under the score error, where one holds.
-        A cosine is at most 1 away from 0, so a text's error (its largest score difference over its best score)
-        is at least its largest score difference against the texts gathered so far: texts gathered later only
-        add differences.  None where no output has such a floor: other similarities' scores are unbounded, and
-        a sided model's texts are scored against a side gathered after them."""
+        A text's error is its largest score difference against the other texts over its scale, and texts
+        gathered later only add differences: so its largest difference so far over its scale (known from
+        :meth:`know_scales`), or else over 1, as a cosine is at most 1 away from 0, is a floor.  None where no
+        output has one: other similarities' scores are unbounded, and a sided model's texts are scored against
+        a side gathered after them."""
         if self.sided:
             return None
         floors = []
@@ -104,8 +125,14 @@ class Scoring:
                 continue
             g, e = _scores(COSINE, got, got), _scores(COSINE, expected, expected)
             others = ~np.eye(len(e), dtype=bool)
-            ranked = np.where(others, np.abs(e), 0.0).max(axis=1) > 0  # a text the full run judges, as below
-            floors.append((float(np.where(others, np.abs(g - e), 0.0)[ranked].max(initial=0.0)), output.name))
+            differences = np.where(others, np.abs(g - e), 0.0).max(axis=1)
+            if output.name in self.scales:
+                scale = self.scales[output.name][:len(e)]
+                ranked = scale > 0  # the texts the full run judges (:func:`_figures`)
+                floors.append((float((differences[ranked] / scale[ranked]).max(initial=0.0)), output.name))
+            else:
+                ranked = np.where(others, np.abs(e), 0.0).max(axis=1) > 0
+                floors.append((float(differences[ranked].max(initial=0.0)), output.name))
         return max(floors, default=None)
 
     def figures(self, order: list[int] | None = None) -> dict[str, ScoreFigures]:

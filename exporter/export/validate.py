@@ -418,7 +418,12 @@ def compare(session: Any, reference: Reference, precision: str, embedder: Embedd
         if failures or measures.stopped_after is not None:
             break
         batches = mixed_batches(reference, per_token) if mixed else reference
-        gathered = replace(scoring, got={}, expected={}) if scoring is not None else None
+        gathered = replace(scoring, got={}, expected={}, scales={}) if scoring is not None else None
+        if gathered is not None and stop_below is not None and "score_error" in limits:
+            # each text's scale from PyTorch's scores alone: the score bar's floor divides by it (exact, and sooner)
+            texts = range(batches.first_text, len(batches.batches))
+            gathered.know_scales(_cut(batches.batches[i], batches.outputs[i], batches.output_names, trimmed)
+                                 for i in texts)
         failures = _run_batches(session, batches, embedder, task, backend, measures, trimmed, per_token,
                                 pooled is not None, exact="max_abs_diff" in limits, stop_below=stop_below,
                                 scoring=gathered)
@@ -543,12 +548,7 @@ def _run_batches(session: Any, reference: Reference, embedder, task: TaskSpec | 
         except Exception as exc:  # runtimes report graph errors (baked shapes, bad indices) this way
             return [*failures, RuntimeFailure(f"{backend} failed on input shape {feeds['input_ids'].shape}: "
                                               f"{str(exc)[:300]}")]
-        # per-token outputs count where a token is scored (a late-interaction graph's scoring mask), else attended
-        mask, scored = feeds["attention_mask"], feeds.get(SCORE_MASK, feeds["attention_mask"])
-        if trimmed:
-            width = trimmed_length(mask, feeds.get(SCORE_MASK))
-            mask, scored = mask[:, :width], scored[:, :width]
-            expected = [e[:, :width] if name in trimmed else e for name, e in zip(names, expected)]
+        expected, feeds, mask, scored = _cut(feeds, expected, names, trimmed)
         # pooled vectors have no token axis to mask (a [batch, hidden] could match the mask's shape)
         masks = [scored if name in per_token else None for name in names]
         failures.extend(_compare_outputs(names, got, expected, masks, measures))
@@ -564,6 +564,19 @@ def _run_batches(session: Any, reference: Reference, embedder, task: TaskSpec | 
                                              for b in reference.batches[reference.first_text:index + 1])
                 break
     return failures
+
+
+def _cut(feeds: dict[str, np.ndarray], expected: list[np.ndarray], names: list[str], trimmed: set[str]
+         ) -> tuple[list[np.ndarray], dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """A batch as the graph's outputs are compared: ``(expected, feeds, mask, scored)``, the outputs ``trimmed``
+    names and the masks cut to the batch's longest real token where the graph cuts its padding.  Per-token
+    outputs count where a token is scored (a late-interaction graph's scoring mask), else where attended."""
+    mask, scored = feeds["attention_mask"], feeds.get(SCORE_MASK, feeds["attention_mask"])
+    if trimmed:
+        width = trimmed_length(mask, feeds.get(SCORE_MASK))
+        mask, scored = mask[:, :width], scored[:, :width]
+        expected = [e[:, :width] if name in trimmed else e for name, e in zip(names, expected)]
+    return expected, feeds, mask, scored
 
 
 #: how far past the score bar a floor must be to stop on it: the floor's scores come from smaller matrices than the
