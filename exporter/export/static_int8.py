@@ -101,8 +101,8 @@ def quantize_qdq(source: Path, target: Path, calibration: list[dict[str, np.ndar
     from . import onnx_files
 
     # NNCF copies and serializes the graph at each of its steps and infers its shapes several times: handed the
-    # graph without its weights, which it reads from the data file beside it, a base-size model quantizes about a
-    # fifth faster, to the same graph (bench/data/tried.md, "A faster auto search")
+    # graph without its weights, which it reads from the data file beside it, it writes the same graph sooner
+    # (bench/data/tried.md, "Five minutes reached")
     with tempfile.TemporaryDirectory(prefix="nncf-", dir=Path(target).parent) as folder:
         detached = onnx_files.detach(source, Path(folder) / Path(source).name)
         # NNCF's default overflow fix (7-bit weights in the first layer only) is kept: 7-bit weights everywhere,

@@ -32,9 +32,8 @@ A graph far behind stops being timed (:func:`left_behind`): once, at its
 fastest run so far, it is :data:`LEFT_BEHIND` times slower than another graph
 at that graph's slowest, as the objective weighs the workloads, its medians
 cannot make it the fastest, so the rounds left are spent on the graphs still
-in the race, and they stop where one is left.  On a base-size model whose
-bf16 graph runs a batch three to four times faster than the fp32 ones, that
-was half the timing (bench/data/tried.md, "A faster auto search").
+in the race, and they stop where one is left (bench/data/tried.md, "Five
+minutes reached").
 """
 
 from __future__ import annotations
@@ -107,8 +106,8 @@ def run_ms(runner, feeds: dict[str, np.ndarray]) -> float:
 
 
 #: How many times slower than another graph a graph must be, at its fastest run against that graph's slowest,
-#: to stop being timed (:func:`left_behind`): run-to-run noise on a busy 2-core machine stays well under it, and the
-#: graphs it leaves behind (fp32 beside bf16 on a base-size model: 2-4x) are far past it.
+#: to stop being timed (:func:`left_behind`): past what a busy machine's run-to-run noise does to one graph, and
+#: short of the gap between a reduced precision and fp32 where the reduced one wins outright.
 LEFT_BEHIND = 1.5
 #: Timed rounds every graph runs before one can be left behind: one slow run alone never leaves a graph behind.
 ROUNDS_BEFORE_LEAVING = 2
