@@ -2,9 +2,9 @@
 # On the GPU host: join the parts bench/gpu_parts.sh made (this project's wheel beside them) and run the GPU
 # check in two environments.
 # - The host's Python (its numpy 2, which its scipy and so sentence-transformers need), with the carried
-#   wheels but numpy and the server first on PYTHONPATH: the in-process figures and the fidelity.
+#   wheels but numpy and the server first on PYTHONPATH: the in-process figures, the fidelity and the levers.
 # - A venv of its own that sees the host's packages after its own, numpy<2 among them (the python
-#   backend's: nexus-sli serve's): the served figures and the in-process levers.
+#   backend's: nexus-sli serve's): the served figures.
 # Usage: bash bench/gpu_run.sh PARTS_DIR OUT_DIR [gpu_check options for both]
 set -euo pipefail
 parts=${1:?usage: gpu_run.sh PARTS_DIR OUT_DIR}; out=${2:?usage: gpu_run.sh PARTS_DIR OUT_DIR}
@@ -26,6 +26,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/nvidia-smi.csv" || true
 check=(-m nexus_sli.bench.gpu_check --repository "$work/repo" --model all_minilm_l6_v2 --weights "$work/weights")
 PYTHONPATH="$work/site" python3 "${check[@]}" --out "$out/gpu-check-in-process.json" \
-  --steps environment,speed,fidelity,validate "${@:3}"
+  --steps environment,speed,fidelity,validate,levers "${@:3}" \
+  || echo "gpu_run: the in-process check exited $? (a CUDA graph capture can abort it); serving next"
 "$work/env/bin/python" "${check[@]}" --out "$out/gpu-check-served.json" --serve-python "$work/env/bin/python" \
-  --steps environment,served,levers "${@:3}"
+  --steps environment,served "${@:3}"

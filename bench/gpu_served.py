@@ -48,16 +48,18 @@ class ServedVariant:
     full: bool = False
 
 
-#: In the order they run: the repository as exported, the levers one at a time, then all of them together.
+#: In the order they run, the likeliest defaults first (a run cut short keeps them): the repository as
+#: exported, the levers together, the steps separate, then each lever alone.
 #: (Labels hold no commas: ``--variants`` is a comma-separated list of them.)
 VARIANTS = (
     ServedVariant("as exported", full=True),
+    ServedVariant("max batch 256 + 2 instances + queue delay 0", max_batch_size=256, instances=2, queue_delay_us=0,
+                  full=True),
+    ServedVariant("max batch 256 + 4 instances + queue delay 0", max_batch_size=256, instances=4, queue_delay_us=0),
+    ServedVariant("steps separate", separate_steps=True),
     ServedVariant("max batch 256", max_batch_size=256),
     ServedVariant("queue delay 0", queue_delay_us=0),
     ServedVariant("2 instances", instances=2),
-    ServedVariant("max batch 256 + 2 instances + queue delay 0", max_batch_size=256, instances=2, queue_delay_us=0,
-                  full=True),
-    ServedVariant("steps separate", separate_steps=True),
     ServedVariant("4 instances", instances=4),
     ServedVariant("steps separate + 4 tokenizer instances", tokenizer_instances=4, separate_steps=True),
 )
