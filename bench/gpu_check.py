@@ -204,11 +204,36 @@ def speed(args, cell) -> None:
         cell("sentence-transformers error", traceback.format_exc())
     for name, calls in texts.workloads().items():
         cell(name, interleaved(paths, calls, args.rounds))
+    cell("graph in process, by part", graph_parts(graph, texts))
     times: dict[str, list[float]] = {name: [] for name in paths}
     for r in range(3):
         for name in (list(paths) if r % 2 == 0 else list(reversed(paths))):
             times[name] += singles_ms(paths[name], texts.singles)
     cell("single queries", {name: latency(t) for name, t in times.items()})
+
+
+def graph_parts(graph, texts) -> dict:
+    """Milliseconds per call of the graph path's parts (tokenizing, the arrays, ``session.run``) at each
+    batch of short texts and a single query: the median of 20 calls after 3."""
+    from nexus_sli.exporter.triton.python_models.encoding import padded_length, to_arrays
+
+    found = {}
+    for label, batch in [("single", texts.singles[:1]), *((f"batch {size}", texts.batches("short", size, 1)[0])
+                                                         for size in (32, 256))]:
+        parts: dict[str, list[float]] = {"tokenize": [], "arrays": [], "session.run": []}
+        for repetition in range(23):
+            began = time.perf_counter()
+            encodings = graph.tokenizer.encode_batch(batch)
+            tokenized = time.perf_counter()
+            width = padded_length(max(len(e.ids) for e in encodings), graph.widths, graph.max_length)
+            feeds = to_arrays(encodings, graph.names, graph.pad_id, width)
+            arrayed = time.perf_counter()
+            graph.session.run(["EMBEDDING"], feeds)
+            if repetition >= 3:
+                for name, ms in zip(parts, (tokenized - began, arrayed - tokenized, time.perf_counter() - arrayed)):
+                    parts[name].append(ms * 1e3)
+        found[label] = {name: round(float(np.median(ms)), 3) for name, ms in parts.items()}
+    return found
 
 
 def served(args, cell) -> None:

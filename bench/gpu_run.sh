@@ -6,6 +6,7 @@
 # - A venv of its own that sees the host's packages after its own, numpy<2 among them (the python
 #   backend's: nexus-sli serve's): the served figures.
 # Usage: bash bench/gpu_run.sh PARTS_DIR OUT_DIR [gpu_check options for both]
+#   (IN_PROCESS_STEPS, SERVED_STEPS: each environment's --steps, for a second run that repeats part of one)
 set -euo pipefail
 parts=${1:?usage: gpu_run.sh PARTS_DIR OUT_DIR}; out=${2:?usage: gpu_run.sh PARTS_DIR OUT_DIR}
 work=/tmp/nexus-sli-gpu-check; rm -rf "$work"; mkdir -p "$work" "$out"
@@ -26,7 +27,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/nvidia-smi.csv" || true
 check=(-m nexus_sli.bench.gpu_check --repository "$work/repo" --model all_minilm_l6_v2 --weights "$work/weights")
 PYTHONPATH="$work/site" python3 "${check[@]}" --out "$out/gpu-check-in-process.json" \
-  --steps environment,speed,fidelity,validate,levers "${@:3}" \
+  --steps "${IN_PROCESS_STEPS:-environment,speed,fidelity,validate,levers}" "${@:3}" \
   || echo "gpu_run: the in-process check exited $? (a CUDA graph capture can abort it); serving next"
 "$work/env/bin/python" "${check[@]}" --out "$out/gpu-check-served.json" --serve-python "$work/env/bin/python" \
-  --steps environment,served "${@:3}"
+  --steps "${SERVED_STEPS:-environment,served}" "${@:3}"

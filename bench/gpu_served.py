@@ -44,6 +44,8 @@ class ServedVariant:
     max_batch_size: int | None = None
     tokenizer_instances: int | None = None
     separate_steps: bool = False
+    #: the client's requests of one call in flight at once (``fan_out.IN_FLIGHT``; None: the client's default)
+    in_flight: int | None = None
     #: every load, and the served vectors' fidelity, not only the cells that judge
     full: bool = False
 
@@ -56,6 +58,11 @@ VARIANTS = (
     ServedVariant("max batch 256 + 2 instances + queue delay 0", max_batch_size=256, instances=2, queue_delay_us=0,
                   full=True),
     ServedVariant("max batch 256 + 4 instances + queue delay 0", max_batch_size=256, instances=4, queue_delay_us=0),
+    ServedVariant("max batch 128 + 2 instances + queue delay 0 + 2 in flight", max_batch_size=128, instances=2,
+                  queue_delay_us=0, in_flight=2, full=True),
+    ServedVariant("max batch 64 + 4 instances + queue delay 0 + 4 in flight", max_batch_size=64, instances=4,
+                  queue_delay_us=0, in_flight=4, full=True),
+    ServedVariant("max batch 256 + queue delay 0", max_batch_size=256, queue_delay_us=0),
     ServedVariant("steps separate", separate_steps=True),
     ServedVariant("max batch 256", max_batch_size=256),
     ServedVariant("queue delay 0", queue_delay_us=0),
@@ -181,10 +188,10 @@ def _variant(args, variant: ServedVariant, texts, graph, work: Path, reference, 
         cell("gpu memory", gpu_memory())
         loads = {**JUDGED_LOADS, **(MORE_LOADS if variant.full else {})}
         for name, (clients, kind, size) in list(loads.items())[:2]:
-            cell(name, _load(served, run_load, texts, kind, clients, size, args.seconds))
+            cell(name, _load(served, run_load, texts, kind, clients, size, args.seconds, variant.in_flight))
         cell("single queries", _singles(client, graph, texts.singles))
         for name, (clients, kind, size) in list(loads.items())[2:]:
-            cell(name, _load(served, run_load, texts, kind, clients, size, args.seconds))
+            cell(name, _load(served, run_load, texts, kind, clients, size, args.seconds, variant.in_flight))
         if reference is not None:
             cell("fidelity", _fidelity(client, *reference(args.repository, args.model, graph.tokenizer)))
         client.close()
@@ -193,9 +200,9 @@ def _variant(args, variant: ServedVariant, texts, graph, work: Path, reference, 
     return "done"
 
 
-def _load(served, run_load, texts, kind: str, clients: int, size: int, seconds: float) -> dict:
+def _load(served, run_load, texts, kind: str, clients: int, size: int, seconds: float, in_flight: int | None) -> dict:
     pool = texts.short if kind == "short" else texts.long
-    found = run_load(served, clients, 1, size, pool, seconds, GpuSampler())
+    found = run_load(served, clients, 1, size, pool, seconds, GpuSampler(), in_flight)
     found["texts_per_s"] = found.pop("rows_per_s")
     found.pop("latencies_ms", None)
     return found

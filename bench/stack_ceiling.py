@@ -232,13 +232,15 @@ def _stage_ms(before: dict, after: dict) -> dict:
 
 
 def run_load(served: Served, processes: int, threads: int, batch: int, texts: list[str], seconds: float,
-             sampler=None) -> dict:
+             sampler=None, in_flight: int | None = None) -> dict:
     """One window of ``processes`` client processes of ``threads`` clients each, sending calls of ``batch`` of
     ``texts`` to ``served``: the clients' results, each process's CPU, Triton's statistics, and what
-    ``sampler`` (a context manager whose ``summary()`` is recorded: GPU utilisation) saw in the window."""
+    ``sampler`` (a context manager whose ``summary()`` is recorded: GPU utilisation) saw in the window.
+    ``in_flight``: the clients' requests of one call at once (``fan_out.IN_FLIGHT``; None: their default)."""
     start = time.time() + 3.0  # the clients connect and read the model's description before it
     jobs = [{"url": f"127.0.0.1:{served.grpc}", "model": served.model, "texts": texts, "batch": batch,
-             "threads": threads, "offset": n * threads, "start": start, "seconds": seconds}
+             "threads": threads, "offset": n * threads, "start": start, "seconds": seconds,
+             **({"in_flight": in_flight} if in_flight else {})}
             for n in range(processes)]
     clients = []
     for n, job in enumerate(jobs):  # the job in a file: the texts are past what a command line holds

@@ -4,7 +4,8 @@ sending ``embed`` calls back to back over one window of time, as an application 
 Run by the harness, not by hand::
 
     python -m nexus_sli.bench.stack_load JOB.json   # {"url", "model", "texts", "batch", "threads",
-                                                    #  "offset", "start" (epoch s), "seconds"}
+                                                    #  "offset", "start" (epoch s), "seconds",
+                                                    #  "in_flight" (optional: fan_out.IN_FLIGHT)}
 
 It connects (and reads the model's description) before ``start``, sends from ``start`` for ``seconds``
 and prints one JSON line: the calls and rows answered within the window, their latencies (ms) and the
@@ -32,8 +33,10 @@ def _worker(client, model: str, texts: list[str], batch: int, offset: int, stop:
 
 
 def run(job: dict) -> dict:
-    from nexus_sli.client import EncoderClient
+    from nexus_sli.client import EncoderClient, fan_out
 
+    if job.get("in_flight"):  # before the clients are made: each sizes its workers by it
+        fan_out.IN_FLIGHT = job["in_flight"]
     clients = [EncoderClient(job["url"], protocol=job.get("protocol", "grpc")) for _ in range(job["threads"])]
     for client in clients:
         client.info(job["model"])
