@@ -3,7 +3,7 @@
 
 A variant is a copy of the repository with some of the settings Triton reads changed through its
 config schema (the encoder's instances, its queue delay, the rows an execution merges, the tokenizer
-step's instances) and a way of serving it (``nexus-sli serve``'s default, each ensemble's steps joined
+step's instances), the requests of one call its clients send at once, and a way of serving it (``nexus-sli serve``'s default, each ensemble's steps joined
 in one process, or the steps as exported).  Each is served by ``nexus-sli serve`` (with the interpreter
 ``--serve-python`` names: the python backend needs numpy<2) and loaded by client processes of their own
 (bench/stack_load.py), the cells that judge the served path first:
@@ -50,24 +50,19 @@ class ServedVariant:
     full: bool = False
 
 
-#: In the order they run, the likeliest defaults first (a run cut short keeps them): the repository as
-#: exported, the levers together, the steps separate, then each lever alone.
+#: In the order they run, the most telling first (a run cut short keeps them): the repository as exported,
+#: the settings it had before a GPU measured them, then the alternatives to each of its settings.
 #: (Labels hold no commas: ``--variants`` is a comma-separated list of them.)
 VARIANTS = (
     ServedVariant("as exported", full=True),
-    ServedVariant("max batch 256 + 2 instances + queue delay 0", max_batch_size=256, instances=2, queue_delay_us=0,
+    ServedVariant("max batch 64 + 1 instance + queue delay 500", max_batch_size=64, instances=1, queue_delay_us=500,
                   full=True),
-    ServedVariant("max batch 256 + 4 instances + queue delay 0", max_batch_size=256, instances=4, queue_delay_us=0),
-    ServedVariant("max batch 128 + 2 instances + queue delay 0 + 2 in flight", max_batch_size=128, instances=2,
-                  queue_delay_us=0, in_flight=2, full=True),
-    ServedVariant("max batch 64 + 4 instances + queue delay 0 + 4 in flight", max_batch_size=64, instances=4,
-                  queue_delay_us=0, in_flight=4, full=True),
-    ServedVariant("max batch 256 + queue delay 0", max_batch_size=256, queue_delay_us=0),
-    ServedVariant("steps separate", separate_steps=True),
-    ServedVariant("max batch 256", max_batch_size=256),
-    ServedVariant("queue delay 0", queue_delay_us=0),
-    ServedVariant("2 instances", instances=2),
+    ServedVariant("max batch 64 + 4 instances + 4 in flight", max_batch_size=64, instances=4, in_flight=4, full=True),
+    ServedVariant("1 instance", instances=1),
     ServedVariant("4 instances", instances=4),
+    ServedVariant("max batch 128 + 2 in flight", max_batch_size=128, in_flight=2),
+    ServedVariant("queue delay 500", queue_delay_us=500),
+    ServedVariant("steps separate", separate_steps=True),
     ServedVariant("steps separate + 4 tokenizer instances", tokenizer_instances=4, separate_steps=True),
 )
 #: load -> (client processes, texts, texts per call): those that judge, then the rest (full variants)

@@ -22,8 +22,9 @@ from typing import Any
 
 #: The most requests of one call in flight at once (the calling thread's own included).  One: on the CPU,
 #: sending them at once was no faster with the steps joined and slower with them separate
-#: (bench/data/tried.md, "The synchronous client's chunks at once"); a GPU run decides whether more pays
-#: there.  Above one, a bound still: the server runs no more at once than its
+#: (bench/data/tried.md, "The synchronous client's chunks at once"), and on a GPU, where a call of 256
+#: is one request, smaller requests sent at once carried fewer texts under load (docs/gpu.md, "Served on
+#: a GPU").  Above one, a bound still: the server runs no more at once than its
 #: steps have instances, so more in flight only wait in its queues ahead of other clients' requests
 #: (Triton's queues are first come, first served), and one call cannot fill a step's queue by itself.
 IN_FLIGHT = 1

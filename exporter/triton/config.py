@@ -21,18 +21,19 @@ from nexus_sli.tasks.model_parameters import TASK, Prompts, TokenizerParameters
 #: Requests Triton may merge into one execution of each step of a CPU repository, and the most texts
 #: a client sends in one request.
 MAX_BATCH_SIZE = 64
-#: The same for a GPU repository.  A GPU runs the rows of a batch side by side, so more rows per execution
-#: (256: a client's batch in one request) may well pay there; not measured on a GPU yet, so it stays the
-#: CPU's (bench/gpu_served.py's variants measure 256 beside it; docs/gpu.md, "Not measured on a GPU yet").
-GPU_MAX_BATCH_SIZE = 64
+#: The same for a GPU repository.  A GPU runs the rows of a batch side by side (an execution of 256 short
+#: texts costs about what one of 32 does), so a client's batch of 256 is one request and one execution,
+#: and concurrent calls merge into executions of up to 256 rows.  Chosen on a GPU among the variants
+#: bench/gpu_served.py serves (docs/gpu.md, "Served on a GPU").
+GPU_MAX_BATCH_SIZE = 256
 #: Instances of a GPU encoder (each a CUDA context and a session on that GPU; with ``nexus-sli serve``, each
-#: one process that also tokenizes).  Several may overlap one's copies and tokenizing with another's
-#: compute; one until measured on a GPU (as above).
-GPU_INSTANCES = 1
-#: How long a GPU encoder waits for more requests to merge (microseconds), so that
-#: concurrent single texts share one kernel launch.  A lone request pays it; on the CPU
-#: waiting did not pay (below).  Not measured on a GPU yet (as above: 0 is one of the variants).
-GPU_QUEUE_DELAY_US = 500
+#: one process that also tokenizes): while one tokenizes and copies, the other computes.  Two, not four:
+#: four carried more short calls at once but no more calls of 256, held more GPU memory and made a
+#: single query slower (as above).
+GPU_INSTANCES = 2
+#: How long a GPU encoder waits for more requests to merge (microseconds).  None: a lone query would pay
+#: it, and under load requests queue while the instances run and merge then anyway (as above).
+GPU_QUEUE_DELAY_US = 0
 #: A CPU encoder does not wait: its time grows with the rows it runs, so waiting
 #: only delays a lone query, and under load it merges what queued while it ran
 #: (bench/data/tried.md, "The CPU encoder's queue delay").
