@@ -12,6 +12,7 @@ Its steps (``--steps``; by default all but ``padding``, in this order, the most 
 - ``speed``: the graph in process (the tokenizer step's bucket padding, then one ``session.run`` per
   batch) and sentence-transformers fp16, interleaved round by round: short texts in batches of 32 and
   256, long texts in batches of 32, and single short queries (p50, p99);
+- ``joined``: the joined model (``nexus-sli serve``'s steps in one process) run in this process, step by step;
 - ``served``: the repository served by ``nexus-sli serve`` on this GPU (bench/gpu_served.py), each
   variant of the served configuration in turn: throughput from client processes, single queries paired
   with the graph in process, GPU utilisation, the GPU memory the server holds, and the served vectors
@@ -236,6 +237,21 @@ def graph_parts(graph, texts) -> dict:
     return found
 
 
+def joined(args, cell) -> None:
+    """The joined model's ``execute`` in this process, on this GPU (bench/joined_profile.py): each step's time on
+    one call of 256 short texts, on 8 calls of 32 and on one text, to set beside the graph path's parts (speed)
+    and Triton's ``compute_infer`` (served)."""
+    from nexus_sli.bench.gpu_paths import step_tokenizer
+    from nexus_sli.bench.joined_profile import JoinedModel
+
+    texts = Texts(step_tokenizer(args.repository, args.model, truncate=False)[1])
+    model = JoinedModel(args.repository, args.model, "GPU" if args.device == "cuda" else "CPU")
+    for label, calls in {"1 call of 256, ms": texts.batches("short", 256, 1),
+                         "8 calls of 32, ms": texts.batches("short", 32, 8),
+                         "1 text, ms": [texts.singles[:1]]}.items():
+        cell(label, model.medians(calls))
+
+
 def served(args, cell) -> None:
     from nexus_sli.bench.gpu_served import measure_variants
 
@@ -279,8 +295,8 @@ def padding(args, cell) -> None:
 
 
 #: In the order they run: a step that crashes the process (a GPU driver's abort) costs only those after it.
-STEPS = {"environment": environment, "speed": speed, "served": served, "validate": validate, "fidelity": fidelity,
-         "levers": levers, "padding": padding}
+STEPS = {"environment": environment, "speed": speed, "joined": joined, "served": served, "validate": validate,
+         "fidelity": fidelity, "levers": levers, "padding": padding}
 
 if __name__ == "__main__":
     raise SystemExit(main())

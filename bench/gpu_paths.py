@@ -95,22 +95,27 @@ class Texts:
             "long, batch 32": self.batches("long", 32, 8)}
 
 
+def step_tokenizer(repository: Path, model: str, truncate: bool = True):
+    """The tokenizer step's parameters, and its tokenizer as the step loads it (truncating at its limit, unless
+    ``truncate`` is false: to count a text's tokens)."""
+    from nexus_sli.exporter.triton import config as tc
+    from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
+    from nexus_sli.tasks.model_parameters import TokenizerParameters, message_strings
+
+    folder = repository / f"{model}_tokenizer"
+    step = TokenizerParameters.read(message_strings(tc.read(folder / "config.pbtxt").parameters))
+    return step, load_tokenizer(str(folder / "1" / "tokenizer.json"), step.max_length, truncate)
+
+
 class GraphPath:
     """Texts -> EMBEDDING as the served path computes them: the tokenizer step's bucket padding, then
     the encoder graph on its config's providers, one ``session.run`` per call."""
 
     def __init__(self, repository: Path, model: str, **provider_options):
-        from nexus_sli.exporter.triton import config as tc
-        from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
-        from nexus_sli.tasks.model_parameters import TokenizerParameters, message_strings
-
         self.session, providers = encoder_session(repository, model, **provider_options)
         print(f"gpu_check: the encoder graph runs on {providers}", flush=True)
-        step = TokenizerParameters.read(message_strings(tc.read(repository / f"{model}_tokenizer" / "config.pbtxt")
-                                                        .parameters))
+        step, self.tokenizer = step_tokenizer(repository, model)
         self.max_length, self.widths, self.pad_id = step.max_length, list(step.widths), step.pad_id
-        self.tokenizer = load_tokenizer(str(repository / f"{model}_tokenizer" / "1" / "tokenizer.json"),
-                                        self.max_length)
         self.names = [i.name for i in self.session.get_inputs()]
 
     def feeds(self, texts: list[str]) -> dict[str, np.ndarray]:

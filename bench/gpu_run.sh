@@ -27,7 +27,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/nvidia-smi.csv" || true
 check=(-m nexus_sli.bench.gpu_check --repository "$work/repo" --model all_minilm_l6_v2 --weights "$work/weights")
 PYTHONPATH="$work/site" python3 "${check[@]}" --out "$out/gpu-check-in-process.json" \
-  --steps "${IN_PROCESS_STEPS:-environment,speed,fidelity,validate,levers}" "${@:3}" \
+  --steps "${IN_PROCESS_STEPS:-environment,speed,joined,fidelity,validate,levers}" "${@:3}" \
   || echo "gpu_run: the in-process check exited $? (a CUDA graph capture can abort it); serving next"
 "$work/env/bin/python" "${check[@]}" --out "$out/gpu-check-served.json" --serve-python "$work/env/bin/python" \
   --steps "${SERVED_STEPS:-environment,served}" "${@:3}"

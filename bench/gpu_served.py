@@ -3,10 +3,11 @@
 
 A variant is a copy of the repository with some of the settings Triton reads changed through its
 config schema (the encoder's instances, its queue delay, the rows an execution merges, the tokenizer
-step's instances), the requests of one call its clients send at once, and a way of serving it (``nexus-sli serve``'s default, each ensemble's steps joined
-in one process, or the steps as exported).  Each is served by ``nexus-sli serve`` (with the interpreter
-``--serve-python`` names: the python backend needs numpy<2) and loaded by client processes of their own
-(bench/stack_load.py), the cells that judge the served path first:
+step's instances), the requests of one call its clients send at once, and a way of serving it
+(``nexus-sli serve``'s default, each ensemble's steps joined in one process, or the steps as exported).
+Each is served by ``nexus-sli serve`` (with the interpreter ``--serve-python`` names: the python backend
+needs numpy<2) and loaded by client processes of their own (bench/stack_load.py), the cells that judge the
+served path first:
 
 - texts per second from 16 clients sending short texts in calls of 32, and from one sending calls of 256;
 - single short queries, the served path and the graph in this process taking turns;

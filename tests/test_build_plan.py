@@ -87,7 +87,7 @@ def test_the_plan_profile_is_the_one_the_tensorrt_accelerator_got(repo):
     config = tc.read(repo / "gpu_encoder" / "config.pbtxt")
     exported = export_report.read(repo / "gpu_encoder")
     dims = tc.profile_dims(exported.max_length, config.max_batch_size)
-    assert dims == {"min": (1, 1), "opt": (16, min(128, exported.max_length)),
+    assert dims == {"min": (1, 1), "opt": (config.max_batch_size // 4, min(128, exported.max_length)),
                     "max": (config.max_batch_size, exported.max_length)}
     (accelerator,) = config.optimization.execution_accelerators.gpu_execution_accelerator
     for kind, (batch, length) in dims.items():

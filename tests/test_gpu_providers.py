@@ -43,7 +43,8 @@ def test_tensorrt_then_cuda_then_cpu_where_onnxruntime_gpu_has_them():
     assert trt_options["trt_fp16_enable"] == "1" and trt_options["device_id"] == "1"
     assert trt_options["trt_max_workspace_size"] == str(1 << 30)
     assert trt_options["trt_engine_cache_enable"] == "1" and trt_options["trt_engine_cache_path"]
-    assert trt_options["trt_profile_max_shapes"] == "input_ids:64x256,attention_mask:64x256"
+    rows = tc.GPU_MAX_BATCH_SIZE  # the profile follows the rows an execution merges
+    assert trt_options["trt_profile_max_shapes"] == f"input_ids:{rows}x256,attention_mask:{rows}x256"
     assert "precision_mode" not in trt_options and "max_workspace_size_bytes" not in trt_options
     assert chosen[1] == (CUDA, {"device_id": "1"})
     assert notes == [f"instance kind KIND_GPU: {TRT}, {CUDA}, {CPU}"]

@@ -4,10 +4,11 @@ An exported ensemble runs two or three python-backend processes one after
 the other (tokenizer, encoder, post-processing), and every hop through Triton
 costs a short query time; under load the separate tokenizer process does not
 win it back (bench/data/tried.md, "The tokenizer step under concurrent
-load").  On a GPU the hops and copies are most of a call: the encoder's own
-run takes a fraction of a millisecond (docs/gpu.md, "Served on a GPU").  So where the encoder step runs on one of our Python-based backends
-(the wheel's ``tritonserver``, whose python backend sees this environment's
-packages), ``nexus-sli serve`` serves each such batched ensemble as one python model,
+load").  On a GPU the hops and copies cost about what the encoder's own run
+does (docs/gpu.md, "Served on a GPU").  So where the encoder step runs on one
+of our Python-based backends (the wheel's ``tritonserver``, whose python
+backend sees this environment's packages), ``nexus-sli serve`` serves each
+such batched ensemble as one python model,
 ``backends/joined_model.py``, that loads the steps' own code (the exported
 ``model.py`` files, the encoder shim) and runs them in turn on every request
 of an execution: the same tokenizing, prompts, typed errors, length groups

@@ -218,37 +218,65 @@ class TritonPythonModel:
         return found
 
     def _encodings(self, request):
-        if self.mode != "single":
-            self._prompt(request)  # prompts belong to embedding models: a prompt_name here is an error, not ignored
+        """A ``pair`` or ``qa`` request's encodings."""
+        self._prompt(request)  # prompts belong to embedding models: a prompt_name here is an error, not ignored
         if self.mode == "qa":
             return self._qa(request)
-        if self.mode == "pair":
-            query, documents = _strings(request, "QUERY"), _strings(request, "DOCUMENTS")
-            if len(query) != 1:
-                raise ValueError("send exactly one QUERY per request")
-            if not documents:
-                raise ValueError("DOCUMENTS is empty: nothing to rerank")
-            if self._too_many(len(documents)):
-                raise ValueError(f"DOCUMENTS has {len(documents)} items and one request takes at most "
-                                 f"{self.max_rows}; send them in several requests (the client does)")
-            encodings = self.tokenizer.encode_batch([(query[0], d) for d in documents])
-        else:
-            prompt = self._prompt(request)
-            encodings = self._encode(self.tokenizer, [prompt + text for text in _strings(request, "TEXT")])
+        query, documents = _strings(request, "QUERY"), _strings(request, "DOCUMENTS")
+        if len(query) != 1:
+            raise ValueError("send exactly one QUERY per request")
+        if not documents:
+            raise ValueError("DOCUMENTS is empty: nothing to rerank")
+        if self._too_many(len(documents)):
+            raise ValueError(f"DOCUMENTS has {len(documents)} items and one request takes at most "
+                             f"{self.max_rows}; send them in several requests (the client does)")
+        encodings = self.tokenizer.encode_batch([(query[0], d) for d in documents])
         if not self.truncate:
             check_lengths(encodings, self.max_length)
         return encodings
 
-    def _rows(self, request):
-        """The request's encodings, and the side they are encoded for (None but in mode ``sided``)."""
-        if self.mode != "sided":
-            return self._encodings(request), None
-        side = self._side(request)
+    def _texts(self, request):
+        """A ``single`` or ``sided`` request's texts as its rows encode them (each with its prompt), and the side
+        they are encoded for (None but in mode ``sided``)."""
+        side = self._side(request) if self.mode == "sided" else None
         prompt = self._prompt(request)
-        encodings = self._encode(self.side_tokenizers[side], [prompt + text for text in _strings(request, "TEXT")])
-        if not self.truncate:
-            check_lengths(encodings, self.sides.side(side).max_length)
-        return encodings, side
+        return [prompt + text for text in _strings(request, "TEXT")], side
+
+    def _rows(self, requests):
+        """Each request's (encodings, side), or its error.  The requests of several texts are tokenized in one
+        call per side: a call's own cost is a large part of a short request's.  A request of one text is
+        tokenized alone, on this thread: a call of several texts goes to tokenizers' thread pool, which one
+        text does not pay for (bench/data/tried.md, "The tokenizer step's own work")."""
+        rows, errors, texts = {}, {}, {}
+        single = self.mode in ("single", "sided")
+        for number, request in requests.items():
+            found, error = _guarded(self._texts if single else lambda r: (self._encodings(r), None), request)
+            if error is not None:
+                errors[number] = error
+            else:
+                (texts if single else rows)[number] = found
+        for side in {side for _, side in texts.values()}:
+            numbers = [number for number, (_, of) in texts.items() if of == side]
+            tokenizer, limit = ((self.tokenizer, self.max_length) if side is None else
+                                (self.side_tokenizers[side], self.sides.side(side).max_length))
+            several = [number for number in numbers if len(texts[number][0]) > 1]
+            joined, _ = (_guarded(lambda t: self._encode(tokenizer, t), [t for n in several for t in texts[n][0]])
+                         if several else ([], None))
+            start = 0
+            for number in numbers:
+                own = texts[number][0]
+                if number in several and joined is not None:
+                    mine, error = joined[start:start + len(own)], None
+                    start += len(own)
+                else:  # one text, or the one call failed: each request's texts alone say which one fails
+                    mine, error = _guarded(lambda t: self._encode(tokenizer, t), own)
+                if error is None and not self.truncate:
+                    _, error = _guarded(lambda e: check_lengths(e, limit), mine)
+                if error is None:
+                    rows[number] = (mine, side)
+                else:
+                    errors[number] = error
+        return rows, errors
 
     def _width(self, encoding, side):
         """The width a row needs: its tokens, or on a side with an expansion, at least the expansion's."""
@@ -297,13 +325,7 @@ class TritonPythonModel:
 
     def _token_tensors(self, requests):
         """The encoder's token tensors for each request, all padded to one width."""
-        encoded, errors = {}, {}
-        for number, request in requests.items():
-            rows, error = _guarded(self._rows, request)
-            if error is None:
-                encoded[number] = rows
-            else:
-                errors[number] = error
+        encoded, errors = self._rows(requests)
         longest = max((self._width(e, side) for encs, side in encoded.values() for e in encs), default=1)
         length = padded_length(longest, self.pad_widths, self.max_length)
         answers = {number: _answer(None, error) for number, error in errors.items()}

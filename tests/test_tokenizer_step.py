@@ -1,0 +1,116 @@
+"""The tokenizer step tokenizes an execution's texts in one call and answers each request its own rows: as
+tokenized alone, with its own prompt, and its own error (a text past the limit, bytes that are no UTF-8)
+for it alone.  The exported step is loaded as Triton's python backend loads it, from its folder, with the
+C++ side of ``triton_python_backend_utils`` (tensors, responses) replaced by plain records."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from nexus_sli.exporter.serving.binary import pytriton_root
+from nexus_sli.exporter.triton import config as tc
+from nexus_sli.exporter.serving.joined_steps import triton_json
+
+#: What the tokenizer model imports from its own folder, and Triton's module beside it.
+REPOSITORY_MODULES = ("encoding", "sides", "error_codes", "model_parameters", "triton_python_backend_utils")
+
+
+class _Input:
+    def __init__(self, name, array):
+        self._name, self._array = name, array
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._array
+
+
+class _Request:
+    def __init__(self, texts, **parameters):
+        self._texts, self._parameters = texts, parameters
+
+    def inputs(self):
+        return [_Input("TEXT", np.array([[t if isinstance(t, bytes) else t.encode()] for t in self._texts],
+                                        dtype=object))]
+
+    def parameters(self):
+        return json.dumps(self._parameters)
+
+    def requested_output_names(self):
+        return []
+
+
+@pytest.fixture
+def strict_step(exports, tmp_path, monkeypatch):
+    """The tokenizer step of the packaged model exported with truncation off, its ``_encode`` calls counted."""
+    folder = exports.copy("minilm_strict", tmp_path, as_name="strict") / "strict_tokenizer"
+    for name in REPOSITORY_MODULES:  # this repository's copies, not another test's
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(pytriton_root() / "backends" / "python"))
+    monkeypatch.syspath_prepend(str(folder / "1"))
+    spec = importlib.util.spec_from_file_location("strict_tokenizer_model", folder / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name, record in (("Tensor", lambda n, a: SimpleNamespace(name=n, array=a)),
+                         ("InferenceResponse", lambda output_tensors=None, error=None:
+                          SimpleNamespace(tensors={t.name: t.array for t in output_tensors or []}, error=error)),
+                         ("TritonError", str)):
+        monkeypatch.setattr(module.pb_utils, name, record, raising=False)
+    step = module.TritonPythonModel()
+    step.initialize({"model_config": json.dumps(triton_json(tc.read(folder / "config.pbtxt"))),
+                     "model_repository": str(folder), "model_version": "1"})
+    calls = []
+    encode = step._encode
+    monkeypatch.setattr(step, "_encode", lambda tokenizer, texts: calls.append(len(texts)) or encode(tokenizer, texts))
+    yield step, calls
+    for name in REPOSITORY_MODULES:
+        sys.modules.pop(name, None)
+
+
+def _rows(answer) -> list[list[int]]:
+    ids, mask = answer.tensors["input_ids"], answer.tensors["attention_mask"]
+    return [row[:int(m.sum())].tolist() for row, m in zip(ids, mask)]
+
+
+def test_an_executions_requests_of_several_texts_are_tokenized_in_one_call_each_answered_its_own(strict_step):
+    step, calls = strict_step
+    requests = [_Request(["a short text", "another, a little longer, text"]), _Request(["fine", "word " * 300]),
+                _Request([b"\xc3\x28", "fine"]), _Request(["the third", "good request", "of three"]),
+                _Request(["one text alone"]), _Request([])]
+    together = step.execute(requests)
+    # the texts of the requests of several texts that decode in one call (the one past the limit is refused
+    # after it), then each request of one text or none alone
+    assert calls == [7, 1, 0]
+    assert "text 1 has 302 tokens" in together[1].error and "not valid UTF-8" in together[2].error
+    for number in (0, 3, 4, 5):
+        calls.clear()
+        (alone,) = step.execute([requests[number]])
+        assert together[number].error is None and calls == [len(requests[number]._texts)]
+        assert _rows(together[number]) == _rows(alone)  # the same tokens, whatever the width they share
+        assert (together[number].tensors["TOKEN_COUNT"] == alone.tensors["TOKEN_COUNT"]).all()
+    widths = {together[n].tensors["input_ids"].shape[1] for n in (0, 3, 4)}
+    assert len(widths) == 1  # one width for the execution, so the encoder merges them
+
+
+def test_a_call_that_fails_is_retried_request_by_request(strict_step, monkeypatch):
+    """Where the one call raises (tokenizers' Rust panics are BaseExceptions), each request is tokenized alone,
+    so that only the request whose text fails it is answered an error."""
+    step, calls = strict_step
+    encode = step._encode
+
+    def failing(tokenizer, texts):
+        if any("panic" in text for text in texts):
+            raise BaseException("a Rust panic")  # noqa: TRY002 - what pyo3's PanicException derives from
+        return encode(tokenizer, texts)
+
+    monkeypatch.setattr(step, "_encode", failing)
+    good, bad = step.execute([_Request(["fine", "also fine"]), _Request(["fine", "panic here"])])
+    assert good.error is None and [row[0] for row in _rows(good)] == [101, 101]  # [CLS] first
+    assert "could not be tokenized" in bad.error and "a Rust panic" in bad.error
