@@ -19,8 +19,8 @@ Its steps (``--steps``; by default all but ``padding``, in this order, the most 
   against the PyTorch fp32 reference the export stored;
 - ``validate``: ``nexus-sli validate`` on the repository;
 - ``fidelity``: the stored reference's inputs through the graph and through sentence-transformers fp16;
-- ``levers``: the graph in process with ONNX Runtime's I/O binding, and with CUDA graphs at one bucket
-  (last: a provider that refuses a capture may abort the process);
+- ``levers``: the graph in process with ONNX Runtime's I/O binding, the nodes ONNX Runtime places on the
+  CPU, and CUDA graphs at one bucket (last: a provider that refuses a capture may abort the process);
 - ``padding``: what padding a batch to wider widths costs on the GPU.
 
 Every cell of the record is written as it finishes (``--out``), so a run cut short keeps what it measured
@@ -262,9 +262,10 @@ def levers(args, cell) -> None:
     """The graph with ONNX Runtime's I/O binding (inputs copied to the GPU in one call each, the output left
     there and copied out once) and with CUDA graphs (captured at one batch shape, replayed), each beside
     the plain ``session.run`` on the same inputs, interleaved."""
-    from nexus_sli.bench.gpu_served import cuda_graph_runs, io_binding_runs
+    from nexus_sli.bench.gpu_served import cpu_placed_nodes, cuda_graph_runs, io_binding_runs
 
     cell("io binding", io_binding_runs(args, args.rounds))
+    cell("node placements", cpu_placed_nodes(args))
     cell("cuda graphs", cuda_graph_runs(args, args.rounds))
 
 

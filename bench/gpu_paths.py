@@ -51,8 +51,9 @@ def reference_embeddings(repository: Path, model: str, tokenizer) -> tuple[list[
     return texts, np.stack([stored[key] for key in keys])
 
 
-def encoder_session(repository: Path, model: str, **provider_options):
-    """The encoder's session as ``nexus-sli validate`` opens it: the providers its config.pbtxt names."""
+def encoder_session(repository: Path, model: str, session_options=None, **provider_options):
+    """The encoder's session as ``nexus-sli validate`` opens it: the providers its config.pbtxt names (with
+    ``session_options``, an ``onnxruntime.SessionOptions``, and ``provider_options`` for the CUDA provider)."""
     from google.protobuf import json_format
 
     from nexus_sli.exporter.targets import TARGETS
@@ -61,12 +62,13 @@ def encoder_session(repository: Path, model: str, **provider_options):
     folder = repository / f"{model}_encoder"
     config = json_format.MessageToDict(tc.read(folder / "config.pbtxt"), preserving_proto_field_name=True)
     session = TARGETS["onnxruntime-cuda"].open(folder / "1" / "model.onnx", {}, config=config)
-    if provider_options:  # the same providers, the CUDA provider's options changed
+    if provider_options or session_options is not None:  # the same providers, opened again with these options
         import onnxruntime as ort
 
         providers = [(name, {**options, **provider_options}) if name == "CUDAExecutionProvider" else (name, options)
                      for name, options in zip(session.get_providers(), session.get_provider_options().values())]
-        session = ort.InferenceSession(str(folder / "1" / "model.onnx"), providers=providers)
+        session = ort.InferenceSession(str(folder / "1" / "model.onnx"), sess_options=session_options,
+                                       providers=providers)
     return session, session.get_providers()
 
 

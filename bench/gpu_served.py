@@ -21,8 +21,10 @@ variant: the GPU memory its processes hold.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -311,5 +313,41 @@ def cuda_graph_runs(args, rounds: int) -> dict:
         for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
             times[name].append(_timed(runs[name]))
     found["batch 32, ms"] = {name: float(np.median(t)) for name, t in times.items()}
+    return found
+
+
+def cpu_placed_nodes(args) -> dict:
+    """Where ONNX Runtime places the encoder graph's nodes in a session on its config's providers, from the
+    session's verbose log (``VerifyEachNodeIsAssignedToAnEp``): each provider's count, and the nodes it puts on
+    the CPU, which keep a CUDA graph from capturing the run (``cuda_graph_runs``)."""
+    import os
+
+    import onnxruntime as ort
+
+    from nexus_sli.bench.gpu_paths import encoder_session
+
+    verbose = ort.SessionOptions()
+    verbose.log_severity_level = 0
+
+    descriptor = 2  # the log is ONNX Runtime's C++ output to the process's standard error, not Python's
+    saved = os.dup(descriptor)
+    with tempfile.TemporaryFile(mode="w+") as log:
+        sys.stderr.flush()
+        os.dup2(log.fileno(), descriptor)
+        try:
+            encoder_session(args.repository, args.model, verbose)
+        finally:
+            os.dup2(saved, descriptor)
+            os.close(saved)
+        log.seek(0)
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).split("] ", 1)[-1].strip()  # colours off
+                 for line in log.read().splitlines() if "VerifyEachNodeIsAssignedToAnEp" in line]
+    found: dict = {"placements": [line for line in lines if "placed on" in line], "on the CPU": []}
+    provider = None
+    for line in lines:
+        if "placed on [" in line:
+            provider = line.split("placed on [", 1)[1].split("]", 1)[0]
+        elif provider == "CPUExecutionProvider" and line:
+            found["on the CPU"].append(line)
     return found
 

@@ -1,10 +1,14 @@
 """The GPU check's served variants (bench/gpu_served.py): each is a copy of the GPU repository with its
-settings written through Triton's config schema, the repository itself untouched.  The check serves them
-on a GPU host only (docs/gpu.md, "Served on a GPU")."""
+settings written through Triton's config schema, the repository itself untouched; and its reading of where
+ONNX Runtime places the graph's nodes.  The check serves the variants on a GPU host only (docs/gpu.md,
+"Served on a GPU")."""
 
 from __future__ import annotations
 
-from nexus_sli.bench.gpu_served import VARIANTS, ServedVariant, variant_repository
+import re
+from types import SimpleNamespace
+
+from nexus_sli.bench.gpu_served import VARIANTS, ServedVariant, cpu_placed_nodes, variant_repository
 from nexus_sli.exporter.triton import config as tc
 
 
@@ -26,3 +30,12 @@ def test_the_variants_labels_can_be_named_on_the_command_line():
     labels = [variant.label for variant in VARIANTS]
     assert len(set(labels)) == len(labels) and not any("," in label for label in labels)  # --variants splits on ","
     assert labels[0] == "as exported" and VARIANTS[0] == ServedVariant("as exported", full=True)
+
+
+def test_the_node_placements_are_read_from_onnx_runtimes_log(tmp_path, exports):
+    """Where the GPU check looks for the nodes that keep a CUDA graph from capturing the run; here, without a
+    GPU provider, every node is on the CPU."""
+    repository = exports.copy("minilm_gpu", tmp_path, as_name="minilm")
+    found = cpu_placed_nodes(SimpleNamespace(repository=repository, model="minilm"))
+    (placement,) = found["placements"]
+    assert re.fullmatch(r"All nodes placed on \[CPUExecutionProvider\]\. Number of nodes: \d+", placement), placement
