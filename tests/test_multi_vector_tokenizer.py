@@ -10,22 +10,18 @@ one execution pads both sides to one width and answers an unknown ``input_type``
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import string
-import sys
 from dataclasses import dataclass, replace
 from importlib import resources
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from helpers.python_steps import TextRequest, load_step, unload
 from nexus_sli.client.error_codes import (INPUT_TYPE_PARAMETER, INVALID_INPUT, PROMPT_PARAMETER, TOKEN_COUNT_OUTPUT,
                                           TOKENS_OUTPUT)
-from nexus_sli.exporter.serving.binary import pytriton_root
 from nexus_sli.exporter.triton.models import SHARED_FILES
 from nexus_sli.exporter.triton.python_models.encoding import TOKENIZER_MODES
 from nexus_sli.exporter.triton.python_models.sides import (
@@ -52,8 +48,6 @@ TEXTS = ["cat", "what is a cat?", "the dog sat on the mat.", "hello, world! (a t
          "where did the cat go? " * 6]  # the last is longer than every side's length
 PROMPTS = {"query": "[unused0] ", "document": "[unused1] ", "search": "search query: "}
 PLAIN_PROMPTS = {"query": "[Q] ", "document": "[D] "}  # markers as a native save writes them: plain text
-#: What a repository's tokenizer model imports from its own folder, and Triton's module beside it.
-REPOSITORY_MODULES = ("encoding", "sides", "error_codes", "model_parameters", "triton_python_backend_utils")
 
 
 @dataclass(frozen=True)
@@ -193,37 +187,10 @@ def test_first_token_is_never_scored_where_the_model_drops_it(tiny_bert):
 
 # -- the tokenizer model, as Triton's python backend loads it -------------------------------------------
 
-class _Input:
-    def __init__(self, name, array):
-        self._name, self._array = name, array
-
-    def name(self):
-        return self._name
-
-    def as_numpy(self):
-        return self._array
-
-
-class _Request:
-    """The parts of ``pb_utils.InferenceRequest`` the tokenizer model reads."""
-
-    def __init__(self, texts, outputs=(), **parameters):
-        self._texts, self._outputs, self._parameters = texts, list(outputs), parameters
-
-    def inputs(self):
-        return [_Input("TEXT", np.array([[t.encode()] for t in self._texts], dtype=object))]
-
-    def parameters(self):
-        return json.dumps(self._parameters)
-
-    def requested_output_names(self):
-        return self._outputs
-
-
 @pytest.fixture
 def tokenizer_model(tiny_bert, tmp_path, monkeypatch):
-    """The sided tokenizer model of ``CASES["fixed"]``, its files copied as an export copies them; the
-    C++ side of ``triton_python_backend_utils`` (tensors, responses) replaced by plain records."""
+    """The sided tokenizer model of ``CASES["fixed"]``, its files copied as an export copies them
+    (:mod:`helpers.python_steps`)."""
     version = tmp_path / "1"
     version.mkdir()
     package = resources.files("nexus_sli.exporter.triton.python_models")
@@ -233,28 +200,13 @@ def tokenizer_model(tiny_bert, tmp_path, monkeypatch):
     for shared, file in SHARED_FILES:
         (version / file).write_text(resources.files(shared).joinpath(file).read_text())
     (version / "tokenizer.json").write_bytes((tiny_bert / "tokenizer.json").read_bytes())
-    for name in REPOSITORY_MODULES:  # this repository's copies, not another test's
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.syspath_prepend(str(pytriton_root() / "backends" / "python"))
-    monkeypatch.syspath_prepend(str(version))
-    spec = importlib.util.spec_from_file_location("sided_tokenizer_model", version / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    for name, record in (("Tensor", lambda n, a: SimpleNamespace(name=n, array=a)),
-                         ("InferenceResponse", lambda output_tensors=None, error=None:
-                          SimpleNamespace(tensors={t.name: t.array for t in output_tensors or []}, error=error)),
-                         ("TritonError", str)):
-        monkeypatch.setattr(module.pb_utils, name, record, raising=False)
     model, sides = colbert(tiny_bert, CASES["fixed"])
     parameters = {"mode": "sided", "sides": sides.to_json(), "prompts": json.dumps(model.prompts), "max_length": "64",
                   "pad_widths": "8,12,16,32", "pad_id": str(model.tokenizer.pad_token_id)}
     config = {"parameters": {key: {"string_value": value} for key, value in parameters.items()},
               "output": [{"name": name} for name in (*NAMES, TOKEN_COUNT_OUTPUT)]}
-    served = module.TritonPythonModel()
-    served.initialize({"model_config": json.dumps(config), "model_repository": str(tmp_path), "model_version": "1"})
-    yield served, model, sides
-    for name in REPOSITORY_MODULES:
-        sys.modules.pop(name, None)
+    yield load_step(monkeypatch, version, "sided_tokenizer_model", config, tmp_path), model, sides
+    unload()
 
 
 def test_sided_is_a_tokenizer_mode():
@@ -263,9 +215,9 @@ def test_sided_is_a_tokenizer_mode():
 
 def test_one_execution_pads_both_sides_to_one_width_and_answers_an_unknown_side_alone(tokenizer_model):
     served, model, sides = tokenizer_model
-    requests = [_Request(TEXTS[:2], **{INPUT_TYPE_PARAMETER: QUERY}), _Request(TEXTS[2:]),
-                _Request(TEXTS[:1], **{INPUT_TYPE_PARAMETER: "passage"}),
-                _Request(TEXTS[:1], **{INPUT_TYPE_PARAMETER: QUERY, PROMPT_PARAMETER: "search"})]
+    requests = [TextRequest(TEXTS[:2], **{INPUT_TYPE_PARAMETER: QUERY}), TextRequest(TEXTS[2:]),
+                TextRequest(TEXTS[:1], **{INPUT_TYPE_PARAMETER: "passage"}),
+                TextRequest(TEXTS[:1], **{INPUT_TYPE_PARAMETER: QUERY, PROMPT_PARAMETER: "search"})]
     query, document, unknown, prompted = served.execute(requests)
     assert unknown.error.startswith(f"[nexus:{INVALID_INPUT}]") and "'passage'" in unknown.error
     assert "query, document" in unknown.error
@@ -286,7 +238,7 @@ def test_one_execution_pads_both_sides_to_one_width_and_answers_an_unknown_side_
 
 def test_a_query_needs_its_expansions_width(tokenizer_model):
     served, _, sides = tokenizer_model
-    (short,) = served.execute([_Request(["cat"], **{INPUT_TYPE_PARAMETER: QUERY})])
+    (short,) = served.execute([TextRequest(["cat"], **{INPUT_TYPE_PARAMETER: QUERY})])
     assert short.tensors["input_ids"].shape[1] == sides.query.expansion.length == 12
     assert short.tensors[SCORE_MASK].sum() == 12
     assert short.tensors["attention_mask"].sum() == 4  # [CLS] [unused0] cat [SEP]: the encoder skips the expansion
@@ -295,7 +247,7 @@ def test_a_query_needs_its_expansions_width(tokenizer_model):
 @pytest.mark.parametrize("side_name", [QUERY, DOCUMENT])
 def test_tokenize_shows_a_sides_text_with_its_marker_untruncated(tokenizer_model, side_name):
     served, *_ = tokenizer_model
-    (answer,) = served.execute([_Request(TEXTS[-1:], outputs=[TOKENS_OUTPUT], **{INPUT_TYPE_PARAMETER: side_name})])
+    (answer,) = served.execute([TextRequest(TEXTS[-1:], outputs=[TOKENS_OUTPUT], **{INPUT_TYPE_PARAMETER: side_name})])
     tokens = json.loads(answer.tensors[TOKENS_OUTPUT][0, 0])
     assert tokens["text"][1] == PROMPTS[side_name].strip()
     assert len(tokens["ids"]) > served.sides.side(side_name).max_length

@@ -5,73 +5,24 @@ C++ side of ``triton_python_backend_utils`` (tensors, responses) replaced by pla
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import sys
-from types import SimpleNamespace
-
-import numpy as np
 import pytest
 
-from nexus_sli.exporter.serving.binary import pytriton_root
-from nexus_sli.exporter.triton import config as tc
+from helpers.python_steps import TextRequest, load_step, unload
 from nexus_sli.exporter.serving.joined_steps import triton_json
-
-#: What the tokenizer model imports from its own folder, and Triton's module beside it.
-REPOSITORY_MODULES = ("encoding", "sides", "error_codes", "model_parameters", "triton_python_backend_utils")
-
-
-class _Input:
-    def __init__(self, name, array):
-        self._name, self._array = name, array
-
-    def name(self):
-        return self._name
-
-    def as_numpy(self):
-        return self._array
-
-
-class _Request:
-    def __init__(self, texts, **parameters):
-        self._texts, self._parameters = texts, parameters
-
-    def inputs(self):
-        return [_Input("TEXT", np.array([[t if isinstance(t, bytes) else t.encode()] for t in self._texts],
-                                        dtype=object))]
-
-    def parameters(self):
-        return json.dumps(self._parameters)
-
-    def requested_output_names(self):
-        return []
+from nexus_sli.exporter.triton import config as tc
 
 
 @pytest.fixture
 def strict_step(exports, tmp_path, monkeypatch):
     """The tokenizer step of the packaged model exported with truncation off, its ``_encode`` calls counted."""
     folder = exports.copy("minilm_strict", tmp_path, as_name="strict") / "strict_tokenizer"
-    for name in REPOSITORY_MODULES:  # this repository's copies, not another test's
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.syspath_prepend(str(pytriton_root() / "backends" / "python"))
-    monkeypatch.syspath_prepend(str(folder / "1"))
-    spec = importlib.util.spec_from_file_location("strict_tokenizer_model", folder / "1" / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    for name, record in (("Tensor", lambda n, a: SimpleNamespace(name=n, array=a)),
-                         ("InferenceResponse", lambda output_tensors=None, error=None:
-                          SimpleNamespace(tensors={t.name: t.array for t in output_tensors or []}, error=error)),
-                         ("TritonError", str)):
-        monkeypatch.setattr(module.pb_utils, name, record, raising=False)
-    step = module.TritonPythonModel()
-    step.initialize({"model_config": json.dumps(triton_json(tc.read(folder / "config.pbtxt"))),
-                     "model_repository": str(folder), "model_version": "1"})
+    step = load_step(monkeypatch, folder / "1", "strict_tokenizer_model",
+                     triton_json(tc.read(folder / "config.pbtxt")), folder)
     calls = []
     encode = step._encode
     monkeypatch.setattr(step, "_encode", lambda tokenizer, texts: calls.append(len(texts)) or encode(tokenizer, texts))
     yield step, calls
-    for name in REPOSITORY_MODULES:
-        sys.modules.pop(name, None)
+    unload()
 
 
 def _rows(answer) -> list[list[int]]:
@@ -81,9 +32,9 @@ def _rows(answer) -> list[list[int]]:
 
 def test_an_executions_requests_of_several_texts_are_tokenized_in_one_call_each_answered_its_own(strict_step):
     step, calls = strict_step
-    requests = [_Request(["a short text", "another, a little longer, text"]), _Request(["fine", "word " * 300]),
-                _Request([b"\xc3\x28", "fine"]), _Request(["the third", "good request", "of three"]),
-                _Request(["one text alone"]), _Request([])]
+    requests = [TextRequest(["a short text", "another, a little longer, text"]), TextRequest(["fine", "word " * 300]),
+                TextRequest([b"\xc3\x28", "fine"]), TextRequest(["the third", "good request", "of three"]),
+                TextRequest(["one text alone"]), TextRequest([])]
     together = step.execute(requests)
     # the texts of the requests of several texts that decode in one call (the one past the limit is refused
     # after it), then each request of one text or none alone
@@ -111,6 +62,6 @@ def test_a_call_that_fails_is_retried_request_by_request(strict_step, monkeypatc
         return encode(tokenizer, texts)
 
     monkeypatch.setattr(step, "_encode", failing)
-    good, bad = step.execute([_Request(["fine", "also fine"]), _Request(["fine", "panic here"])])
+    good, bad = step.execute([TextRequest(["fine", "also fine"]), TextRequest(["fine", "panic here"])])
     assert good.error is None and [row[0] for row in _rows(good)] == [101, 101]  # [CLS] first
     assert "could not be tokenized" in bad.error and "a Rust panic" in bad.error
