@@ -259,9 +259,9 @@ class TritonPythonModel:
             numbers = [number for number, (_, of) in texts.items() if of == side]
             tokenizer, limit = ((self.tokenizer, self.max_length) if side is None else
                                 (self.side_tokenizers[side], self.sides.side(side).max_length))
-            several = [number for number in numbers if len(texts[number][0]) > 1]
-            joined, _ = (_guarded(lambda t: self._encode(tokenizer, t), [t for n in several for t in texts[n][0]])
-                         if several else ([], None))
+            several = {number for number in numbers if len(texts[number][0]) > 1}
+            joined, _ = (_guarded(lambda t: self._encode(tokenizer, t),
+                                  [t for n in numbers if n in several for t in texts[n][0]]) if several else ([], None))
             start = 0
             for number in numbers:
                 own = texts[number][0]
