@@ -216,8 +216,6 @@ def speed(args, cell) -> None:
 def graph_parts(graph, texts) -> dict:
     """Milliseconds per call of the graph path's parts (tokenizing, the arrays, ``session.run``) at each
     batch of short texts and a single query: the median of 20 calls after 3."""
-    from nexus_sli.exporter.triton.python_models.encoding import padded_length, to_arrays
-
     found = {}
     for label, batch in [("single", texts.singles[:1]), *((f"batch {size}", texts.batches("short", size, 1)[0])
                                                          for size in (32, 256))]:
@@ -226,8 +224,7 @@ def graph_parts(graph, texts) -> dict:
             began = time.perf_counter()
             encodings = graph.tokenizer.encode_batch(batch)
             tokenized = time.perf_counter()
-            width = padded_length(max(len(e.ids) for e in encodings), graph.widths, graph.max_length)
-            feeds = to_arrays(encodings, graph.names, graph.pad_id, width)
+            feeds = graph.arrays(encodings)
             arrayed = time.perf_counter()
             graph.session.run(["EMBEDDING"], feeds)
             if repetition >= 3:

@@ -121,9 +121,12 @@ class GraphPath:
         self.names = [i.name for i in self.session.get_inputs()]
 
     def feeds(self, texts: list[str]) -> dict[str, np.ndarray]:
+        return self.arrays(self.tokenizer.encode_batch(texts))
+
+    def arrays(self, encodings) -> dict[str, np.ndarray]:
+        """The graph's inputs for ``encodings``, padded to the tokenizer step's bucket."""
         from nexus_sli.exporter.triton.python_models.encoding import padded_length, to_arrays
 
-        encodings = self.tokenizer.encode_batch(texts)
         width = padded_length(max(len(e.ids) for e in encodings), self.widths, self.max_length)
         return to_arrays(encodings, self.names, self.pad_id, width)
 

@@ -26,7 +26,9 @@ from pathlib import Path
 import numpy as np
 
 
-class _Tensor:
+class Tensor:
+    """A tensor as the python backend's steps read one: its name and its array."""
+
     __slots__ = ("_array", "_name")
 
     def __init__(self, name, array):
@@ -53,23 +55,28 @@ class _Response:
         return self._error
 
 
-class _Request:
-    def __init__(self, texts: list[str]):
-        self._inputs = [_Tensor("TEXT", np.array([[t.encode()] for t in texts], dtype=object))]
+class TextRequest:
+    """The parts of ``pb_utils.InferenceRequest`` a text step reads: ``TEXT`` (strings, or bytes as sent),
+    the request's parameters and the outputs it names."""
+
+    def __init__(self, texts, outputs=(), **parameters):
+        self.texts, self._outputs, self._parameters = list(texts), list(outputs), json.dumps(parameters)
+        self._inputs = [Tensor("TEXT", np.array([[t if isinstance(t, bytes) else t.encode()] for t in self.texts],
+                                                dtype=object))]
 
     def inputs(self):
         return self._inputs
 
     def parameters(self):
-        return "{}"
+        return self._parameters
 
     def requested_output_names(self):
-        return []
+        return self._outputs
 
 
 def _stand_in() -> None:
     module = types.ModuleType("triton_python_backend_utils")
-    module.Tensor, module.InferenceResponse, module.TritonError = _Tensor, _Response, RuntimeError
+    module.Tensor, module.InferenceResponse, module.TritonError = Tensor, _Response, RuntimeError
     module.get_input_tensor_by_name = lambda request, name: next(
         (t for t in request.inputs() if t.name() == name), None)
     sys.modules["triton_python_backend_utils"] = module
@@ -118,7 +125,7 @@ class JoinedModel:
     def medians(self, calls: list[list[str]], executions: int = 50, warm: int = 5) -> dict:
         """Milliseconds of one execution of ``calls`` (one request each), and of each step in it: medians of
         ``executions`` after ``warm``."""
-        requests = [_Request(texts) for texts in calls]
+        requests = [TextRequest(texts) for texts in calls]
         for times in self.times.values():
             times.clear()
         whole = []

@@ -19,7 +19,8 @@ import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from helpers.python_steps import TextRequest, load_step, unload
+from helpers.python_steps import load_step, unload
+from nexus_sli.bench.joined_profile import TextRequest
 from nexus_sli.client.error_codes import (INPUT_TYPE_PARAMETER, INVALID_INPUT, PROMPT_PARAMETER, TOKEN_COUNT_OUTPUT,
                                           TOKENS_OUTPUT)
 from nexus_sli.exporter.triton.models import SHARED_FILES

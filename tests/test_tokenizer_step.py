@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.python_steps import TextRequest, load_step, unload
+from helpers.python_steps import load_step, unload
+from nexus_sli.bench.joined_profile import TextRequest
 from nexus_sli.exporter.serving.joined_steps import triton_json
 from nexus_sli.exporter.triton import config as tc
 
@@ -43,7 +44,7 @@ def test_an_executions_requests_of_several_texts_are_tokenized_in_one_call_each_
     for number in (0, 3, 4, 5):
         calls.clear()
         (alone,) = step.execute([requests[number]])
-        assert together[number].error is None and calls == [len(requests[number]._texts)]
+        assert together[number].error is None and calls == [len(requests[number].texts)]
         assert _rows(together[number]) == _rows(alone)  # the same tokens, whatever the width they share
         assert (together[number].tensors["TOKEN_COUNT"] == alone.tensors["TOKEN_COUNT"]).all()
     widths = {together[n].tensors["input_ids"].shape[1] for n in (0, 3, 4)}

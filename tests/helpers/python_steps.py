@@ -1,6 +1,6 @@
 """An exported python step (its ``model.py`` and the helpers beside it) loaded as Triton's python backend loads
 it, in the test's process: the wheel's ``triton_python_backend_utils`` on the path, its C++ side (tensors,
-responses) replaced by plain records, and requests that carry what the steps read of one."""
+responses) replaced by plain records.  Requests: bench/joined_profile.py's ``TextRequest``."""
 
 from __future__ import annotations
 
@@ -10,43 +10,10 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
-
 from nexus_sli.exporter.serving.binary import pytriton_root
 
 #: What a repository's python step imports from its own folder, and Triton's module beside it.
 REPOSITORY_MODULES = ("encoding", "sides", "error_codes", "model_parameters", "triton_python_backend_utils")
-
-
-class Input:
-    """An input tensor of a request."""
-
-    def __init__(self, name, array):
-        self._name, self._array = name, array
-
-    def name(self):
-        return self._name
-
-    def as_numpy(self):
-        return self._array
-
-
-class TextRequest:
-    """The parts of ``pb_utils.InferenceRequest`` the tokenizer step reads: ``TEXT`` (strings, or bytes as
-    sent), the request's parameters and the outputs it names."""
-
-    def __init__(self, texts, outputs=(), **parameters):
-        self._texts, self._outputs, self._parameters = list(texts), list(outputs), parameters
-
-    def inputs(self):
-        return [Input("TEXT", np.array([[t if isinstance(t, bytes) else t.encode()] for t in self._texts],
-                                        dtype=object))]
-
-    def parameters(self):
-        return json.dumps(self._parameters)
-
-    def requested_output_names(self):
-        return self._outputs
 
 
 def load_step(monkeypatch, version: Path, name: str, config: dict, repository: Path):
