@@ -6,21 +6,26 @@ repository written by ``nexus-sli export --target gpu --accelerator cuda``::
 
     python -m nexus_sli.bench.gpu_check --repository REPO --model NAME --weights MODEL_DIR --out record.json
 
+``--fused-repository``: the same model's repository with ONNX Runtime's fused graph (bench/gpu_fused.py), timed,
+checked and served beside the exported one in the steps that say so.
+
 Its steps (``--steps``; by default all but ``padding``, in this order, the most important first):
 
 - ``environment``: versions, the GPU, the providers this onnxruntime has;
 - ``speed``: the graph in process (the tokenizer step's bucket padding, then one ``session.run`` per
-  batch) and sentence-transformers fp16, interleaved round by round: short texts in batches of 32 and
-  256, long texts in batches of 32, and single short queries (p50, p99);
+  batch), the fused graph likewise, and sentence-transformers fp16, interleaved round by round: short texts
+  in batches of 32 and 256, long texts in batches of 32, and single short queries (p50, p99);
 - ``joined``: the joined model (``nexus-sli serve``'s steps in one process) run in this process, step by step;
 - ``served``: the repository served by ``nexus-sli serve`` on this GPU (bench/gpu_served.py), each
   variant of the served configuration in turn: throughput from client processes, single queries paired
   with the graph in process, GPU utilisation, the GPU memory the server holds, and the served vectors
   against the PyTorch fp32 reference the export stored;
 - ``validate``: ``nexus-sli validate`` on the repository;
-- ``fidelity``: the stored reference's inputs through the graph and through sentence-transformers fp16;
+- ``fidelity``: the stored reference's inputs through the graph, the fused graph and sentence-transformers
+  fp16;
 - ``levers``: the graph in process with ONNX Runtime's I/O binding, the nodes ONNX Runtime places on the
-  CPU, and CUDA graphs at one bucket (last: a provider that refuses a capture may abort the process);
+  CPU, and CUDA graphs at one bucket, for each graph (last: a provider that refuses a capture may abort the
+  process);
 - ``padding``: what padding a batch to wider widths costs on the GPU.
 
 Every cell of the record is written as it finishes (``--out``), so a run cut short keeps what it measured
@@ -72,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repository", type=Path, required=True)
     parser.add_argument("--model", required=True, help="the model's name in the repository")
     parser.add_argument("--weights", type=Path, help="the sentence-transformers model folder (speed, fidelity)")
+    parser.add_argument("--fused-repository", type=Path,
+                        help="the model's repository with the fused graph (bench/gpu_fused.py), measured beside")
     parser.add_argument("--out", type=Path, required=True, help="the JSON record to write")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds in process")
     parser.add_argument("--seconds", type=float, default=4.0, help="each served load's window")
@@ -148,17 +155,20 @@ def fidelity(args, cell) -> None:
     """Sentence embeddings of the 240 validation texts against PyTorch fp32, for both fp16 paths."""
     import torch
 
-    session, providers = encoder_session(args.repository, args.model)
+    sessions = {"onnxruntime fp16 graph": encoder_session(args.repository, args.model)}
+    if args.fused_repository is not None:
+        sessions["onnxruntime fp16 fused graph"] = encoder_session(args.fused_repository, args.model)
     model = st_model(args.weights, args.device)
-    found: dict[str, list] = {"onnxruntime fp16 graph": [], "sentence-transformers fp16": []}
+    found: dict[str, list] = {**{name: [] for name in sessions}, "sentence-transformers fp16": []}
     for inputs, want in reference_batches(args.repository, args.model):
-        found["onnxruntime fp16 graph"].append(cosines(session.run(["EMBEDDING"], inputs)[0], want))
+        for name, (session, _) in sessions.items():
+            found[name].append(cosines(session.run(["EMBEDDING"], inputs)[0], want))
         with torch.inference_mode():
             features = {k: torch.from_numpy(v).to(args.device) for k, v in inputs.items()}
             got = model(features)["sentence_embedding"].float().cpu().numpy()
         found["sentence-transformers fp16"].append(cosines(got, want))
     cell("reference", "PyTorch fp32 (stored at export)")
-    cell("providers", providers)
+    cell("providers", {name: providers for name, (_, providers) in sessions.items()})
     for name, values in found.items():
         cell(name, {"texts": int(sum(len(c) for c in values)), "cosine_min": float(np.concatenate(values).min()),
                     "cosine_mean": float(np.concatenate(values).mean())})
@@ -199,13 +209,17 @@ def speed(args, cell) -> None:
     graph = GraphPath(args.repository, args.model)
     texts = Texts(graph.tokenizer)
     paths = {"graph in process": graph}
+    if args.fused_repository is not None:
+        paths["fused graph in process"] = GraphPath(args.fused_repository, args.model)
     try:
         paths["sentence-transformers fp16"] = st_embedder(args.weights, args.device)
     except Exception:  # the graph's figures are still worth having
         cell("sentence-transformers error", traceback.format_exc())
     for name, calls in texts.workloads().items():
         cell(name, interleaved(paths, calls, args.rounds))
-    cell("graph in process, by part", graph_parts(graph, texts))
+    for name, path in paths.items():
+        if isinstance(path, GraphPath):
+            cell(f"{name}, by part", graph_parts(path, texts))
     times: dict[str, list[float]] = {name: [] for name in paths}
     for r in range(3):
         for name in (list(paths) if r % 2 == 0 else list(reversed(paths))):
@@ -262,8 +276,12 @@ def levers(args, cell) -> None:
     from nexus_sli.bench.gpu_served import cpu_placed_nodes, cuda_graph_runs, io_binding_runs
 
     cell("io binding", io_binding_runs(args, args.rounds))
-    cell("node placements", cpu_placed_nodes(args))
-    cell("cuda graphs", cuda_graph_runs(args, args.rounds))
+    graphs = {"": args, **({"fused graph, ": argparse.Namespace(**{**vars(args), "repository": args.fused_repository})}
+                           if args.fused_repository is not None else {})}
+    for prefix, graph_args in graphs.items():
+        cell(f"{prefix}node placements", cpu_placed_nodes(graph_args))
+    for prefix, graph_args in graphs.items():  # after every placement: a refused capture may abort the process
+        cell(f"{prefix}cuda graphs", cuda_graph_runs(graph_args, args.rounds))
 
 
 def padding(args, cell) -> None:

@@ -26,6 +26,7 @@ echo "$host_site" > "$env_site/host-packages.pth"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/nvidia-smi.csv" || true
 check=(-m nexus_sli.bench.gpu_check --repository "$work/repo" --model all_minilm_l6_v2 --weights "$work/weights")
+[ -d "$work/repo-fused" ] && check+=(--fused-repository "$work/repo-fused")  # parts made before bench/gpu_fused.py
 PYTHONPATH="$work/site" python3 "${check[@]}" --out "$out/gpu-check-in-process.json" \
   --steps "${IN_PROCESS_STEPS:-environment,speed,joined,fidelity,validate,levers}" "${@:3}" \
   || echo "gpu_run: the in-process check exited $? (a CUDA graph capture can abort it); serving next"

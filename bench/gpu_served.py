@@ -1,9 +1,10 @@
 """The GPU repository served on its GPU, one variant of the served configuration at a time: the
 ``served`` and ``levers`` steps of bench/gpu_check.py.
 
-A variant is a copy of the repository with some of the settings Triton reads changed through its
-config schema (the encoder's instances, its queue delay, the rows an execution merges, the tokenizer
-step's instances), the requests of one call its clients send at once, and a way of serving it
+A variant is a copy of the repository (or of the fused graph's, ``--fused-repository``: bench/gpu_fused.py)
+with some of the settings Triton reads changed through its config schema (the encoder's instances, its
+queue delay, the rows an execution merges, the tokenizer step's instances), the requests of one call its
+clients send at once, and a way of serving it
 (``nexus-sli serve``'s default, each ensemble's steps joined in one process, or the steps as exported).
 Each is served by ``nexus-sli serve`` (with the interpreter ``--serve-python`` names: the python backend
 needs numpy<2) and loaded by client processes of their own (bench/stack_load.py), the cells that judge the
@@ -49,6 +50,9 @@ class ServedVariant:
     separate_steps: bool = False
     #: the client's requests of one call in flight at once (``fan_out.IN_FLIGHT``; None: the client's default)
     in_flight: int | None = None
+    #: the repository with ONNX Runtime's fused graph (``--fused-repository``), its single queries paired with
+    #: that graph in process
+    fused: bool = False
     #: every load, and the served vectors' fidelity, not only the cells that judge
     full: bool = False
 
@@ -58,6 +62,7 @@ class ServedVariant:
 #: (Labels hold no commas: ``--variants`` is a comma-separated list of them.)
 VARIANTS = (
     ServedVariant("as exported", full=True),
+    ServedVariant("fused graph", fused=True, full=True),
     ServedVariant("max batch 64 + 1 instance + queue delay 500", max_batch_size=64, instances=1, queue_delay_us=500,
                   full=True),
     ServedVariant("max batch 64 + 4 instances + 4 in flight", max_batch_size=64, instances=4, in_flight=4, full=True),
@@ -156,7 +161,8 @@ def measure_variants(args, cell) -> None:
 
     graph = GraphPath(args.repository, args.model)
     texts = Texts(graph.tokenizer)
-    wanted = [v for v in VARIANTS if not args.variants or v.label in args.variants.split(",")]
+    wanted = [v for v in VARIANTS if (not args.variants or v.label in args.variants.split(","))
+              and (args.fused_repository is not None or not v.fused)]
     cell("variants", [v.__dict__ for v in wanted])
     cell("gpu memory before serving", gpu_memory())
     work = Path(tempfile.mkdtemp(prefix="nexus-sli-gpu-served-"))  # repository copies: not beside the record
@@ -169,10 +175,14 @@ def measure_variants(args, cell) -> None:
 
 
 def _variant(args, variant: ServedVariant, texts, graph, work: Path, reference, cell) -> str:
+    from nexus_sli.bench.gpu_paths import GraphPath
     from nexus_sli.bench.stack_ceiling import Served, Variant, run_load
     from nexus_sli.client import EncoderClient
 
-    repository = variant_repository(args.repository, work / "repository", variant)
+    source = args.fused_repository if variant.fused else args.repository
+    repository = variant_repository(source, work / "repository", variant)
+    if variant.fused:  # the single queries' pair: the same graph in process
+        graph = GraphPath(source, args.model)
     started = time.perf_counter()
     flags = (*(("--separate-steps",) if variant.separate_steps else ()),
              *(("--gpu-models-on-cpu",) if args.device == "cpu" else ()))  # a dry run on a machine without a GPU
@@ -191,7 +201,7 @@ def _variant(args, variant: ServedVariant, texts, graph, work: Path, reference, 
         for name, (clients, kind, size) in list(loads.items())[2:]:
             cell(name, _load(served, run_load, texts, kind, clients, size, args.seconds, variant.in_flight))
         if reference is not None:
-            cell("fidelity", _fidelity(client, *reference(args.repository, args.model, graph.tokenizer)))
+            cell("fidelity", _fidelity(client, *reference(source, args.model, graph.tokenizer)))
         client.close()
     finally:
         served.stop()

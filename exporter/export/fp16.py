@@ -26,12 +26,15 @@ FP32_OPS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNorm
 FP16_MAX = 65504.0
 
 
-def convert_fp16(source: Path, target: Path) -> Path:
-    """Write ``source`` as an fp16 graph with fp32 inputs/outputs and :data:`FP32_OPS` kept in fp32."""
+def convert_fp16(source: Path, target: Path, keep_fp32: tuple[str, ...] | None = FP32_OPS) -> Path:
+    """Write ``source`` as an fp16 graph with fp32 inputs/outputs and the ops ``keep_fp32`` names kept in fp32
+    (None: the converter's own list, for a fused graph, whose normalisations and softmax are inside ONNX Runtime's
+    fused operators)."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     # by path: the converter's shape inference then runs on the file, which works past 2 GB
-    model = convert_float_to_float16(str(source), keep_io_types=True, op_block_list=list(FP32_OPS),
+    model = convert_float_to_float16(str(source), keep_io_types=True,
+                                     op_block_list=None if keep_fp32 is None else list(keep_fp32),
                                      max_finite_val=FP16_MAX)
     # half the bytes: a large model's fp16 graph may fit one file again (:mod:`onnx_files` decides)
     return onnx_files.save(model, target)

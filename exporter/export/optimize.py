@@ -17,12 +17,14 @@ from .threads import export_threads
 log = logging.getLogger(__name__)
 
 
-def fuse(plain: Path, target: Path, num_heads: int, hidden_size: int) -> dict[str, int] | None:
-    """Write the fused graph; return its fused-operator counts, or None if nothing fused."""
+def fuse(plain: Path, target: Path, num_heads: int, hidden_size: int, use_gpu: bool = False) -> dict[str, int] | None:
+    """Write the fused graph (``use_gpu``: the fusions ONNX Runtime's CUDA provider runs); return its fused-operator
+    counts, or None if nothing fused."""
     from onnxruntime.transformers.optimizer import optimize_model
 
     try:
-        optimized = optimize_model(str(plain), model_type="bert", num_heads=num_heads, hidden_size=hidden_size)
+        optimized = optimize_model(str(plain), model_type="bert", num_heads=num_heads, hidden_size=hidden_size,
+                                   use_gpu=use_gpu)
     except Exception as exc:  # the optimizer's pattern matchers raise freely on unfamiliar graphs
         log.info("transformer optimizer failed, keeping the plain graph: %s", exc)
         return None

@@ -6,6 +6,8 @@ validation: one implementation of tokenising, padding and pooling.
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 from tokenizers import Tokenizer
 
@@ -69,29 +71,43 @@ def padded_length(longest: int, widths: list[int], max_length: int) -> int:
 
 
 def to_arrays(encodings, input_names: list[str], pad_id: int, length: int) -> dict[str, np.ndarray]:
-    """int64 arrays ``[batch, length]`` for each graph input in ``input_names``."""
-    batch = len(encodings)
-    arrays = {
-        "input_ids": np.full((batch, length), pad_id, dtype=np.int64),
-        "attention_mask": np.zeros((batch, length), dtype=np.int64),
-        "token_type_ids": np.zeros((batch, length), dtype=np.int64),
-        # character span of each token in its own sequence; (0, 0) for specials and padding
-        "offsets": np.zeros((batch, length, 2), dtype=np.int64),
-        # 1 where a token belongs to the second sequence (the context of a QA pair)
-        "context_mask": np.zeros((batch, length), dtype=np.int64),
-    }
-    for row, enc in enumerate(encodings):
-        n = len(enc.ids)
-        arrays["input_ids"][row, :n] = enc.ids
-        arrays["attention_mask"][row, :n] = 1
-        arrays["token_type_ids"][row, :n] = enc.type_ids
-        if "offsets" in input_names:
-            arrays["offsets"][row, :n] = enc.offsets
-            special = [i for i, sid in enumerate(enc.sequence_ids) if sid is None]
-            arrays["offsets"][row, special] = 0
-        if "context_mask" in input_names:
-            arrays["context_mask"][row, :n] = [sid == 1 for sid in enc.sequence_ids]
-    return {name: arrays[name] for name in input_names}
+    """int64 arrays ``[batch, length]`` for each graph input in ``input_names``.  Each input's tokens are read
+    into one flat array and spread under the mask of real positions: a copy per row and input cost more than
+    the rows of a large batch took to tokenize (bench/data/tried.md, "The token arrays in one copy")."""
+    ids = [encoding.ids for encoding in encodings]
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    real = np.arange(length) < lengths[:, None]
+    arrays = {}
+    for name in input_names:
+        if name == "attention_mask":
+            arrays[name] = real.astype(np.int64)
+        elif name == "offsets":  # character span of each token in its own sequence; (0, 0) for specials and padding
+            arrays[name] = _offsets(encodings, length)
+        else:
+            array = np.full(real.shape, pad_id if name == "input_ids" else 0, dtype=np.int64)
+            array[real] = np.fromiter(chain.from_iterable(_row_values(name, ids, encodings)), dtype=np.int64,
+                                      count=int(lengths.sum()))
+            arrays[name] = array
+    return arrays
+
+
+def _row_values(name: str, ids: list, encodings):
+    """Each row's values of the input ``name``, one per token."""
+    if name == "input_ids":
+        return ids
+    if name == "token_type_ids":
+        return (encoding.type_ids for encoding in encodings)
+    if name == "context_mask":  # 1 where a token belongs to the second sequence (the context of a QA pair)
+        return ((sid == 1 for sid in encoding.sequence_ids) for encoding in encodings)
+    raise KeyError(f"no token array {name!r}; known: input_ids, attention_mask, token_type_ids, offsets, context_mask")
+
+
+def _offsets(encodings, length: int) -> np.ndarray:
+    offsets = np.zeros((len(encodings), length, 2), dtype=np.int64)
+    for row, encoding in enumerate(encodings):
+        offsets[row, :len(encoding.ids)] = encoding.offsets
+        offsets[row, [i for i, sid in enumerate(encoding.sequence_ids) if sid is None]] = 0
+    return offsets
 
 
 def encode(

@@ -1,0 +1,53 @@
+"""The encoder's token arrays (``encoding.to_arrays``) hold each encoding's own values row by row, padded past
+its tokens: single texts and (question, context) pairs of every length, a batch of one, every input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nexus_sli.bench.stack_ceiling import packaged_tokenizer
+from nexus_sli.exporter.export.validate import validation_texts
+from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer, to_arrays
+
+NAMES = ["input_ids", "attention_mask", "token_type_ids", "offsets", "context_mask"]
+PAD = 7
+
+
+def _expected_row(encoding, name: str, width: int) -> np.ndarray:
+    """One row as the encoding gives it, padding after it: what a row-by-row copy writes."""
+    n = len(encoding.ids)
+    if name == "offsets":
+        row = np.zeros((width, 2), dtype=np.int64)
+        row[:n] = [(0, 0) if sid is None else span for sid, span in zip(encoding.sequence_ids, encoding.offsets)]
+        return row
+    values = {"input_ids": encoding.ids, "attention_mask": [1] * n, "token_type_ids": encoding.type_ids,
+              "context_mask": [int(sid == 1) for sid in encoding.sequence_ids]}[name]
+    return np.array(list(values) + [PAD if name == "input_ids" else 0] * (width - n), dtype=np.int64)
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_each_row_holds_its_encodings_values_then_padding(pairs, rows):
+    tokenizer = load_tokenizer(str(packaged_tokenizer()), 128)
+    texts = validation_texts()
+    items = [(texts[i], texts[i + 50]) for i in range(rows)] if pairs else texts[:rows]
+    encodings = tokenizer.encode_batch(items)
+    width = max(len(e.ids) for e in encodings) + 5
+    arrays = to_arrays(encodings, NAMES, PAD, width)
+    assert list(arrays) == NAMES
+    for name in NAMES:
+        assert arrays[name].dtype == np.int64
+        assert arrays[name].shape[:2] == (rows, width)
+        for row, encoding in enumerate(encodings):
+            np.testing.assert_array_equal(arrays[name][row], _expected_row(encoding, name, width), err_msg=name)
+    if pairs:  # the pairs' second texts are there: type ids and the context mask are not all zero
+        assert arrays["token_type_ids"].any() and arrays["context_mask"].any()
+
+
+def test_only_the_inputs_asked_for_are_built_and_an_unknown_one_is_named():
+    tokenizer = load_tokenizer(str(packaged_tokenizer()), 128)
+    encodings = tokenizer.encode_batch(["one text", "and another one"])
+    assert list(to_arrays(encodings, ["attention_mask", "input_ids"], 0, 8)) == ["attention_mask", "input_ids"]
+    with pytest.raises(KeyError, match="pixel_values"):
+        to_arrays(encodings, ["pixel_values"], 0, 8)
