@@ -1,8 +1,8 @@
 """The GPU repository with ONNX Runtime's fused graph: a lever the GPU check measures beside the exported one.
 
 The GPU export's graph is the plain one in fp16 (one graph for TensorRT and for CUDA), its LayerNorms and
-softmax kept in fp32 behind casts: on the CUDA provider a run of it is hundreds of small kernels, and on an
-H200 it took about 2 ms whatever its rows (docs/measured/gpu-h200-2026-11-28).  ONNX Runtime's transformer
+softmax kept in fp32 behind casts: on the CUDA provider a run of it is hundreds of small kernels, whose
+launches the GPU waits on (bench/data/tried.md, "The GPU served path on an H200").  ONNX Runtime's transformer
 optimizer fuses the plain fp32 graph for its CUDA provider (attention, embeddings, skip-LayerNorms, bias-GELUs
 into single operators), and its converter then makes the fused graph fp16.  TensorRT parses none of those
 operators, so this can only ever be the CUDA target's graph; whether it should be is for a GPU to say (the
@@ -32,9 +32,6 @@ from nexus_sli.exporter.targets.base import Candidate, ExportedGraph
 from nexus_sli.exporter.targets.onnxruntime_gpu import OnnxRuntimeCUDA
 
 log = logging.getLogger(__name__)
-
-#: the exported name (the GPU check's other repository exports the packaged model under the same)
-MODEL = "all_minilm_l6_v2"
 
 
 class FusedCUDA(OnnxRuntimeCUDA):
