@@ -276,8 +276,9 @@ def levers(args, cell) -> None:
     from nexus_sli.bench.gpu_served import cpu_placed_nodes, cuda_graph_runs, io_binding_runs
 
     cell("io binding", io_binding_runs(args, args.rounds))
-    graphs = {"": args, **({"fused graph, ": argparse.Namespace(**{**vars(args), "repository": args.fused_repository})}
-                           if args.fused_repository is not None else {})}
+    graphs = {"": args}
+    if args.fused_repository is not None:
+        graphs["fused graph, "] = argparse.Namespace(**{**vars(args), "repository": args.fused_repository})
     for prefix, graph_args in graphs.items():
         cell(f"{prefix}node placements", cpu_placed_nodes(graph_args))
     for prefix, graph_args in graphs.items():  # after every placement: a refused capture may abort the process

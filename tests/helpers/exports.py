@@ -38,7 +38,7 @@ PACKAGED: dict[str, dict] = {
     # bf16 where the CPU has it, else fp32 (the exporter falls back and says so)
     "minilm_openvino": {"backend": "openvino", "precision": "bf16"},
     # NNCF's int8 IR, written even where it misses the bar on this CPU: its first variant only (a quarter of the
-    # export's time; which variant --allow-degraded keeps is tests/test_openvino.py's)
+    # export's time; the tests serve an int8 IR and compare it with its own validation, not a choice of variants)
     "minilm_openvino_int8": {"backend": "openvino", "precision": "int8", "allow_degraded": True, "search": False},
     # the GPU target (fp16 for TensorRT), validated here on ONNX Runtime's CPU provider
     "minilm_gpu": {"device": "gpu", "backend": "auto", "precision": "auto"},
