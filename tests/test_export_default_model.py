@@ -5,15 +5,19 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import onnx
 import pytest
 
 from helpers.exports import MINILM
-from nexus_sli.exporter.export import export_report, validate
+from nexus_sli.exporter.export import export_report, pipeline, validate
 from nexus_sli.cli.main import main
 from nexus_sli.exporter.errors import ValidationError
-from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+from nexus_sli.exporter.export.pipeline import Attempt, ExportOptions, run_export
+from nexus_sli.exporter.export.report import FidelityShortfall, ValidationReport
+from nexus_sli.exporter.targets.base import Candidate
+from nexus_sli.exporter.targets.registry import TARGETS, Configuration
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +120,42 @@ def test_killed_export_leaves_the_repository_as_it_was(repo, tiny_checkpoint):
     assert stale, "the killed export should have left its staging folder behind"
     run_export(ExportOptions(model=str(tiny_checkpoint("bert")), out=repo, name="after_kill"))  # any model will do
     assert not [p for p in stale if p.exists()], "the next export removes staging folders of dead exports"
+
+
+def _failed(graph, cosine_mean=None, agreement=None, max_abs_diff=0.5, passed=False):
+    """A candidate whose validation found ``cosine_mean`` / ``agreement`` / ``max_abs_diff``."""
+    failures = [] if passed else [FidelityShortfall("below the bar")]
+    report = ValidationReport("int8", "onnxruntime", {}, 8, max_abs_diff, cosine_mean, cosine_mean, agreement, 0, 0,
+                              failures)
+    return Candidate(graph, Path(f"/nowhere/{graph}.onnx"), report)
+
+
+def _attempt(backend, *candidates):
+    return Attempt(Configuration(TARGETS[backend], "int8", "asked"), list(candidates))
+
+
+@pytest.mark.parametrize(("figures", "nearest"), [
+    # vectors: the highest mean cosine, in whichever configuration it is
+    ([{"cosine_mean": 0.97}, {"cosine_mean": 0.991}, {"cosine_mean": 0.98}], 1),
+    # labels (no cosine): the highest agreement
+    ([{"agreement": 0.80}, {"agreement": 0.95}, {"agreement": 0.90}], 1),
+    # neither: the smallest difference
+    ([{"max_abs_diff": 0.3}, {"max_abs_diff": 0.2}, {"max_abs_diff": 0.05}], 2),
+])
+def test_allow_degraded_keeps_the_failing_graph_nearest_pytorch(figures, nearest):
+    candidates = [_failed(f"graph{n}", **f) for n, f in enumerate(figures)]
+    attempts = [_attempt("onnxruntime", candidates[0]), _attempt("openvino", candidates[1], candidates[2])]
+    attempt, chosen = pipeline._choose(attempts, None, allow_degraded=True)
+    assert chosen is candidates[nearest] and any(c is chosen for c in attempt.candidates)
+
+
+def test_a_graph_that_passed_is_kept_over_nearer_failing_ones():
+    failing, passing = _failed("near", cosine_mean=0.9999), _failed("fast", cosine_mean=0.99, passed=True)
+    attempts = [_attempt("onnxruntime", failing), _attempt("openvino", passing)]
+    assert pipeline._choose(attempts, passing, allow_degraded=True) == (attempts[1], passing)
+
+
+def test_without_allow_degraded_no_failing_graph_is_kept():
+    attempts = [_attempt("onnxruntime", _failed("plain", cosine_mean=0.97))]
+    with pytest.raises(ValidationError, match="nothing was written.*--allow-degraded"):
+        pipeline._choose(attempts, None, allow_degraded=False)

@@ -442,7 +442,14 @@ def _kept_because(attempts: list[Attempt], attempt: Attempt, chosen: Candidate) 
 
 
 def _closeness(report: ValidationReport) -> float:
-    return report.cosine_mean or report.agreement or -report.max_abs_diff
+    """How near PyTorch a failing graph is, higher nearer: its mean cosine where its outputs are vectors, else
+    its label agreement, else its largest difference (lower is nearer).  Every candidate of one export has
+    the same task, so they are all compared on the same figure."""
+    if report.cosine_mean is not None:
+        return report.cosine_mean
+    if report.agreement is not None:
+        return report.agreement
+    return -report.max_abs_diff
 
 
 def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt], attempt: Attempt,
