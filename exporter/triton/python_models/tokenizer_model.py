@@ -340,7 +340,7 @@ class TritonPythonModel:
             arrays = to_arrays(encodings, self.output_names, self.pad_id, length)
         else:
             arrays = sided_arrays(encodings, side, self.sides, self.output_names, self.pad_id, length)
-        tensors = [pb_utils.Tensor(name, arrays[name].astype(np.int64)) for name in self.output_names]
+        tensors = [pb_utils.Tensor(name, arrays[name].astype(np.int64, copy=False)) for name in self.output_names]
         if self.counts:
             counts = np.array([len(e.ids) for e in encodings], dtype=np.int64).reshape(-1, 1)
             tensors.append(pb_utils.Tensor(TOKEN_COUNT_OUTPUT, counts))
