@@ -1,10 +1,11 @@
-"""JinaBERT v2 and NeoBERT: the project's own layer code against the published math.
+"""JinaBERT v2, NeoBERT and GTE v1.5 / mGTE: the project's own layer code against the published math.
 
 The references below are written here with plain torch functional ops straight
 from the published code (jinaai/jina-bert-implementation ``modeling_bert.py``,
-chandar-lab/NeoBERT ``model.py`` / ``rotary.py``), read from the raw checkpoint
-tensors, so the project's modules are checked against something other than
-themselves.  The exports then go through the real pipeline and its validation.
+chandar-lab/NeoBERT ``model.py`` / ``rotary.py``, Alibaba-NLP/new-impl
+``modeling.py``), read from the raw checkpoint tensors, so the project's
+modules are checked against something other than themselves.  The exports then
+go through the real pipeline and its validation.
 """
 
 from __future__ import annotations
@@ -26,12 +27,20 @@ from nexus_sli.exporter.export import export_report
 from nexus_sli.exporter.export.checkpoint import Checkpoint
 from nexus_sli.exporter.errors import CheckpointError, NexusError, UnsupportedModelError
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
-from nexus_sli.exporter.export.families import FAMILIES
+from nexus_sli.exporter.export.families import FAMILIES, family_for
 from nexus_sli.exporter.export.families.jinabert_model import JinaBertLayer, alibi_slopes
 from nexus_sli.exporter.export.source import load_config
 from nexus_sli.tasks import get_task
 from nexus_sli.exporter.export.walk import walk
-from helpers.tiny_remote_models import MAX_LENGTH, NUM_LABELS, REMOTE_TINY, TASKS, build_tiny_remote, neobert_ffn_size
+from helpers.tiny_remote_models import (
+    MAX_LENGTH,
+    NUM_LABELS,
+    REMOTE_TINY,
+    TASKS,
+    build_tiny_remote,
+    neobert_ffn_size,
+    tiny_config,
+)
 
 EXPORTS = [(family, "embedding", "fp32") for family in REMOTE_TINY] + \
           [(family, "embedding", "int8") for family in REMOTE_TINY] + \
@@ -44,7 +53,7 @@ def remote_checkpoint(tmp_path_factory, tiny_tokenizer):
     built = {}
 
     def make(model_type: str, task: str = "embedding", **overrides):
-        key = (model_type, task, tuple(sorted(overrides.items())))
+        key = (model_type, task, json.dumps(overrides, sort_keys=True))  # overrides may hold dicts
         if key not in built:
             directory = tmp_path_factory.mktemp(f"{model_type}-{task}")
             built[key] = build_tiny_remote(model_type, directory, tiny_tokenizer, task=task, **overrides)
@@ -149,6 +158,62 @@ def neobert_reference(w: dict, c: dict, ids, mask, task: str) -> torch.Tensor:
     return x
 
 
+def gte_inv_freq(c: dict) -> torch.Tensor:
+    """new-impl's rotary frequencies: ``RotaryEmbedding``'s, which ``NTKScalingRotaryEmbedding`` replaces when
+    it caches its tables past ``max_position_embeddings`` (a factor above 1): fixed NTK (eq. 6 of its source)
+    or mixed (eqs. 10, 12, 13)."""
+    d = c["hidden_size"] // c["num_attention_heads"]
+    base, scaling = c["rope_theta"], c.get("rope_scaling") or {}
+    factor, mixed_b = scaling.get("factor", 1.0), scaling.get("mixed_b")
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2).float() / d))
+    if factor > 1 and mixed_b is None:
+        inv_freq = 1.0 / ((base * factor) ** (torch.arange(0, d, 2).float() / d)) / factor ** (2 / d)
+    elif factor > 1:
+        a = torch.tensor(factor).log() / (d / 2) ** mixed_b
+        inv_freq = inv_freq / (a * torch.arange(1, d // 2 + 1).float() ** mixed_b).exp()
+    return inv_freq
+
+
+def gte_reference(w: dict, c: dict, ids, mask, types, task: str) -> torch.Tensor:
+    """new-impl modeling.py, eager path: post-norm layers, rotary tables cached to the scaled limit and read at
+    each position, ``rotate_half``, the gated MLP's ``[up | gate]``, ``NewPooler`` for classification."""
+    h, n, eps, inter = c["hidden_size"], c["num_attention_heads"], c["layer_norm_eps"], c["intermediate_size"]
+    d, (batch, seq) = h // n, ids.shape
+    prefix = "new." if task == "classification" else ""
+
+    def lin(x, name):
+        return F.linear(x, w[prefix + name + ".weight"], w.get(prefix + name + ".bias"))
+
+    def norm(x, name):
+        return F.layer_norm(x, (h,), w[prefix + name + ".weight"], w[prefix + name + ".bias"], eps)
+
+    def rotate_half(t):
+        return torch.cat((-t[..., d // 2:], t[..., : d // 2]), dim=-1)
+
+    x = w[prefix + "embeddings.word_embeddings.weight"][ids]
+    if c["type_vocab_size"] > 0:
+        x = x + w[prefix + "embeddings.token_type_embeddings.weight"][types]
+    x = norm(x, "embeddings.LayerNorm")
+    cached = int(c["max_position_embeddings"] * (c.get("rope_scaling") or {}).get("factor", 1))
+    freqs = torch.einsum("i,j->ij", torch.arange(cached, dtype=torch.float32), gte_inv_freq(c))
+    table = torch.cat((freqs, freqs), dim=-1)[torch.arange(seq)]
+    cos, sin = table.cos()[None, :, None, :], table.sin()[None, :, None, :]
+    keep = mask.bool()[:, None, None, :].expand(batch, n, seq, seq)
+    for i in range(c["num_hidden_layers"]):
+        p = f"encoder.layer.{i}."
+        q, k, v = (t.view(batch, seq, n, d) for t in lin(x, p + "attention.qkv_proj").split(h, dim=-1))
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        ctx = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=keep).transpose(1, 2).reshape(batch, seq, h)
+        x = norm(x + lin(ctx, p + "attention.o_proj"), p + "attn_ln")
+        up, gate = lin(x, p + "mlp.up_gate_proj").split(inter, dim=-1)
+        x = norm(x + lin(F.gelu(gate) * up, p + "mlp.down_proj"), p + "mlp_ln")
+    if task == "classification":
+        pooled = torch.tanh(lin(x[:, 0], "pooler.dense"))
+        return F.linear(pooled, w["classifier.weight"], w["classifier.bias"])
+    return x
+
+
 def padded_batch(lengths: list[int], seed: int = 3):
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, 400, (len(lengths), max(lengths)), generator=generator)
@@ -209,6 +274,10 @@ def test_module_matches_reference_from_raw_weights(model_type, task, remote_chec
         if model_type == "jinabert":
             got = model(input_ids=ids, attention_mask=mask, token_type_ids=types, return_dict=True)
             expected = jina_reference(weights, config, ids, mask, types, task)
+        elif model_type == "gte":  # one segment at most (mGTE's type_vocab_size is 1)
+            zeros = torch.zeros_like(ids)
+            got = model(input_ids=ids, attention_mask=mask, token_type_ids=zeros, return_dict=True)
+            expected = gte_reference(weights, config, ids, mask, zeros, task)
         else:
             got = model(input_ids=ids, attention_mask=mask, return_dict=True)
             expected = neobert_reference(weights, config, ids, mask, task)
@@ -239,7 +308,8 @@ def test_export_passes_validation(model_type, task, precision, exported):
         assert report.validation.max_abs_diff <= 1e-4
     graph = onnx.load(str(encoder / "1" / "model.onnx")).graph
     inputs = [i.name for i in graph.input]
-    assert inputs == (["input_ids", "attention_mask", "token_type_ids"] if model_type == "jinabert"
+    segments = model_type == "jinabert" or (model_type == "gte" and task == "classification")  # type_vocab_size
+    assert inputs == (["input_ids", "attention_mask", "token_type_ids"] if segments
                       else ["input_ids", "attention_mask"])
     for tensor in graph.input:  # batch and sequence stay dynamic
         assert [d.dim_param for d in tensor.type.tensor_type.shape.dim] == ["batch", "sequence"]
@@ -272,6 +342,9 @@ def test_exported_graph_serves_sequences_longer_than_the_export_example(model_ty
     ("neobert", ("model.transformer_encoder.0.ffn.w12.weight", "model.transformer_encoder.0.ffn.w1.weight"),
      "model.transformer_encoder.0.ffn.w12.weight"),
     ("neobert", ("model.layer_norm.weight", None), "layer_norm.weight"),
+    ("gte", ("encoder.layer.1.mlp.up_gate_proj.weight", "encoder.layer.1.mlp.gate_up_proj.weight"),
+     "encoder.layer.1.mlp."),
+    ("gte", ("embeddings.LayerNorm.bias", None), "embeddings.LayerNorm.bias"),
 ])
 def test_missing_or_renamed_tensor_is_a_named_checkpoint_error(model_type, edit, named, remote_checkpoint, tmp_path):
     source = remote_checkpoint(model_type)
@@ -290,7 +363,8 @@ def test_missing_or_renamed_tensor_is_a_named_checkpoint_error(model_type, edit,
 @pytest.mark.parametrize("model_type", REMOTE_TINY)
 def test_other_tasks_name_the_supported_ones(model_type, remote_checkpoint):
     config = load_config(remote_checkpoint(model_type))
-    with pytest.raises(NexusError, match="supports the tasks embedding, classification; task 'question-answering'"):
+    tasks = ", ".join(FAMILIES[model_type].task_models)
+    with pytest.raises(NexusError, match=f"supports the tasks {tasks}; task 'question-answering'"):
         FAMILIES[model_type].build_model(get_task("question-answering"), config)
 
 
@@ -320,3 +394,44 @@ def test_neobert_max_length_survives_config_loading(remote_checkpoint, caplog):
         assert family.max_positions({"hidden_size": 32}) == family.default_max_length == 1024
     assert "no max_length" in caplog.text
     assert math.isclose(config.norm_eps, 1e-5)
+
+
+def test_gte_is_the_family_of_model_type_new():
+    config = tiny_config("gte")
+    assert family_for(config["model_type"], config["architectures"], config) is FAMILIES["gte"]
+    assert family_for("new", ["NewForSequenceClassification"]).model_type == "gte"
+
+
+def test_gte_mixed_ntk_scaling_matches_reference(remote_checkpoint):
+    directory = remote_checkpoint("gte", "embedding", rope_scaling={"factor": 4.0, "type": "ntk", "mixed_b": 1.5})
+    model, _ = walked(directory, "embedding")
+    config = json.loads((directory / "config.json").read_text())
+    ids, mask, _ = padded_batch([40, 11])
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    expected = gte_reference(load_file(str(directory / "model.safetensors")), config, ids, mask, None, "embedding")
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    # a factor of 1 leaves the plain rotary frequencies, as the published class does
+    unscaled = {**config, "rope_scaling": {"factor": 1.0, "type": "ntk"}}
+    plain = FAMILIES["gte"].build_model(get_task("embedding"), {**unscaled, "rope_scaling": None})
+    assert torch.equal(FAMILIES["gte"].build_model(get_task("embedding"), unscaled).inv_freq, plain.inv_freq)
+
+
+@pytest.mark.parametrize("key, value", [("position_embedding_type", "absolute"), ("layer_norm_type", "rms_norm"),
+                                        ("pack_qkv", False), ("logn_attention_scale", True),
+                                        ("rope_scaling", {"factor": 2.0, "type": "linear"})])
+def test_gte_variants_no_published_checkpoint_has_are_refused_by_name(key, value):
+    with pytest.raises(UnsupportedModelError, match=key if key != "rope_scaling" else "rope_scaling type 'linear'"):
+        FAMILIES["gte"].create_layer(tiny_config("gte", **{key: value}), 0)
+
+
+def test_gte_reranker_exports_and_validates(tiny_tokenizer, tmp_path):
+    """gte-multilingual-reranker-base is a one-label NewForSequenceClassification.  Its XLM-R tokenizer gives
+    both texts of a pair segment 0; the test tokenizer gives the second segment 1, so this checkpoint has no
+    segment embeddings (type_vocab_size 0) rather than one row a pair would index past."""
+    one = {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "type_vocab_size": 0}
+    checkpoint = build_tiny_remote("gte", tmp_path / "ckpt", tiny_tokenizer, task="classification", **one)
+    run_export(ExportOptions(model=str(checkpoint), task="rerank", name="tiny", out=tmp_path / "repo"))
+    report = export_report.read(tmp_path / "repo" / "tiny_encoder")
+    assert report.model_type == "gte" and report.task == "rerank" and report.validation.passed
+    assert report.validation.max_abs_diff <= 1e-4

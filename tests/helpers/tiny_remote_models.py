@@ -1,12 +1,13 @@
-"""Seeded tiny checkpoints of the families transformers lacks (JinaBERT v2, NeoBERT).
+"""Seeded tiny checkpoints of the families transformers lacks (JinaBERT v2, NeoBERT, GTE v1.5 / mGTE).
 
 The tensors are written from name/shape tables taken from the published code
 (jinaai/jina-bert-implementation ``modeling_bert.py``, chandar-lab/NeoBERT
-``model.py``), not from the project's modules, so a wrong module or parameter
-name in the project's code fails the strict walk instead of agreeing with
-itself.  Configs look like the hub's (``config.json`` keys of
-jina-embeddings-v2-small-en and chandar-lab/NeoBERT), shrunk to hidden 32,
-2 layers, 4 heads and the 400-token test vocabulary.
+``model.py``, Alibaba-NLP/new-impl ``modeling.py``), not from the project's
+modules, so a wrong module or parameter name in the project's code fails the
+strict walk instead of agreeing with itself.  Configs look like the hub's
+(``config.json`` keys of jina-embeddings-v2-small-en, chandar-lab/NeoBERT,
+gte-base-en-v1.5 and, for classification, gte-multilingual-reranker-base),
+shrunk to hidden 32, 2 layers, 4 heads and the 400-token test vocabulary.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tokenizers import Tokenizer
 from .tiny_models import VOCAB
 
 #: Families covered here (the coverage test counts them).
-REMOTE_TINY = ("jinabert", "neobert")
+REMOTE_TINY = ("jinabert", "neobert", "gte")
 TASKS = ("embedding", "classification")
 NUM_LABELS = 3
 #: Position limit of the tiny configs; longer than the ONNX export example (16 tokens).
@@ -40,6 +41,13 @@ _NEOBERT_AUTO_MAP = {
     "AutoModel": "model.NeoBERT",
     "AutoModelForMaskedLM": "model.NeoBERTLMHead",
     "AutoModelForSequenceClassification": "model.NeoBERTForSequenceClassification",
+}
+
+_GTE_AUTO_MAP = {
+    "AutoConfig": "Alibaba-NLP/new-impl--configuration.NewConfig",
+    "AutoModel": "Alibaba-NLP/new-impl--modeling.NewModel",
+    "AutoModelForMaskedLM": "Alibaba-NLP/new-impl--modeling.NewForMaskedLM",
+    "AutoModelForSequenceClassification": "Alibaba-NLP/new-impl--modeling.NewForSequenceClassification",
 }
 
 
@@ -67,6 +75,22 @@ def tiny_config(model_type: str, task: str = "embedding", **overrides) -> dict:
             "pad_token_id": 0, "torch_dtype": "float32", "transformers_version": "4.48.2", "vocab_size": VOCAB,
         }
         classifier = "NeoBERTForSequenceClassification"
+    elif model_type == "gte":
+        # gte-base-en-v1.5's: fixed NTK scaling, no segment embeddings
+        config = {
+            "architectures": ["NewModel"], "auto_map": _GTE_AUTO_MAP, "attention_probs_dropout_prob": 0.0,
+            "classifier_dropout": None, "hidden_act": "gelu", "hidden_dropout_prob": 0.1, "hidden_size": 32,
+            "initializer_range": 0.02, "intermediate_size": 64, "layer_norm_eps": 1e-12,
+            "layer_norm_type": "layer_norm", "logn_attention_clip1": False, "logn_attention_scale": False,
+            "max_position_embeddings": MAX_LENGTH, "model_type": "new", "num_attention_heads": 4,
+            "num_hidden_layers": 2, "pack_qkv": True, "pad_token_id": 0, "position_embedding_type": "rope",
+            "rope_scaling": {"factor": 2.0, "type": "ntk"}, "rope_theta": 500000, "torch_dtype": "float32",
+            "transformers_version": "4.39.1", "type_vocab_size": 0, "unpad_inputs": False,
+            "use_memory_efficient_attention": False, "vocab_size": VOCAB,
+        }
+        classifier = "NewForSequenceClassification"
+        if task == "classification":  # gte-multilingual-reranker-base's: one segment embedding, other NTK
+            config.update(type_vocab_size=1, rope_theta=160000, rope_scaling={"factor": 8.0, "type": "ntk"})
     else:
         raise ValueError(f"no tiny remote-code model for {model_type!r}")
     if task == "classification":
@@ -132,9 +156,32 @@ def _neobert_shapes(c: dict, task: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _gte_shapes(c: dict, task: str) -> dict[str, tuple[int, ...]]:
+    h, i = c["hidden_size"], c["intermediate_size"]
+    shapes = {"embeddings.word_embeddings.weight": (c["vocab_size"], h),
+              "embeddings.LayerNorm.weight": (h,), "embeddings.LayerNorm.bias": (h,)}
+    if c["type_vocab_size"] > 0:
+        shapes["embeddings.token_type_embeddings.weight"] = (c["type_vocab_size"], h)
+    for n in range(c["num_hidden_layers"]):
+        p = f"encoder.layer.{n}."
+        shapes.update({
+            f"{p}attention.qkv_proj.weight": (3 * h, h), f"{p}attention.qkv_proj.bias": (3 * h,),
+            f"{p}attention.o_proj.weight": (h, h), f"{p}attention.o_proj.bias": (h,),
+            f"{p}mlp.up_gate_proj.weight": (2 * i, h),
+            f"{p}mlp.down_proj.weight": (h, i), f"{p}mlp.down_proj.bias": (h,),
+            f"{p}attn_ln.weight": (h,), f"{p}attn_ln.bias": (h,), f"{p}mlp_ln.weight": (h,), f"{p}mlp_ln.bias": (h,),
+        })
+    if task == "classification":  # NewModel(add_pooling_layer=True) under ``new.``
+        labels = len(c["id2label"])  # one for a reranker
+        shapes = {"new." + k: v for k, v in shapes.items()}
+        shapes.update({"new.pooler.dense.weight": (h, h), "new.pooler.dense.bias": (h,),
+                       "classifier.weight": (labels, h), "classifier.bias": (labels,)})
+    return shapes
+
+
 def checkpoint_shapes(model_type: str, task: str, config: dict) -> dict[str, tuple[int, ...]]:
     """Published tensor names and shapes of a ``task`` checkpoint for ``config``."""
-    return (_jina_shapes if model_type == "jinabert" else _neobert_shapes)(config, task)
+    return {"jinabert": _jina_shapes, "neobert": _neobert_shapes, "gte": _gte_shapes}[model_type](config, task)
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:

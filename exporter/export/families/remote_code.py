@@ -119,3 +119,24 @@ class NeoBertFamily(ProjectCodeFamily):
                         self.default_max_length)
             return self.default_max_length
         return int(limit)
+
+
+@register
+class GteFamily(ProjectCodeFamily):
+    """GTE v1.5 and mGTE (Alibaba-NLP's ``new-impl``; configs say ``model_type: new``): post-norm layers,
+    rotary positions (NTK-scaled), a gated feed-forward.  Published weight names:
+    ``embeddings.{word_embeddings,token_type_embeddings,LayerNorm}``,
+    ``encoder.layer.{i}.{attention.qkv_proj,attention.o_proj,mlp.up_gate_proj,mlp.down_proj,attn_ln,mlp_ln}``,
+    and in the task models ``new.`` before them, ``new.pooler.dense`` and ``classifier``."""
+
+    model_type = "gte"
+    aliases = ("new",)
+    architectures = ("NewModel", "NewForMaskedLM", "NewForSequenceClassification")
+    base_prefix = "new"
+    layer_class = "gte_model:GteLayer"
+    settings_class = "gte_model:GteSettings"
+    # gte-multilingual-reranker-base is a one-label NewForSequenceClassification
+    task_models = {"embedding": "gte_model:GteModel",
+                   "classification": "gte_model:GteForSequenceClassification",
+                   "rerank": "gte_model:GteForSequenceClassification"}
+    pretraining_head_prefixes = ("lm_head.",)
