@@ -11,7 +11,7 @@ from nexus_sli.exporter.export.families import FAMILIES, normalize_model_type
 from helpers.tiny_models import NO_TINY_MODEL, TINY_CONFIGS
 from helpers.tiny_remote_models import REMOTE_TINY
 
-NO_SEGMENT_INPUT = {"distilbert", "modernbert", "deberta", "deberta-v2", "mpnet"}
+NO_SEGMENT_INPUT = {"distilbert", "modernbert", "deberta", "deberta-v2", "mpnet", "eurobert"}
 
 
 def test_every_registered_family_has_a_tiny_model_or_a_named_reason():
@@ -37,3 +37,26 @@ def test_family_exports_and_matches_pytorch(model_type, tiny_checkpoint, tmp_pat
     assert ("token_type_ids" in inputs) == (model_type not in NO_SEGMENT_INPUT)
     for tensor in graph.input:  # batch and sequence stay dynamic
         assert [d.dim_param for d in tensor.type.tensor_type.shape.dim] == ["batch", "sequence"]
+
+
+def test_eurobert_classification_exports_and_matches_pytorch(tiny_tokenizer, tmp_path):
+    """EuroBERT's classification head is transformers' own (``classifier_pooling`` ``late``, the default: a
+    dense layer, its activation and the classifier on every token, then the logits' mean over the text's
+    tokens): the walk loads ``model.`` and the head, and the exported graph pools as PyTorch does whatever
+    the padding."""
+    import torch
+    from transformers import CONFIG_MAPPING, EuroBertForSequenceClassification
+
+    from helpers.tiny_models import COMMON, TINY_CONFIGS
+
+    labels = {str(i): f"LABEL_{i}" for i in range(3)}
+    config = CONFIG_MAPPING["eurobert"](**{**COMMON, **TINY_CONFIGS["eurobert"][1]}, id2label=labels,
+                                        label2id={v: int(k) for k, v in labels.items()})
+    config.architectures = ["EuroBertForSequenceClassification"]
+    torch.manual_seed(0)
+    EuroBertForSequenceClassification(config).eval().save_pretrained(tmp_path / "ckpt", safe_serialization=True)
+    tiny_tokenizer.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    run_export(ExportOptions(model=str(tmp_path / "ckpt"), task="classification", name="tiny", out=tmp_path / "repo"))
+    report = export_report.read(tmp_path / "repo" / "tiny_encoder")
+    assert report.model_type == "eurobert" and report.task == "classification"
+    assert report.validation.passed and report.validation.max_abs_diff <= 1e-4

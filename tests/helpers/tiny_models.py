@@ -39,6 +39,9 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "camembert": ("CamembertModel", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
                                      "max_position_embeddings": 130}),
     "nomic_bert": ("NomicBertModel", {}),
+    # EuroBERT's own special ids are past the tiny vocabulary; two key/value heads for four query heads
+    "eurobert": ("EuroBertForMaskedLM", {"bos_token_id": 2, "eos_token_id": 3, "mask_token_id": 4,
+                                         "num_key_value_heads": 2}),
     # MPNet fixes its padding index at 1.  Its position bias has exact buckets to distance 8,
     # log-spaced ones to 128 and one bucket past that: 256 positions reach all three kinds
     "mpnet": ("MPNetForMaskedLM", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,

@@ -1,4 +1,4 @@
-"""The eleven families transformers implements natively.
+"""The twelve families transformers implements natively.
 
 Layer classes are referenced by name under ``transformers.models``; the rest
 of each family is its prefixes and config keys.  Weight names were read off
@@ -145,6 +145,23 @@ class ModernBertFamily(EncoderFamily):
     layer_takes_index = True
     optional_prefixes = ()
     pretraining_head_prefixes = ("head.", "decoder.")
+
+
+@register
+class EuroBertFamily(EncoderFamily):
+    """EuroBERT: Llama-shaped pre-norm layers (RMSNorm, rotary positions the model computes and hands every
+    layer, grouped key/value heads, SwiGLU) and a final ``norm``; no segment embeddings."""
+
+    model_type = "eurobert"
+    architectures = ("EuroBertModel", "EuroBertForMaskedLM", "EuroBertForSequenceClassification",
+                     "EuroBertForTokenClassification")
+    base_prefix = "model"
+    layer_template = "layers.{i}."
+    embedding_name = "embed_tokens"
+    layer_class = "eurobert.modeling_eurobert:EuroBertDecoderLayer"
+    layer_takes_index = True
+    optional_prefixes = ()
+    pretraining_head_prefixes = ("lm_head.",)
 
 
 @register
