@@ -16,8 +16,10 @@ from nexus_sli.exporter.errors import (
 
 SEED_TYPES = ["bert", "roberta", "deberta", "deberta_v2", "distilbert", "albert", "modernbert", "jinabert",
               "nomic_bert", "neobert", "electra", "xlm_roberta", "camembert"]
-#: registered beyond the seed's list (all-mpnet-base-v2's family; GTE v1.5 and mGTE, model_type new; EuroBERT)
-ADDED_TYPES = ["mpnet", "gte", "eurobert"]
+#: registered beyond the seed's list (all-mpnet-base-v2's family, and other encoders transformers or their
+#: published code define)
+ADDED_TYPES = ["mpnet", "gte", "eurobert", "ernie", "megatron_bert", "roformer", "mobilebert", "xlm_roberta_xl",
+               "data2vec_text"]
 TINY = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64, vocab_size=100)
 
 

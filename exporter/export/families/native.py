@@ -1,4 +1,4 @@
-"""The twelve families transformers implements natively.
+"""The families transformers implements natively.
 
 Layer classes are referenced by name under ``transformers.models``; the rest
 of each family is its prefixes and config keys.  Weight names were read off
@@ -62,10 +62,79 @@ class XLMRobertaFamily(RobertaFamily):
 
 
 @register
+class XLMRobertaXLFamily(RobertaFamily):
+    """XLM-RoBERTa XL and XXL: RoBERTa's positions with pre-norm layers and a final ``encoder.LayerNorm``."""
+
+    model_type = "xlm_roberta_xl"
+    aliases = ("xlm-roberta-xl",)
+    architectures = _archs("XLMRobertaXL")
+    layer_class = "xlm_roberta_xl.modeling_xlm_roberta_xl:XLMRobertaXLLayer"
+
+
+@register
+class Data2VecTextFamily(RobertaFamily):
+    model_type = "data2vec_text"
+    aliases = ("data2vec-text",)
+    architectures = _archs("Data2VecText")
+    base_prefix = "data2vec_text"
+    default_prefix = "data2vec_text."
+    layer_class = "data2vec.modeling_data2vec_text:Data2VecTextLayer"
+
+
+@register
 class CamembertFamily(RobertaFamily):
     model_type = "camembert"
     architectures = _archs("Camembert")
     layer_class = "camembert.modeling_camembert:CamembertLayer"
+
+
+@register
+class ErnieFamily(BertFamily):
+    """ERNIE: BERT's layers; its optional task-type embeddings sit with the others, outside the layers."""
+
+    model_type = "ernie"
+    architectures = _archs("Ernie", "ForPreTraining")
+    base_prefix = "ernie"
+    default_prefix = "ernie."
+    layer_class = "ernie.modeling_ernie:ErnieLayer"
+    masked_lm = False
+
+
+@register
+class MegatronBertFamily(BertFamily):
+    """Megatron-BERT: pre-norm BERT layers (each block's LayerNorm inside it) and a final ``encoder.ln``."""
+
+    model_type = "megatron_bert"
+    aliases = ("megatron-bert",)
+    architectures = _archs("MegatronBert", "ForPreTraining")
+    layer_class = "megatron_bert.modeling_megatron_bert:MegatronBertLayer"
+    masked_lm = False
+
+
+@register
+class RoFormerFamily(BertFamily):
+    """RoFormer: BERT's layout with rotary positions, from the encoder's sinusoidal table
+    (``encoder.embed_positions``), which it hands every layer."""
+
+    model_type = "roformer"
+    architectures = _archs("RoFormer")
+    base_prefix = "roformer"
+    default_prefix = "roformer."
+    layer_class = "roformer.modeling_roformer:RoFormerLayer"
+    masked_lm = False
+
+
+@register
+class MobileBertFamily(BertFamily):
+    """MobileBERT: bottlenecked layers around stacked feed-forwards; trigram embeddings projected up."""
+
+    model_type = "mobilebert"
+    architectures = _archs("MobileBert", "ForPreTraining", "ForNextSentencePrediction")
+    base_prefix = "mobilebert"
+    default_prefix = "mobilebert."
+    layer_class = "mobilebert.modeling_mobilebert:MobileBertLayer"
+    layer_takes_index = False
+    masked_lm = False
 
 
 @register
