@@ -35,7 +35,7 @@ export: install
 	$(BIN)/nexus-sli export $(if $(MODEL),--model '$(MODEL)') --task '$(TASK)' \
 		--precision '$(PRECISION)' --backend '$(BACKEND)' --target '$(TARGET)' --optimize '$(OPTIMIZE)' \
 		$(if $(ACCELERATOR),--accelerator '$(ACCELERATOR)') $(if $(NAME),--name '$(NAME)') --out '$(OUT)' \
-		$(if $(NO_CACHE),--no-cache)
+		$(if $(NO_CACHE),--no-cache) $(if $(MAX_BATCH_SIZE),--max-batch-size '$(MAX_BATCH_SIZE)')
 
 # A seeded checkpoint of xlm-roberta-large's shape (560M parameters: past ONNX's 2 GB protobuf limit),
 # exported with auto, served once and measured (docs/export.md, "Models past 2 GB", has what it costs).

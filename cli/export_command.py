@@ -29,6 +29,10 @@ def add_parser(commands) -> None:
     export.add_argument("--optimize", default="balanced", choices=["balanced", "throughput", "latency"],
                         help="what auto picks the fastest graph for: client batches (throughput), one query at a "
                              "time (latency), or both alike (balanced, default); recorded in validation.json")
+    export.add_argument("--max-batch-size", type=int, default=None, metavar="ROWS",
+                        help="rows one execution merges and the most texts one request carries (default 64 on "
+                             "cpu, 256 on gpu); larger carries large calls faster and makes a lone query wait "
+                             "longer behind them (docs/export.md)")
     export.add_argument("--no-search", action="store_true",
                         help="export the first configuration's first graph only (ONNX Runtime fp32: the plain "
                              "graph), validated, nothing else made or timed: the quickest faithful export")
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         name=args.name or None, out=Path(args.out), allow_pickle=args.allow_pickle,
         allow_degraded=args.allow_degraded, truncate=not args.no_truncate,
         cache=not args.no_cache, cache_dir=Path(args.cache_dir) if args.cache_dir else None, optimize=args.optimize,
-        search=not args.no_search,
+        search=not args.no_search, max_batch_size=args.max_batch_size,
     ))
     shown = ("precision", "backend", "graph", "max_abs_diff", "cosine_min", "cosine_mean", "passed")
     report = result.report.to_dict()

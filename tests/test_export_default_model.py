@@ -13,7 +13,7 @@ import pytest
 from helpers.exports import MINILM
 from nexus_sli.exporter.export import export_report, pipeline, validate
 from nexus_sli.cli.main import main
-from nexus_sli.exporter.errors import ValidationError
+from nexus_sli.exporter.errors import NexusError, ValidationError
 from nexus_sli.exporter.export.pipeline import Attempt, ExportOptions, run_export
 from nexus_sli.exporter.export.report import FidelityShortfall, ValidationReport
 from nexus_sli.exporter.targets.base import Candidate
@@ -87,6 +87,8 @@ def test_cli_reports_bad_input_clearly(tmp_path, capsys):
     assert "invalid model name" in capsys.readouterr().err
     assert main(["export", "--model", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(["export", "--max-batch-size", "0", "--out", str(tmp_path)]) == 2
+    assert "max_batch_size must be a whole number from 1 to 2048, got 0" in capsys.readouterr().err
     assert main(["export", "--task", "translation", "--out", str(tmp_path)]) == 2
     assert "known tasks: embedding" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
@@ -159,3 +161,26 @@ def test_without_allow_degraded_no_failing_graph_is_kept():
     attempts = [_attempt("onnxruntime", _failed("plain", cosine_mean=0.97))]
     with pytest.raises(ValidationError, match="nothing was written.*--allow-degraded"):
         pipeline._choose(attempts, None, allow_degraded=False)
+
+
+def test_max_batch_size_asked_for_is_every_step_s_and_the_client_s_chunk(tmp_path, tiny_checkpoint):
+    from nexus_sli.client.model_info import ModelInfo
+    from nexus_sli.exporter.triton import config as tc
+
+    run_export(ExportOptions(model=str(tiny_checkpoint("bert")), task="embedding", name="tiny", out=tmp_path,
+                             max_batch_size=256, search=False))
+    configs = {folder.name: tc.read(folder / "config.pbtxt") for folder in tmp_path.iterdir()
+               if (folder / "config.pbtxt").exists()}
+    assert set(configs) >= {"tiny", "tiny_tokenizer", "tiny_encoder"}
+    assert {c.max_batch_size for c in configs.values()} == {256} != {tc.MAX_BATCH_SIZE}
+    from google.protobuf import json_format
+
+    ensemble = json_format.MessageToDict(configs["tiny"], preserving_proto_field_name=True)
+    assert ModelInfo.from_config("tiny", ensemble).max_batch_size == 256  # the client sends 256 texts a request
+
+
+@pytest.mark.parametrize("rows", [0, -8, 2049, 64.0, True])
+def test_a_max_batch_size_no_repository_can_serve_is_refused_before_any_work(rows, tmp_path):
+    with pytest.raises(NexusError, match=f"max_batch_size must be a whole number from 1 to 2048, got {rows!r}"):
+        run_export(ExportOptions(model=str(tmp_path / "never-read"), out=tmp_path / "repo", max_batch_size=rows))
+    assert not (tmp_path / "repo").exists()

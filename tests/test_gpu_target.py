@@ -116,3 +116,12 @@ def test_a_misspelt_accelerator_key_is_refused():
                                 accelerators=(tc.Accelerator("tensorrt", {"precison_mode": "FP16"}),))
     with pytest.raises(ValueError, match="precison_mode"):
         tc.encoder_config("e", lay, ["input_ids"], serving)
+
+
+def test_max_batch_size_asked_for_sets_every_step_and_the_tensorrt_profile(tiny_checkpoint, tmp_path):
+    report, config = _gpu_export(str(tiny_checkpoint("bert")), tmp_path, "tiny", task="embedding", max_batch_size=96)
+    (accelerator,) = config.optimization.execution_accelerators.gpu_execution_accelerator
+    max_shapes = dict(accelerator.parameters)["trt_profile_max_shapes"]
+    assert max_shapes == ",".join(f"{n}:96x{report.max_length}" for n in report.inputs)
+    assert {tc.read(folder / "config.pbtxt").max_batch_size for folder in tmp_path.iterdir()
+            if (folder / "config.pbtxt").exists()} == {96}

@@ -21,7 +21,7 @@ from typing import Any
 from google.protobuf.text_format import ParseError
 from tokenizers import Tokenizer
 
-from nexus_sli.exporter.errors import ExportError, ValidationError
+from nexus_sli.exporter.errors import ExportError, NexusError, ValidationError
 from nexus_sli.exporter.targets import Candidate, Configuration, ExportedGraph, configurations_for
 from nexus_sli.exporter.triton.config import read as read_config
 from nexus_sli.exporter.triton.models import ServingFacts, write_models, write_readme
@@ -84,6 +84,11 @@ class ExportOptions:
     #: False: the first configuration's first candidate graph only, validated as every candidate is, nothing
     #: else made or timed (ONNX Runtime fp32: the plain graph; what ``nexus-sli serve`` answers with first)
     search: bool = True
+    #: rows one execution of each step may merge, and the most texts one request carries; None: the device's
+    #: default (:data:`triton.config.MAX_BATCH_SIZE`, ``GPU_MAX_BATCH_SIZE``).  Larger carries large calls
+    #: faster and makes a lone query wait longer behind them (bench/data/tried.md, "A CPU repository's rows
+    #: an execution")
+    max_batch_size: int | None = None
 
 
 @dataclass
@@ -149,6 +154,7 @@ def run_export(options: ExportOptions) -> ExportResult:
     configurations = configurations_for(options.backend, options.precision, device=options.device)
     configurations = configurations if options.search else configurations[:1]
     check_objective(options.optimize)
+    check_max_batch_size(options.max_batch_size)
     if options.task != "auto":
         get_task(options.task)  # an unknown task fails before any download
     source = resolve_model(options.model, options.allow_pickle)
@@ -169,7 +175,7 @@ def run_export(options: ExportOptions) -> ExportResult:
         report = _report(options, prepared, attempts, attempt, chosen, timing)
         if report.kept_because:
             log.info("kept %s", report.kept_because)
-        ensembles = _write(stage.root, name, prepared, attempt, chosen, report)
+        ensembles = _write(stage.root, name, prepared, attempt, chosen, report, options.max_batch_size)
         # an earlier export of this name may have had a post-processing step, or a token ensemble, the new lacks
         retire = ((f"{name}_postprocess",) if prepared.graph.pooled else ()) + (
             () if name + TOKEN_MODEL_SUFFIX in ensembles else (name + TOKEN_MODEL_SUFFIX,))
@@ -475,19 +481,31 @@ def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt],
         outputs=graph.pooling.outputs if graph.pooled else prepared.task.output_names(), walk=prepared.walk)
 
 
+#: The most rows ``--max-batch-size`` may ask for: the gateway's largest call (``GatewayConfig.max_inputs``,
+#: OpenAI's limit), as one request.
+MAX_ROWS_ASKED = 2048
+
+
+def check_max_batch_size(rows: int | None) -> None:
+    """Refuse a ``max_batch_size`` no repository can serve, before any work."""
+    if rows is not None and not (type(rows) is int and 1 <= rows <= MAX_ROWS_ASKED):  # True is an int too
+        raise NexusError(f"max_batch_size must be a whole number from 1 to {MAX_ROWS_ASKED}, got {rows!r}")
+
+
 def _rounded(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
 def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: Candidate,
-           report: ExportReport) -> list[str]:
-    """The models into the staging root, the chosen graph as the encoder's model file; the ensembles' names."""
+           report: ExportReport, rows: int | None = None) -> list[str]:
+    """The models into the staging root, the chosen graph as the encoder's model file; the ensembles' names.
+    ``rows``: the repository's ``max_batch_size`` (None: the target's device decides)."""
     task, config, embedder = prepared.task, prepared.config, prepared.embedder
     configuration = attempt.configuration
+    serving = replace(configuration.target.serving(configuration.precision), rows=rows)
     facts = ServingFacts(prepared.graph.served_inputs, prepared.family.hidden_size(config),
                          int(getattr(config, "num_labels", 0) or 0), prepared.graph.max_length, prepared.graph.pad_id,
-                         report.truncate, task.post_params(config, embedder),
-                         configuration.target.serving(configuration.precision), f"model{chosen.path.suffix}",
+                         report.truncate, task.post_params(config, embedder), serving, f"model{chosen.path.suffix}",
                          prepared.graph.pooled, *_retrieval(prepared),
                          vocab_size=prepared.family.vocab_size(config), embedded_size=_embedded_size(prepared),
                          precision=configuration.precision, backend=configuration.target.name,

@@ -103,6 +103,8 @@ class EncoderServing:
     #: the widths the tokenizer pads a batch to (the smallest that fits); empty: one fixed
     #: width (:data:`PAD_WIDTH`) whose padding the graph cuts off itself
     pad_widths: tuple[int, ...] = ()
+    #: the rows asked for by the export (``--max-batch-size``); None: the device's default
+    rows: int | None = None
 
     @property
     def queue_delay_us(self) -> int:
@@ -111,7 +113,10 @@ class EncoderServing:
 
     @property
     def max_batch_size(self) -> int:
-        """The rows one execution of each step of the repository may merge: the device decides."""
+        """The rows one execution of each step of the repository may merge, and the most texts a client
+        sends in one request: the export's ``rows``, else the device's default."""
+        if self.rows is not None:
+            return self.rows
         return GPU_MAX_BATCH_SIZE if self.device == "KIND_GPU" else MAX_BATCH_SIZE
 
     @property
