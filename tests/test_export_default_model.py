@@ -163,7 +163,7 @@ def test_without_allow_degraded_no_failing_graph_is_kept():
         pipeline._choose(attempts, None, allow_degraded=False)
 
 
-def test_max_batch_size_asked_for_is_every_step_s_and_the_client_s_chunk(tmp_path, tiny_checkpoint):
+def test_max_batch_size_asked_for_sets_every_step_and_the_clients_request_size(tmp_path, tiny_checkpoint):
     from nexus_sli.client.model_info import ModelInfo
     from nexus_sli.exporter.triton import config as tc
 
