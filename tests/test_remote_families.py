@@ -426,9 +426,9 @@ def test_gte_variants_no_published_checkpoint_has_are_refused_by_name(key, value
 
 
 def test_gte_reranker_exports_and_validates(tiny_tokenizer, tmp_path):
-    """gte-multilingual-reranker-base is a one-label NewForSequenceClassification.  Its XLM-R tokenizer gives
-    both texts of a pair segment 0; the test tokenizer gives the second segment 1, so this checkpoint has no
-    segment embeddings (type_vocab_size 0) rather than one row a pair would index past."""
+    """A reranker is a one-label NewForSequenceClassification.  The test tokenizer gives a pair's second text
+    segment 1, so this checkpoint has no segment embeddings (type_vocab_size 0) rather than one row a pair
+    would index past (an XLM-R tokenizer gives both texts segment 0)."""
     one = {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "type_vocab_size": 0}
     checkpoint = build_tiny_remote("gte", tmp_path / "ckpt", tiny_tokenizer, task="classification", **one)
     run_export(ExportOptions(model=str(checkpoint), task="rerank", name="tiny", out=tmp_path / "repo"))

@@ -5,9 +5,8 @@ The tensors are written from name/shape tables taken from the published code
 ``model.py``, Alibaba-NLP/new-impl ``modeling.py``), not from the project's
 modules, so a wrong module or parameter name in the project's code fails the
 strict walk instead of agreeing with itself.  Configs look like the hub's
-(``config.json`` keys of jina-embeddings-v2-small-en, chandar-lab/NeoBERT,
-gte-base-en-v1.5 and, for classification, gte-multilingual-reranker-base),
-shrunk to hidden 32, 2 layers, 4 heads and the 400-token test vocabulary.
+(``config.json`` keys of jina-embeddings-v2-small-en, chandar-lab/NeoBERT and
+new-impl's ``NewConfig``), shrunk to hidden 32, 2 layers, 4 heads and the 400-token test vocabulary.
 """
 
 from __future__ import annotations
@@ -76,7 +75,7 @@ def tiny_config(model_type: str, task: str = "embedding", **overrides) -> dict:
         }
         classifier = "NeoBERTForSequenceClassification"
     elif model_type == "gte":
-        # gte-base-en-v1.5's: fixed NTK scaling, no segment embeddings
+        # the test's own values: fixed NTK scaling, no segment embeddings
         config = {
             "architectures": ["NewModel"], "auto_map": _GTE_AUTO_MAP, "attention_probs_dropout_prob": 0.0,
             "classifier_dropout": None, "hidden_act": "gelu", "hidden_dropout_prob": 0.1, "hidden_size": 32,
@@ -89,7 +88,7 @@ def tiny_config(model_type: str, task: str = "embedding", **overrides) -> dict:
             "use_memory_efficient_attention": False, "vocab_size": VOCAB,
         }
         classifier = "NewForSequenceClassification"
-        if task == "classification":  # gte-multilingual-reranker-base's: one segment embedding, other NTK
+        if task == "classification":  # the other layout: one segment embedding, another NTK base and factor
             config.update(type_vocab_size=1, rope_theta=160000, rope_scaling={"factor": 8.0, "type": "ntk"})
     else:
         raise ValueError(f"no tiny remote-code model for {model_type!r}")

@@ -1,8 +1,7 @@
 """GTE v1.5 and mGTE (the hub's ``model_type: new``), written by the project from its published definition.
 
 Sources read: Alibaba-NLP/new-impl ``modeling.py`` / ``configuration.py``, the
-remote code of gte-base-en-v1.5, gte-large-en-v1.5, gte-multilingual-base and
-gte-multilingual-reranker-base (``NewEmbeddings``, ``RotaryEmbedding``,
+remote code the GTE v1.5 and mGTE checkpoints name in their ``auto_map`` (``NewEmbeddings``, ``RotaryEmbedding``,
 ``NTKScalingRotaryEmbedding``, ``NewAttention``, ``NewGatedMLP``, ``NewLayer``,
 ``NewModel``, ``NewPooler``, ``NewForSequenceClassification``), read through a
 copy kept with the published names and math (xuhaike/SparseCL
@@ -71,7 +70,7 @@ class GteSettings:
                 raise UnsupportedModelError(f"GTE (model_type new) with {key}={value!r} is not supported "
                                             f"(published checkpoints: {published!r})")
         scaling = config_value(config, ("rope_scaling",)) or {}
-        kind = scaling.get("type", scaling.get("rope_type")) if scaling else None
+        kind = scaling.get("type", scaling.get("rope_type"))
         if scaling and kind != "ntk":
             raise UnsupportedModelError(f"GTE rope_scaling type {kind!r} is not supported (published: 'ntk')")
         settings = cls(
@@ -84,8 +83,8 @@ class GteSettings:
             layer_norm_eps=float(config_value(config, ("layer_norm_eps",), 1e-12)),
             hidden_act=str(config_value(config, ("hidden_act",), "gelu")),
             rope_theta=float(config_value(config, ("rope_theta",), 10000.0)),
-            ntk_factor=float(scaling.get("factor", 1.0)) if scaling else 1.0,
-            mixed_b=scaling.get("mixed_b") if scaling else None,
+            ntk_factor=float(scaling.get("factor", 1.0)),
+            mixed_b=scaling.get("mixed_b"),
             num_labels=int(config_value(config, ("num_labels",), 2)),
         )
         if settings.hidden_size % settings.num_heads or settings.head_dim % 2:
@@ -233,7 +232,7 @@ class GteModel(nn.Module):
 
 class GteForSequenceClassification(nn.Module):
     """``classifier(tanh(pooler.dense(h[:, 0])))`` over ``new.`` (published ``NewForSequenceClassification``;
-    gte-multilingual-reranker-base is one, with one label)."""
+    with one label, a reranker's)."""
 
     base_model_prefix = "new"
 

@@ -135,7 +135,7 @@ class GteFamily(ProjectCodeFamily):
     base_prefix = "new"
     layer_class = "gte_model:GteLayer"
     settings_class = "gte_model:GteSettings"
-    # gte-multilingual-reranker-base is a one-label NewForSequenceClassification
+    # a reranker is new-impl's classification model with one label
     task_models = {"embedding": "gte_model:GteModel",
                    "classification": "gte_model:GteForSequenceClassification",
                    "rerank": "gte_model:GteForSequenceClassification"}
