@@ -1,4 +1,5 @@
-"""``AsyncEncoderClient``: the same calls over asyncio; chunks are sent concurrently."""
+"""``AsyncEncoderClient``: the same calls over asyncio; a call's chunks are sent as the synchronous client
+sends them (:func:`fan_out.in_tasks`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from nexus_sli.tasks.multi_vector import DOCUMENT
 
-from . import calls
+from . import calls, fan_out
 from . import protocol as p
 from .client import client_kwargs, default_url
 from .model_info import ModelInfo
@@ -36,7 +37,9 @@ class AsyncEncoderClient:
     same turns and retries as :class:`~nexus_sli.client.EncoderClient` (``attempts``,
     ``retry_s``).  ``timeout_s`` bounds every call to the server (None: no bound); a server
     that does not answer in time is a :class:`~nexus_sli.client.DeadlineExceededError` (a
-    :class:`~nexus_sli.client.ServerUnavailableError`), not sent again."""
+    :class:`~nexus_sli.client.ServerUnavailableError`), not sent again.  A list larger than the model's
+    ``max_batch_size`` is sent as several requests, with the synchronous client's bound, order and error
+    (:func:`~nexus_sli.client.fan_out.in_tasks`)."""
 
     def __init__(self, url: str | Sequence[str] | None = None, protocol: str = "grpc", model: str | None = None,
                  attempts: int | None = None, timeout_s: float | None = 60.0, retry_s: float = RETRY_S,
@@ -48,8 +51,9 @@ class AsyncEncoderClient:
         # the arguments are checked before any connection is made (an asyncio one needs a running loop)
         retry_s = retry_budget(retry_s, check_attempts(attempts))
         options = client_kwargs(self._types, protocol)
-        if protocol == "http" and timeout_s is not None:
-            options["conn_timeout"] = timeout_s  # aiohttp's total time per request
+        if protocol == "http":
+            # aiohttp's total time per request; None is no bound, given explicitly (tritonclient's default is 60 s)
+            options["conn_timeout"] = timeout_s
         # gRPC: a deadline on each call (tritonclient's client_timeout); HTTP: the session's timeout above
         self._deadline = {"client_timeout": timeout_s} if protocol == "grpc" else {}
         self.fleet = Fleet(url, default_url(protocol), lambda u: aio.InferenceServerClient(u, **options),
@@ -71,12 +75,13 @@ class AsyncEncoderClient:
             if pause:  # the first pass goes at once, without a turn of the event loop
                 await asyncio.sleep(pause)
             self.fleet.refresh(failed=bool(tried))
-            order = self.replicas.order()[:self.attempts]
+            # the pass's replicas and their connections at once: a refresh meanwhile may retire some
+            order = self.fleet.turn(self.attempts)
             tried = [] if order else unresolved(self.fleet)
-            for url in order:
+            for url, connection in order:
                 started = time.monotonic()
                 try:
-                    result = await send(self.fleet.clients[url])
+                    result = await send(connection)
                 except Exception as exc:
                     late = p.past_deadline(started, self.timeout_s)
                     tried.append((url, retryable(exc, model, self.replicas, url, late)))
@@ -86,7 +91,10 @@ class AsyncEncoderClient:
         raise gave_up(tried) from None
 
     async def info(self, model: str) -> ModelInfo:
-        if model not in self._info:
+        """As :meth:`EncoderClient.info`."""
+        # one read of the cache: another call's failure may drop the entry while this one awaits
+        info = self._info.get(model)
+        if info is None:
             kwargs = {"as_json": True, **self._deadline} if self.protocol == "grpc" else {}
 
             async def read(client):
@@ -94,18 +102,21 @@ class AsyncEncoderClient:
                 config = await client.get_model_config(model, **kwargs)
                 if not ready:
                     raise p.not_ready(model)
-                return config, await client.get_model_metadata(model, **kwargs)
+                found = ModelInfo.from_config(model, config)
+                if found.bound_by_step:
+                    found = found.with_tokenizer_step(await client.get_model_config(found.tokenizer, **kwargs))
+                return found, await client.get_model_metadata(model, **kwargs)
 
-            config, metadata = await self._on_replicas(model, read)
-            self._info[model] = ModelInfo.from_config(model, config)
+            info, metadata = await self._on_replicas(model, read)
+            self._info[model] = info
             if version := p.newest_version(metadata):  # the version described: an answer from another drops it
                 self._versions[model] = version
-        return self._info[model]
+        return info
 
     async def _run(self, model: str, call: calls.Call):
         model = call.model or model
         (await self.info(model)).expect(call.task)
-        return call.read(list(await asyncio.gather(*(self._infer(model, call, i) for i in range(len(call.requests))))))
+        return call.read(await fan_out.in_tasks(len(call.requests), lambda index: self._infer(model, call, index)))
 
     async def _infer(self, model: str, call: calls.Call, index: int) -> tuple[np.ndarray, ...]:
         inputs = []
@@ -119,9 +130,9 @@ class AsyncEncoderClient:
         try:
             result = await self._on_replicas(model, lambda client: client.infer(model, inputs, outputs=outputs,
                                                                               **kwargs))
-        except Exception:
-            self._info.pop(model, None)
-            raise
+        except Exception as exc:
+            self._info.pop(model, None)  # the model may come back changed
+            raise call.located(index, exc) from None
         p.note_version(self._versions, self._info, model, result)
         return tuple(result.as_numpy(output) for output in call.outputs)
 

@@ -43,10 +43,21 @@ class Call:
     #: each request's own parameters beside :attr:`parameters`, in :attr:`requests` order (None: none); a
     #: late-interaction rerank sends its query and its documents as two sides
     request_parameters: list[dict] | None = None
+    #: each request's part of the caller's list, (its name, start, stop), in :attr:`requests` order (None: each
+    #: request, or the only one, numbers its items as the caller's list does)
+    places: list[tuple[str, int, int] | None] | None = None
 
     def parameters_of(self, index: int) -> dict:
         """The parameters request ``index`` is sent with."""
         return {**self.parameters, **(self.request_parameters[index] if self.request_parameters else {})}
+
+    def located(self, index: int, error: Exception) -> Exception:
+        """Request ``index``'s ``error``, an :class:`InvalidInputError` naming the place in the caller's list of the
+        part that request carried: the server numbers the items of each request from 0."""
+        place = self.places[index] if self.places else None
+        if place is None or type(error) is not InvalidInputError:
+            return error
+        return InvalidInputError(p.in_callers_list(str(error), *place))
 
     def read(self, answers: list[tuple[np.ndarray, ...]]):
         """The call's result from every request's arrays, in :attr:`outputs` order."""
@@ -57,12 +68,23 @@ def _texts_call(task: str, texts, info: ModelInfo, parse, parameters: dict | Non
                 outputs: tuple[str, ...] | None = None, model: str | None = None) -> Call:
     """One request per chunk of texts; ``parse`` reads every chunk's outputs at once."""
     items, single = p.as_list(texts)
-    requests = [{"TEXT": p.strings(chunk).reshape(-1, 1)} for chunk in p.chunks(items, info.max_batch_size)]
+    parts = p.chunks(items, info.max_batch_size)
+    requests = [{"TEXT": p.strings(chunk).reshape(-1, 1)} for chunk in parts]
 
     def finish(outs):
         found = parse(outs)
         return found[0] if single else found
-    return Call(task, requests, outputs or (get_task(task).client_output,), finish, parameters or {}, model)
+    return Call(task, requests, outputs or (get_task(task).client_output,), finish, parameters or {}, model,
+                places=_places("texts", parts))
+
+
+def _places(what: str, parts: list[list]) -> list[tuple[str, int, int]] | None:
+    """Each of a list's chunks as its place in that list, ``(what, start, stop)``; None for one chunk (its
+    items are numbered as in the list)."""
+    if len(parts) < 2:
+        return None
+    stops = np.cumsum([len(part) for part in parts]).tolist()
+    return [(what, stop - len(part), stop) for part, stop in zip(parts, stops)]
 
 
 def _prompt(prompt_name: str | None, info: ModelInfo) -> dict:
@@ -79,11 +101,14 @@ def embed(texts, info: ModelInfo, prompt_name: str | None = None, dimensions: in
     """``dimensions`` (Matryoshka): each vector cut to that size, then L2-normalised again (a unit vector,
     as OpenAI's shortened embeddings are).  The served vector is the model's pipeline up to and including
     its normalisation, and normalising is scale-free, so this equals cutting the model's unnormalised
-    output and normalising that."""
+    output and normalising that.  ``dimensions`` is checked before anything is sent where the model's config
+    states its size."""
     parse = get_task("embedding").parse
+    if info.dimensions:
+        info.check_dimensions(dimensions)
 
     def read(outs):
-        vectors = parse(outs)
+        vectors = parse(outs, info.dimensions)  # no text: no answer, and [0, the model's size]
         return vectors if dimensions is None else unit_rows(info.cut(vectors, dimensions))
     return _texts_call("embedding", texts, info, read, _prompt(prompt_name, info))
 
@@ -98,7 +123,8 @@ def embed_counted(texts, info: ModelInfo, prompt_name: str | None = None) -> Cal
     spec = get_task("embedding")
 
     def read(answers) -> tuple[np.ndarray, int]:
-        return spec.parse([vectors for vectors, _ in answers]), int(sum(counts.sum() for _, counts in answers))
+        vectors = spec.parse([vectors for vectors, _ in answers], info.dimensions)
+        return vectors, int(sum(counts.sum() for _, counts in answers))
     items, _ = p.as_list(texts)  # a single string too: the result is always the pair
     outputs = (spec.client_output, TOKEN_COUNT_OUTPUT)
     return _texts_call(spec.name, items, info, read, _prompt(prompt_name, info), outputs)
@@ -207,16 +233,19 @@ def answer(question: str, context: str, info: ModelInfo, top_k: int = 1) -> Call
     return Call(spec.name, [request], (spec.client_output,), lambda outs: spec.parse(outs, top_k))
 
 
-def rerank(query: str, documents, info: ModelInfo, top_k: int | None = None, chunk: int = 64) -> Call:
-    """A cross-encoder scores each (query, document) pair; a late-interaction model's score compares the
-    query's vectors with each document's (:func:`late_rerank`)."""
+def rerank(query: str, documents, info: ModelInfo, top_k: int | None = None) -> Call:
+    """A cross-encoder scores each (query, document) pair, as many documents a request as the model takes
+    (:attr:`ModelInfo.rows_per_request`); a late-interaction model's score compares the query's vectors with
+    each document's (:func:`late_rerank`)."""
     p.check_text(query, "query")
     items, _ = p.as_list(documents, "documents")
     spec = get_task("rerank")
     if not info.serves(spec.name) and info.serves("multi-vector"):
         return late_rerank(query, items, info, top_k)
-    requests = [{"QUERY": p.strings([query]), "DOCUMENTS": p.strings(c)} for c in p.chunks(items, chunk)]
-    return Call(spec.name, requests, (spec.client_output,), lambda outs: spec.parse(outs, items, top_k))
+    parts = p.chunks(items, info.rows_per_request)
+    requests = [{"QUERY": p.strings([query]), "DOCUMENTS": p.strings(part)} for part in parts]
+    return Call(spec.name, requests, (spec.client_output,), lambda outs: spec.parse(outs, items, top_k),
+                places=_places("documents", parts))
 
 
 def late_rerank(query: str, documents: list[str], info: ModelInfo, top_k: int | None = None) -> Call:
@@ -226,15 +255,17 @@ def late_rerank(query: str, documents: list[str], info: ModelInfo, top_k: int | 
     if similarity not in late_interaction.SIMILARITIES:
         raise WrongTaskError(f"model {info.name!r} names no late-interaction similarity (its similarity "
                              f"parameter is {similarity!r}): it cannot rank by it")
-    requests = [{"TEXT": p.strings(texts).reshape(-1, 1)}
-                for texts in [[query], *p.chunks(documents, info.max_batch_size)]]
+    parts = p.chunks(documents, info.max_batch_size)
+    requests = [{"TEXT": p.strings(texts).reshape(-1, 1)} for texts in [[query], *parts]]
     sides = [{INPUT_TYPE_PARAMETER: QUERY}] + [{INPUT_TYPE_PARAMETER: DOCUMENT}] * (len(requests) - 1)
 
     def finish(answers) -> list:
         vectors = spec.parse(answers)
         scores = late_interaction.score(similarity, vectors[:1], vectors[1:])[0]
         return get_task("rerank").parse([scores], documents, top_k)
-    return Call(spec.name, requests, _names(spec.results), finish, request_parameters=sides)
+    places = _places("documents", parts)
+    return Call(spec.name, requests, _names(spec.results), finish, request_parameters=sides,
+                places=[None, *places] if places else None)
 
 
 def _names(tensors) -> tuple[str, ...]:

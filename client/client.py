@@ -133,12 +133,13 @@ class EncoderClient:
             if pause:  # the first pass goes at once: even sleep(0) gives up the CPU
                 self._pause(pause)
             self.fleet.refresh(failed=bool(tried))
-            order = self.replicas.order()[:self.attempts]
+            # the pass's replicas and their connections at once: a refresh meanwhile may retire some
+            order = self.fleet.turn(self.attempts)
             tried = [] if order else unresolved(self.fleet)
-            for url in order:
+            for url, connection in order:
                 started = time.monotonic()
                 try:
-                    result = send(self.fleet.clients[url])
+                    result = send(connection)
                 except Exception as exc:
                     late = p.past_deadline(started, self.timeout_s)
                     tried.append((url, retryable(exc, model, self.replicas, url, late)))
@@ -156,8 +157,11 @@ class EncoderClient:
             time.sleep(seconds)
 
     def info(self, model: str) -> ModelInfo:
-        """The model's task and batch limit, read once from its Triton config."""
-        if model not in self._info:
+        """The model's task and batch limit, read once from its Triton config (and its tokenizer step's, where
+        that step bounds a request's rows: :attr:`ModelInfo.bound_by_step`)."""
+        # one read of the cache: another thread's failed call may drop the entry after any check of it
+        info = self._info.get(model)
+        if info is None:
             deadline = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
             kwargs = {"as_json": True, **deadline} if self.protocol == "grpc" else {}
 
@@ -167,13 +171,16 @@ class EncoderClient:
                 config = client.get_model_config(model, **kwargs)
                 if not ready:
                     raise p.not_ready(model)
-                return config, client.get_model_metadata(model, **kwargs)
+                found = ModelInfo.from_config(model, config)
+                if found.bound_by_step:
+                    found = found.with_tokenizer_step(client.get_model_config(found.tokenizer, **kwargs))
+                return found, client.get_model_metadata(model, **kwargs)
 
-            config, metadata = self._on_replicas(model, read)
-            self._info[model] = ModelInfo.from_config(model, config)
+            info, metadata = self._on_replicas(model, read)
+            self._info[model] = info
             if version := p.newest_version(metadata):  # the version described: an answer from another drops it
                 self._versions[model] = version
-        return self._info[model]
+        return info
 
     def _run(self, model: str, call: calls.Call):
         model = call.model or model
@@ -201,9 +208,9 @@ class EncoderClient:
         outputs = [self._triton.InferRequestedOutput(output) for output in call.outputs]
         try:
             result = self._on_replicas(model, lambda client: client.infer(model, inputs, outputs=outputs, **kwargs))
-        except Exception:
+        except Exception as exc:
             self._info.pop(model, None)  # the model may come back changed
-            raise
+            raise call.located(index, exc) from None
         p.note_version(self._versions, self._info, model, result)
         return tuple(result.as_numpy(output) for output in call.outputs)
 

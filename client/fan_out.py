@@ -11,12 +11,17 @@ gRPC (tritonclient's gRPC client may be called from several threads at once), gr
 calling thread for HTTP (tritonclient's HTTP client runs on gevent and is not thread-safe).  Not
 through tritonclient's ``async_infer``: the HTTP one sleeps 10 ms after sending each request, and
 both would need the retries rewritten around callbacks.  A call of one request starts no worker.
+
+The asynchronous client sends them as tasks, under the same bound and with the same answer: once one
+has failed no other starts, and those after it in order still in flight are cancelled (their errors
+could not be the one raised), so nothing of a call is sent once it has raised.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, wait
 from typing import Any
 
@@ -30,6 +35,7 @@ from typing import Any
 IN_FLIGHT = 1
 
 Send = Callable[[int], Any]
+AsyncSend = Callable[[int], Awaitable[Any]]
 
 
 class _Requests:
@@ -103,3 +109,40 @@ def in_greenlets(count: int, send: Send) -> list:
         requests.stop()
     gevent.joinall(helpers)
     return requests.result()
+
+
+async def in_tasks(count: int, send: AsyncSend) -> list:
+    """``await send(i)`` for every request of a call, up to :data:`IN_FLIGHT` at once, taken in order.  A failed
+    request starts no other and cancels those after it; the call raises the error of the first request in
+    order that failed, once those before it have answered (one of them may fail too)."""
+    if count <= 1:  # one request is awaited as it is: no task to start
+        return [await send(index) for index in range(count)]
+    answers, errors = [None] * count, {}
+    running: dict[int, asyncio.Task] = {}
+    taken = 0
+    try:
+        while running or (taken < count and not errors):
+            while taken < count and not errors and len(running) < max(IN_FLIGHT, 1):
+                running[taken] = asyncio.ensure_future(send(taken))
+                taken += 1
+            await asyncio.wait(running.values(), return_when=asyncio.FIRST_COMPLETED)
+            for index in [i for i, task in running.items() if task.done()]:
+                task = running.pop(index)
+                if task.exception() is None:
+                    answers[index] = task.result()
+                else:
+                    errors[index] = task.exception()
+            if errors:
+                await _cancel([running.pop(i) for i in list(running) if i > min(errors)])
+    finally:
+        await _cancel(list(running.values()))  # the caller was cancelled: so are its requests
+    if errors:
+        raise errors[min(errors)]
+    return answers
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    """Cancel ``tasks`` and wait until they have stopped: none is left to send again, nor to retry."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)  # one that finished first: its error is not the call's

@@ -29,6 +29,12 @@ from .error_codes import DECODED_OUTPUT, IDS_INPUT, TOKEN_COUNT_OUTPUT, TOKENS_O
 from .errors import DimensionsError, UnknownInputTypeError, UnknownPromptError, WrongTaskError
 
 
+#: The rows one request of an unbatched ensemble (a query and its documents) carries where its tokenizer step's
+#: config was not read: exports before ``--max-batch-size`` took at least 64 (the encoder's default batch); one
+#: that sets fewer says so in that step's config, which the clients read (:attr:`ModelInfo.bound_by_step`).
+UNSTATED_ROWS = 64
+
+
 @dataclass(frozen=True)
 class TokenizerStep:
     """An ensemble's tokenizer model as its own config declares it."""
@@ -97,6 +103,19 @@ class ModelInfo:
     def with_tokenizer_step(self, config: dict) -> ModelInfo:
         """This description with its tokenizer step's, read from that model's Triton config."""
         return replace(self, tokenizer_step=TokenizerStep.from_config(config))
+
+    @property
+    def bound_by_step(self) -> bool:
+        """Whether the most rows one request may carry is the tokenizer step's to say: an unbatched ensemble
+        (a query and its documents, each document a row) states none of its own."""
+        return self.max_batch_size == 0 and self.tokenizer is not None
+
+    @property
+    def rows_per_request(self) -> int:
+        """The most items one request may carry: the tokenizer step's rows where its config was read, else the
+        ensemble's ``max_batch_size``, else (an unbatched ensemble) :data:`UNSTATED_ROWS`."""
+        rows = self.tokenizer_step.rows if self.tokenizer_step is not None else 0
+        return rows or self.max_batch_size or UNSTATED_ROWS
 
     @property
     def tasks(self) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import re
 import time
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -47,12 +48,26 @@ def check_text(value, what: str) -> str:
 
 
 def as_list(texts, what: str = "texts") -> tuple[list[str], bool]:
-    """(items, was_single): a single string and a list both work; items must be str."""
+    """(items, was_single): a single string and a list (any iterable) both work; items must be str.  Anything
+    else is an InvalidInputError: bytes would be read as a list of ints, a dict as its keys."""
     single = isinstance(texts, str)
+    if isinstance(texts, (bytes, bytearray, memoryview)):
+        raise InvalidInputError(f"{what} is {type(texts).__name__}, expected a str or a list of str "
+                                "(decode bytes first)")
+    if not single and (isinstance(texts, Mapping) or not _iterable(texts)):
+        raise InvalidInputError(f"{what} is {type(texts).__name__}, expected a str or a list of str")
     items = [texts] if single else list(texts)
     for index, item in enumerate(items):
         check_text(item, f"{what}[{index}]")
     return items, single
+
+
+def _iterable(value) -> bool:
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return True
 
 
 def strings(items: list[str]) -> np.ndarray:
@@ -64,12 +79,32 @@ def chunks(items: list[str], size: int) -> list[list[str]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
+#: The tokenizer step's words for one item of a request (a text over the model's length, truncation off):
+#: its index within that request.
+_ITEM_OF_REQUEST = re.compile(r"\btext (\d+)(?= has )")
+
+
+def in_callers_list(message: str, what: str, start: int, stop: int) -> str:
+    """A server's ``message`` about a request that carried ``what[start:stop]`` of the caller's list, naming the
+    caller's index: rewritten where it has the step's known words (``text 6 has`` in the request of
+    ``texts[64:128]``: ``texts[70] has``), else with that part of the list added."""
+    rewritten, found = _ITEM_OF_REQUEST.subn(lambda m: f"{what}[{start + int(m.group(1))}]", message, count=1)
+    return rewritten if found else f"{message} (in {what}[{start}:{stop}])"
+
+
 #: Our own errors, by the code the server-side models put in front of them.
 _BY_CODE = {error_codes.INVALID_INPUT: InvalidInputError, error_codes.INFERENCE_FAILED: InferenceError}
-#: Triton's own errors, by the transport's status: gRPC status name or HTTP status code.
+#: Triton's own errors, by the transport's status: gRPC status name or HTTP status code.  Triton answers
+#: UNAVAILABLE (a model version not at ready state while it reloads, a server shutting down) as HTTP 503.
+#: 502 comes from a proxy in front of Triton (an ingress, a load balancer) that could not reach it or lost
+#: the connection mid-answer, as a refused or reset connection does here; its 504 is :data:`_PROXY_TIMEOUT`.
 _BY_STATUS = {"StatusCode.NOT_FOUND": ModelNotFoundError, "404": ModelNotFoundError,
               "StatusCode.INVALID_ARGUMENT": InvalidInputError, "400": InvalidInputError,
-              "StatusCode.UNAVAILABLE": ServerUnavailableError}
+              "StatusCode.UNAVAILABLE": ServerUnavailableError, "503": ServerUnavailableError,
+              "502": ServerUnavailableError}
+#: A proxy in front of Triton that stopped waiting for its answer: Triton may still hold the request, so it
+#: is a passed deadline, not sent again (:func:`~nexus_sli.client.replicas.retryable`).
+_PROXY_TIMEOUT = "504"
 #: A python-backend worker that died (and is being restarted), or a model being loaded
 #: again, is reported by Triton with an INTERNAL status and only these words; they are
 #: Triton's, not ours, so they cannot carry a code.
@@ -148,6 +183,10 @@ def translate(exc: Exception, model: str, deadline_passed: bool = False) -> Exce
     if _TRITON_MODEL_RESTARTING.search(text):
         return ModelUnavailableError(f"model {model!r} cannot serve right now (a worker is being restarted or the "
                                      f"model reloaded); retry in a few seconds. Server said: {text}")
+    if _status(exc) == _PROXY_TIMEOUT:
+        return DeadlineExceededError(f"a proxy in front of the Triton server stopped waiting for its answer (HTTP "
+                                     f"504: {text.splitlines()[0] if text else 'no message'}); the server may be "
+                                     "overloaded: retry later, or with fewer calls at once")
     if timed_out(exc) or (deadline_passed and _TRITON_QUEUE_TIMED_OUT.search(text)):
         said = text.splitlines()[0] if text else type(exc).__name__
         return DeadlineExceededError(f"Triton server did not answer within the client's timeout ({said}); it may "

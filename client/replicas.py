@@ -253,7 +253,11 @@ class Fleet:
         self._retired: list = []
         #: why the last resolution found no server (None after one that did)
         self.error: RetryableError | None = None
+        #: one resolution at a time
         self._lock = threading.Lock()
+        #: the replicas and their connections change together under it (not under the resolution's lock: a
+        #: request taking its turn waits for no DNS answer)
+        self._swap = threading.Lock()
 
     def refresh(self, failed: bool = False) -> None:
         """Resolve the name again where due (:meth:`Resolved.due`).  Where it resolves to nothing the
@@ -269,14 +273,23 @@ class Fleet:
                 self.error = exc
                 return
             self.error = None
-            added, gone = self.replicas.update(urls)
-            for url in added:
-                self.clients[url] = self._connect(url)
-            self._retired += [self.clients.pop(url) for url in gone]
+            connected = {url: self._connect(url) for url in urls if url not in self.clients}
+            with self._swap:
+                _, gone = self.replicas.update(urls)
+                self.clients.update(connected)
+                self._retired += [self.clients.pop(url) for url in gone]
+
+    def turn(self, attempts: int | None = None) -> list[tuple[str, object]]:
+        """The replicas one pass of a request tries, in order (:meth:`Replicas.order`, the first ``attempts``),
+        each with its connection, taken together.  A refresh during the pass may retire some of them: the pass
+        keeps their connections (open until the client closes) rather than looking them up again."""
+        with self._swap:
+            return [(url, self.clients[url]) for url in self.replicas.order()[:attempts]]
 
     def connections(self) -> list:
         """Every connection made, for closing."""
-        return [*self.clients.values(), *self._retired]
+        with self._swap:
+            return [*self.clients.values(), *self._retired]
 
 
 def unresolved(fleet: Fleet) -> list[tuple[str, RetryableError]]:

@@ -8,9 +8,10 @@ from .model_parameters import NORMALIZE, POOLING, write
 from .spec import EMBEDDED, HIDDEN, TaskSpec, Tensor, register, text
 
 
-def parse(outputs: list[np.ndarray]) -> np.ndarray:
-    """One embedding row per text, over every chunk the client sent."""
-    return np.concatenate(outputs) if outputs else np.zeros((0, 0), np.float32)
+def parse(outputs: list[np.ndarray], dims: int = 0) -> np.ndarray:
+    """One embedding row per text, over every chunk the client sent; none sent (no text): ``[0, dims]``, the
+    model's size where the caller knows it."""
+    return np.concatenate(outputs) if outputs else np.zeros((0, dims), np.float32)
 
 
 def post_params(config, embedder) -> dict[str, str]:

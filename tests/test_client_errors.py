@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
@@ -20,8 +21,9 @@ from nexus_sli.client import (
     ServerBusyError,
     ServerUnavailableError,
 )
-from nexus_sli.client import error_codes
-from nexus_sli.client.protocol import translate
+from nexus_sli.client import calls, error_codes
+from nexus_sli.client.model_info import ModelInfo
+from nexus_sli.client.protocol import as_list, translate
 
 
 def server_error(message: str, status: str = "StatusCode.INTERNAL") -> InferenceServerException:
@@ -218,3 +220,90 @@ def test_the_async_clients_first_pass_goes_at_once_and_only_retries_pause(monkey
 
     asyncio.run(calls())
     assert len(pauses) == 1 and pauses[0] > 0
+
+
+@pytest.mark.parametrize("message, status", [("Request for unknown model: 'm' version 1 is not at ready state", "503"),
+                                             ("<html>502 Bad Gateway</html>", "502")])
+def test_an_http_503_is_the_outage_grpcs_unavailable_is_and_is_sent_again(message, status):
+    """Triton answers UNAVAILABLE (a model version reloading) as HTTP 503; a proxy in front answers 502 when
+    it cannot reach Triton.  Both are the same retryable error as gRPC's UNAVAILABLE, and sent again."""
+    grpc = translate(server_error(message, "StatusCode.UNAVAILABLE"), "m")
+    assert type(translate(server_error(message, status), "m")) is type(grpc) is ServerUnavailableError
+    refusals = iter([server_error(message, status)])
+
+    def send(tritonclient):
+        if (refusal := next(refusals, None)) is not None:
+            raise refusal
+        return "answer"
+    with EncoderClient("127.0.0.1:1", protocol="http", retry_s=5) as client:
+        assert client._on_replicas("m", send) == "answer"
+
+
+def test_a_proxys_504_is_a_passed_deadline_not_sent_again():
+    error = translate(server_error("<html>504 Gateway Time-out</html>", "504"), "m")
+    assert type(error) is DeadlineExceededError and "proxy" in str(error)
+    sent = []
+
+    def send(tritonclient):
+        sent.append(tritonclient)
+        raise server_error("<html>504 Gateway Time-out</html>", "504")
+    with EncoderClient("127.0.0.1:1", protocol="http", retry_s=5) as client:
+        with pytest.raises(DeadlineExceededError):
+            client._on_replicas("m", send)
+    assert len(sent) == 1
+
+
+@pytest.mark.parametrize("texts, words", [(None, "texts is NoneType, expected a str or a list of str"),
+                                          (5, "texts is int"), (b"abc", "texts is bytes.*decode bytes first"),
+                                          (bytearray(b"abc"), "texts is bytearray"), ({"a": 1}, "texts is dict")])
+def test_texts_that_are_no_str_nor_list_of_str_are_invalid_input_before_anything_is_sent(texts, words):
+    with EncoderClient("127.0.0.1:1", model="m") as client:
+        client._info["m"] = ModelInfo("m", "embedding", 64, dimensions=2)  # nothing is asked of the server
+        with pytest.raises(InvalidInputError, match=words):
+            client.embed(texts)
+        with pytest.raises(InvalidInputError, match=words.replace("texts", "documents")):
+            calls.rerank("q", texts, ModelInfo("r", "rerank", 0))
+
+
+def test_texts_may_be_any_iterable_of_str():
+    assert as_list(text for text in ("a", "b")) == (["a", "b"], False)
+    assert as_list(np.array(["a", "b"])) == (["a", "b"], False)
+    assert as_list(np.str_("a")) == (["a"], True)
+
+
+class _DroppedAfterEachRead(dict):
+    """The client's cache of descriptions as threads interleave at their worst: each read of it is followed by
+    another thread's failed call dropping the entry read (``_infer`` drops it)."""
+
+    def __contains__(self, key):
+        found = super().__contains__(key)
+        self.pop(key, None)
+        return found
+
+    def get(self, key, default=None):
+        found = super().get(key, default)
+        self.pop(key, None)
+        return found
+
+    def __getitem__(self, key):
+        found = super().__getitem__(key)
+        self.pop(key, None)
+        return found
+
+
+def test_a_description_dropped_by_another_thread_after_the_check_is_still_returned():
+    info = ModelInfo("m", "embedding", 64, dimensions=2)
+    with EncoderClient("127.0.0.1:1", model="m") as client:
+        client._info = _DroppedAfterEachRead(m=info)
+        assert client.info("m") is info
+
+
+def test_the_async_http_client_without_a_timeout_has_no_bound():
+    """``timeout_s=None`` is no bound, not tritonclient's default of 60 s for each aiohttp request."""
+    async def session_timeouts():
+        found = []
+        for timeout_s in (None, 5.0):
+            async with AsyncEncoderClient("127.0.0.1:1", protocol="http", timeout_s=timeout_s) as client:
+                found.append(client.fleet.clients["127.0.0.1:1"]._stub.timeout.total)
+        return found
+    assert asyncio.run(session_timeouts()) == [None, 5.0]

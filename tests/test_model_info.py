@@ -11,7 +11,7 @@ from nexus_sli.client import InvalidInputError, WrongTaskError
 from nexus_sli.client import calls
 from nexus_sli.client.error_codes import TOKEN_COUNT_OUTPUT
 from nexus_sli.client.errors import DimensionsError, UnknownPromptError
-from nexus_sli.client.model_info import ModelInfo
+from nexus_sli.client.model_info import UNSTATED_ROWS, ModelInfo
 
 PROMPTS = {"query": "query: ", "passage": "passage: "}
 
@@ -136,3 +136,28 @@ def test_the_gateway_keeps_its_own_error_shape():
                                     "trained for 32, 16, 8; got 33")
     # only the ensemble is the model: its steps carry the task too
     assert served_model("retriever_tokenizer", {**_config(), "platform": "python"}) is None
+
+
+def _reranker_config() -> dict:
+    """A cross-encoder's ensemble as exported: unbatched (one query and its documents a request)."""
+    return {"name": "reranker", "platform": "ensemble", "max_batch_size": 0,
+            "parameters": {"task": {"string_value": "rerank"}}, "output": [{"name": "SCORES", "dims": ["-1"]}],
+            "ensemble_scheduling": {"step": [{"model_name": "reranker_tokenizer"},
+                                             {"model_name": "reranker_encoder"}]}}
+
+
+def test_an_unbatched_ensembles_documents_a_request_are_its_tokenizer_steps_rows():
+    info = ModelInfo.from_config("reranker", _reranker_config())
+    assert info.bound_by_step and info.rows_per_request == UNSTATED_ROWS  # its step not read yet
+    step = {"name": "reranker_tokenizer", "max_batch_size": 0, "parameters": {"max_rows": {"string_value": "16"}}}
+    assert info.with_tokenizer_step(step).rows_per_request == 16
+    assert info.with_tokenizer_step({**step, "parameters": {}}).rows_per_request == UNSTATED_ROWS  # states none
+    call = calls.rerank("q", [f"d{n}" for n in range(40)], info.with_tokenizer_step({"config": step}))
+    assert [len(request["DOCUMENTS"]) for request in call.requests] == [16, 16, 8]
+
+
+def test_a_batched_ensemble_states_its_own_rows():
+    info = ModelInfo.from_config("retriever", _config())
+    assert not info.bound_by_step and info.rows_per_request == 64
+    step = {"name": "retriever_tokenizer", "max_batch_size": 64}
+    assert info.with_tokenizer_step(step).rows_per_request == 64
