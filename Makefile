@@ -115,5 +115,7 @@ bench: $(if $(STACK)$(FIRST_ANSWER)$(AUTO_SEARCH),install,$(BENCH_STAMP))
 		$(if $(AUTO_SEARCH),$(BIN)/python -m nexus_sli.bench.auto_search $(BENCH_MODEL),\
 		$(BIN)/nexus-sli bench $(BENCH_MODEL) $(if $(QUICK),--quick,--benchmarks-md) $(if $(STACK),--stack-only)))
 
+# OUT's model folders: refused where OUT is empty (rm -rf /*/) or the root
 clean:
-	rm -rf $(OUT)/*/ .pytest_cache
+	@case '$(strip $(OUT))' in ''|/) echo "make clean: OUT='$(OUT)' names no repository" >&2; exit 2;; esac
+	rm -rf -- '$(OUT)'/*/ .pytest_cache

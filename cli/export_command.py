@@ -56,10 +56,25 @@ def _add_safety_options(export: argparse.ArgumentParser) -> None:
                              "$NEXUS_SLI_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/nexus-sli/layers)")
 
 
+def accelerated_backend(backend: str, accelerator: str, target: str) -> str:
+    """The backend ``--accelerator`` names (ONNX Runtime's, with that GPU provider), else ``backend``; an
+    accelerator beside a CPU target or another backend is refused rather than dropped."""
+    from nexus_sli.exporter.errors import NexusError
+
+    if not accelerator:
+        return backend
+    if target != "gpu":
+        raise NexusError(f"--accelerator {accelerator} is for GPU exports: add --target gpu")
+    if backend not in ("auto", f"onnxruntime-{accelerator}"):
+        raise NexusError(f"--accelerator {accelerator} names the backend onnxruntime-{accelerator}, not {backend}: "
+                         "leave --backend out, or drop --accelerator")
+    return f"onnxruntime-{accelerator}"
+
+
 def run(args: argparse.Namespace) -> int:
     from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 
-    backend = f"onnxruntime-{args.accelerator}" if args.accelerator and args.backend == "auto" else args.backend
+    backend = accelerated_backend(args.backend, args.accelerator, args.target)
     result = run_export(ExportOptions(
         model=args.model or None, task=args.task, precision=args.precision, backend=backend, device=args.target,
         name=args.name or None, out=Path(args.out), allow_pickle=args.allow_pickle,

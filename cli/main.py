@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     except (NexusError, TaskError) as exc:
         print(f"nexus-sli: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C, or serve's SIGTERM: each command cleans up as the interrupt unwinds it
+        print("nexus-sli: interrupted", file=sys.stderr)
+        return 130
+    except OSError as exc:  # a full disk, a permission, a path that is a file: the system's words say it
+        print(f"nexus-sli: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -61,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
     # and Python leaves it so: Ctrl-C's signal sent by `kill -INT` or a process manager would be lost, and with it
     # the clean stop (the search, the gateway, Triton).  The first export and the search inherit the handler's reset.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # SIGTERM (a process manager's stop) from the start: the first export and Triton's start stop their children
+    # on the interrupt as they do on Ctrl-C, where the default action would leave them running
+    signal.signal(signal.SIGTERM, _interrupt)
 
     # Path() would fold the '//' of an s3:// URL
     repository = args.model_repository if is_remote(args.model_repository) else Path(args.model_repository)
@@ -71,12 +74,28 @@ def run(args: argparse.Namespace) -> int:
               "only apply to a folder with no model)", file=sys.stderr, flush=True)
     if first_export:
         choice = ModelChoice(args.model, args.task, args.name, args.backend, args.precision, args.optimize)
+        _check_choice(choice, searches=choice.searches and not args.no_search)
         name = export_first(choice, repository)
         if choice.searches and not args.no_search:
             search = lambda server: BackgroundSearch(choice, repository, name, server, _search_threads())  # noqa: E731
     return serve_forever(repository, args.http_port, args.grpc_port, args.metrics_port, args.host,
                          args.gpu_models_on_cpu, beside=gateway_command(args), separate_steps=args.separate_steps,
                          background=search)
+
+
+def _check_choice(choice, searches: bool) -> None:
+    """The exports' options refused now, as the export would refuse them, not after the first one is served."""
+    from nexus_sli.exporter.targets import configurations_for
+    from nexus_sli.tasks import get_task
+
+    if choice.task != "auto":
+        get_task(choice.task)
+    if searches:
+        configurations_for(choice.backend, choice.precision, device="cpu")
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def _first_export_options(args: argparse.Namespace) -> list[str]:

@@ -97,6 +97,37 @@ def test_a_repository_folder_that_existed_is_left_as_it_was(tiny_checkpoint, tmp
     assert out.is_dir() and not any(out.iterdir())
 
 
+def test_a_folder_without_tokenizer_files_is_refused_before_any_work(tiny_checkpoint, tmp_path, capsys):
+    """transformers would make a tokenizer of the special tokens alone (every word an [UNK]), and validation
+    against a reference tokenized the same way would pass."""
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for item in tiny_checkpoint("bert").iterdir():
+        if item.name in ("config.json", "model.safetensors"):
+            (folder / item.name).symlink_to(item)
+    out = tmp_path / "repo"
+    assert main(["export", "--model", str(folder), "--out", str(out)]) == 2
+    assert re.search(r"has no tokenizer: neither tokenizer\.json nor .*vocab\.txt", _error(capsys))
+    assert not out.exists()
+
+
+def test_a_tokenizer_is_converted_from_a_wordpiece_vocabulary(tiny_checkpoint, tmp_path):
+    from tokenizers import Tokenizer
+
+    from nexus_sli.exporter.export.source import tokenizer_file
+
+    source = Tokenizer.from_file(str(tiny_checkpoint("bert") / "tokenizer.json"))
+    folder = tmp_path / "slow"
+    folder.mkdir()
+    vocab = sorted(source.get_vocab().items(), key=lambda item: item[1])
+    (folder / "vocab.txt").write_text("".join(f"{token}\n" for token, _ in vocab))
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    converted = Tokenizer.from_file(str(tokenizer_file(folder, tmp_path)))
+    assert converted.get_vocab_size() == source.get_vocab_size()
+    text = "the tiny model reads this"
+    assert converted.encode(text).ids == source.encode(text).ids
+
+
 def test_the_hub_download_fetches_bge_m3s_heads_even_without_allow_pickle(monkeypatch, tmp_path):
     """So that ``--task auto`` sees the folder as the hub has it: the heads are fetched, never loaded unasked."""
     import huggingface_hub

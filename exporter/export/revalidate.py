@@ -18,6 +18,7 @@ from nexus_sli.exporter.errors import NexusError, ValidationError
 from nexus_sli.exporter.targets import TARGETS, serving_target
 from nexus_sli.exporter.targets.onnxruntime_gpu import OnnxRuntimeGPU
 from nexus_sli.exporter.triton import config as tc
+from nexus_sli.exporter.triton.folders import check_name
 from nexus_sli.tasks import get_task
 from nexus_sli.tasks.model_parameters import message_strings
 
@@ -32,10 +33,13 @@ RECORD = "revalidation.json"
 
 def revalidate(repository: Path, name: str) -> dict:
     """Validate ``name``'s encoder again here; record and return the report, or raise ValidationError."""
-    folder = Path(repository) / f"{name}_encoder"
+    folder = Path(repository) / f"{check_name(name)}_encoder"
     if not (folder / "config.pbtxt").is_file():
         raise NexusError(f"{folder} holds no encoder config: is {name!r} a model of {repository}?")
     config = tc.read(folder / "config.pbtxt")
+    if not config.instance_group or not export_report.path(folder).is_file():
+        raise NexusError(f"{folder} is no encoder an export wrote (no instance group or no "
+                         f"{export_report.path(folder).name}): is {name!r} a model of {repository}?")
     target = _serving(config)
     # ONNX Runtime on a GPU: its providers from this config.pbtxt (edited profiles, precision, cache path
     # included), not the ones the target would write

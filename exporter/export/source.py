@@ -16,16 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nexus_sli.exporter.errors import ModelSourceError, NexusError
+from nexus_sli.exporter.errors import ModelSourceError
+from nexus_sli.exporter.triton.folders import check_name  # noqa: F401 - the exporter's names are checked here too
 
 from . import packaged
 from .families import EncoderFamily
 from .st_folder import trained_length
 
 DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,99}$")
 # Files an export needs; weights as safetensors unless pickle was allowed.
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "1_Pooling/*"]
+#: The files transformers converts a tokenizer.json from: WordPiece's vocabulary, BPE's vocabulary and merges,
+#: a SentencePiece model.
+_SLOW_TOKENIZER_FILES = ("vocab.txt", "vocab.json", "merges.txt", "*.model")
 
 
 @dataclass(frozen=True)
@@ -42,15 +45,6 @@ def triton_name(raw: str) -> str:
     """A Triton-safe lowercase name: ``all-MiniLM-L6-v2`` -> ``all_minilm_l6_v2``."""
     name = re.sub(r"[^a-z0-9]+", "_", raw.lower()).strip("_")
     return name or "model"
-
-
-def check_name(name: str) -> str:
-    """Reject names that could escape the repository or that Triton cannot serve."""
-    if not _SAFE_NAME.fullmatch(name):  # fullmatch: `$` alone would let a trailing newline through
-        raise NexusError(
-            f"invalid model name {name!r}: use 1-100 letters, digits, '_' or '-', not starting with '-'"
-        )
-    return name
 
 
 def resolve_model(model: str | None, allow_pickle: bool = False) -> ModelSource:
@@ -93,12 +87,17 @@ def load_config(path: Path) -> Any:
     if not (path / "config.json").is_file():
         raise ModelSourceError(f"{path} has no config.json")
     try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise ModelSourceError(f"{path / 'config.json'} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ModelSourceError(f"{path / 'config.json'} holds {type(raw).__name__}, not a JSON object")
+    try:
         return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     except ValueError:
         # Remote-code families (NeoBERT) have no transformers config class.  A plain
         # PretrainedConfig drops keys it takes for generation settings (NeoBERT's
         # ``max_length``), so every key of the file is set back on it.
-        raw = json.loads((path / "config.json").read_text())
         config = PretrainedConfig.from_dict(raw)
         for key, value in raw.items():
             if getattr(config, key, None) != value:
@@ -116,6 +115,12 @@ def tokenizer_file(path: Path, staging: Path) -> Path:
     found = path / "tokenizer.json"
     if found.is_file():
         return found
+    if not any(next(path.glob(pattern), None) for pattern in _SLOW_TOKENIZER_FILES):
+        # transformers would build a tokenizer of its special tokens alone, which reads every text as [UNK]s:
+        # the reference would be tokenized the same way, and validation could not tell
+        raise ModelSourceError(f"{path} has no tokenizer: neither tokenizer.json nor the files a tokenizer is "
+                               f"converted from ({', '.join(_SLOW_TOKENIZER_FILES)}); copy the model's tokenizer "
+                               "files into it")
     try:
         from transformers import AutoTokenizer
 

@@ -103,6 +103,10 @@ def configurations_for(backend: str, precision: str, flags: set[str] | None = No
         raise NexusError(f"unknown precision {precision!r}; choose one of {', '.join([AUTO, *precisions()])}")
     if device not in DEVICES:
         raise NexusError(f"unknown target {device!r}; choose one of {', '.join(DEVICES)}")
+    if backend != AUTO and get_target(backend).device != device:
+        on = [name for name, target in TARGETS.items() if target.device == device]
+        raise NexusError(f"backend {backend!r} runs on {get_target(backend).device}, not on the {device} this export "
+                         f"is for (--target); on {device}: {', '.join([AUTO, *on])}")
     if backend != AUTO and precision != AUTO:
         target = get_target(backend)
         target.check(precision)

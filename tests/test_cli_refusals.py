@@ -1,0 +1,80 @@
+"""Options that contradict each other, or a model folder that cannot be read, are refused in one line before any
+work, and an error of the system (a full disk, a path that is a file) is one line too, never a traceback."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from nexus_sli.cli.main import main
+from nexus_sli.exporter.errors import NexusError
+from nexus_sli.exporter.targets import configurations_for
+
+
+def _error(capsys) -> str:
+    """The CLI's error: the last line of stderr, and no traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("backend, device", [
+    ("onnxruntime-tensorrt", "cpu"), ("onnxruntime-cuda", "cpu"), ("tensorrt-plan", "cpu"),
+    ("onnxruntime", "gpu"), ("openvino", "gpu"),
+])
+def test_a_backend_of_another_device_than_the_target_is_refused(backend, device):
+    with pytest.raises(NexusError, match=f"backend '{backend}' runs on .*not on the {device} this export is for"):
+        configurations_for(backend, "auto", device=device)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--accelerator", "cuda"], "--accelerator cuda is for GPU exports: add --target gpu"),
+    (["--target", "gpu", "--accelerator", "cuda", "--backend", "openvino"],
+     "--accelerator cuda names the backend onnxruntime-cuda, not openvino"),
+    (["--target", "gpu", "--backend", "onnxruntime", "--precision", "fp32"],
+     "backend 'onnxruntime' runs on cpu, not on the gpu this export is for"),
+])
+def test_export_refuses_contradicting_device_options_before_any_work(tmp_path, capsys, args, message):
+    out = tmp_path / "repo"
+    assert main(["export", *args, "--out", str(out)]) == 2
+    assert message in _error(capsys)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", r"config\.json is not valid JSON"),
+    ("[1, 2]", r"config\.json holds list, not a JSON object"),
+])
+def test_a_config_that_is_not_a_json_object_is_one_line(tmp_path, capsys, text, message):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(text)
+    assert main(["export", "--model", str(folder), "--out", str(tmp_path / "repo")]) == 2
+    assert re.search(message, _error(capsys))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--precision", "fp16"], "no cpu target serves precision 'fp16'"),
+    (["--backend", "onnxruntime", "--precision", "bf16"], "not 'bf16'"),
+    (["--backend", "onnxruntime-tensorrt"], "backend 'onnxruntime-tensorrt' runs on gpu"),
+    (["--task", "summarization"], "unknown task 'summarization'"),
+])
+def test_serve_refuses_the_searchs_options_before_the_first_export(tmp_path, capsys, args, message):
+    repository = tmp_path / "empty"
+    repository.mkdir()
+    assert main(["serve", "--model-repository", str(repository), "--gateway-port", "0", *args]) == 2
+    assert message in _error(capsys)
+    assert not any(repository.iterdir())  # nothing exported
+
+
+def test_an_error_of_the_system_is_one_line(tmp_path, capsys):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    assert main(["fetch-model", "all-mpnet-base-v2", "--models-dir", str(a_file)]) == 1
+    assert _error(capsys).startswith("nexus-sli: error: [Errno 17] File exists")
+
+
+def test_validate_refuses_a_name_that_leaves_the_repository(tmp_path, capsys):
+    assert main(["validate", "--repository", str(tmp_path), "--model", "../elsewhere/tiny"]) == 2
+    assert "invalid model name '../elsewhere/tiny'" in _error(capsys)
