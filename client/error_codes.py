@@ -28,8 +28,9 @@ INPUT_TYPE_PARAMETER = "input_type"
 ADD_SPECIAL_TOKENS_PARAMETER = "add_special_tokens"
 SKIP_SPECIAL_TOKENS_PARAMETER = "skip_special_tokens"
 #: The tokenizer model's optional output asked for by name: per text, one JSON object of its tokens,
-#: ``{"ids", "text", "special", "offsets"}`` (offsets: [start, stop) characters of the prompted text;
-#: text: the characters a token covers, a special token's own string), untruncated.
+#: ``{"ids", "text", "special", "offsets", "bytes"}`` (offsets: [start, stop) characters of the prompted text;
+#: bytes: the same spans in its UTF-8 bytes, absent from exports before them; text: the characters a token
+#: covers, a special token's own string), untruncated.
 TOKENS_OUTPUT = "TOKENS"
 #: The tokenizer model's optional input of token ids ([rows, n] int64, each row padded with
 #: :data:`NO_TOKEN`), sent instead of ``TEXT``, and the output that answers it: each row's text.

@@ -50,7 +50,8 @@ class AdmissionMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or path not in self.paths:
+        # by method too: GET / is a health probe, POST / an inference request
+        if scope["type"] != "http" or scope["method"] != "POST" or path not in self.paths:
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.limit:

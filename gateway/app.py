@@ -16,7 +16,7 @@ from nexus_sli.client.replicas import Resolve
 
 from . import openai_routes, tei_routes
 from .admission import AdmissionMiddleware, inference_paths
-from .auth import ApiKeyMiddleware
+from .auth import OPEN_PATHS, ApiKeyMiddleware
 from .backend import Backend
 from .config import GatewayConfig
 from .errors import GatewayError, api_of, from_client, from_http, render
@@ -24,7 +24,8 @@ from .metrics import Metrics, MetricsMiddleware
 
 
 async def health(request: Request) -> Response:
-    """200 when Triton is ready; 503 (TEI's ``Unhealthy``) with ``Retry-After`` when it is not."""
+    """200 when Triton is ready; 503 (TEI's ``Unhealthy``) with ``Retry-After`` when it is not.  Served on every
+    probe path (``/health``, and TEI's ``GET /ping`` and ``GET /``)."""
     state = request.app.state
     if await state.backend.ready():
         return JSONResponse({"status": "ok", "triton": state.config.triton})
@@ -40,8 +41,8 @@ def create_app(config: GatewayConfig, resolve: Resolve | None = None) -> Starlet
     """The gateway for ``config``; it connects to Triton when it starts (ASGI lifespan).
     ``resolve(host, port)``: how a ``dns:///`` name in ``config.triton`` is resolved (default: the
     system's resolver)."""
-    routes = [*openai_routes.ROUTES, *tei_routes.ROUTES, Route("/health", health, methods=["GET"]),
-              Route("/metrics", metrics, methods=["GET"])]
+    probes = [Route(path, health, methods=["GET"]) for path in sorted(OPEN_PATHS)]
+    routes = [*openai_routes.ROUTES, *tei_routes.ROUTES, *probes, Route("/metrics", metrics, methods=["GET"])]
     counters = Metrics({route.path for route in routes})
 
     @asynccontextmanager

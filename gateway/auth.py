@@ -1,4 +1,4 @@
-"""The optional API key: ``Authorization: Bearer <key>`` on every route but ``/health``."""
+"""The optional API key: ``Authorization: Bearer <key>`` on every route but the health probes."""
 
 from __future__ import annotations
 
@@ -9,8 +9,13 @@ from starlette.requests import Request
 
 from .errors import GatewayError, api_of, render
 
-#: Routes open without the key: a load balancer's health probe carries none.
-OPEN_PATHS = frozenset({"/health"})
+#: The health probes, ``GET`` routes open without the key (a load balancer's probe carries none): ``/health``, and
+#: TEI's aliases of it, ``/ping`` (SageMaker's) and ``/`` (whose ``POST`` is ``/embed``, which needs the key).
+OPEN_PATHS = frozenset({"/health", "/ping", "/"})
+
+
+def is_probe(method: str, path: str) -> bool:
+    return method in ("GET", "HEAD") and path in OPEN_PATHS
 
 
 class ApiKeyMiddleware(BaseHTTPMiddleware):
@@ -19,7 +24,7 @@ class ApiKeyMiddleware(BaseHTTPMiddleware):
         self._expected = f"Bearer {api_key}".encode()
 
     async def dispatch(self, request: Request, call_next):
-        if request.url.path in OPEN_PATHS:
+        if is_probe(request.method, request.url.path):
             return await call_next(request)
         given = request.headers.get("authorization", "").encode()
         # constant time: the comparison must not tell how much of a guess was right

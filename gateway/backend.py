@@ -58,9 +58,9 @@ class AnyReplica:
             self._fleet.refresh()
             failure: Exception = ServerUnavailableError(f"{self._fleet.resolved and self._fleet.resolved.name} "
                                                         "has no server to ask")
-            for url in self._fleet.replicas.order():
+            for _, connection in self._fleet.turn():  # with their connections: a refresh meanwhile may retire some
                 try:
-                    return await getattr(self._fleet.clients[url], method)(*args, **kwargs)
+                    return await getattr(connection, method)(*args, **kwargs)
                 except Exception as exc:  # noqa: BLE001 - the next replica may answer; the last error is raised
                     failure = exc
             raise failure
@@ -119,7 +119,7 @@ class Backend:
 
     async def tokenize(self, model: ModelInfo, texts: list[str], prompt_name: str | None,
                        add_special_tokens: bool) -> list[dict]:
-        """Each text's tokens, ``{"ids", "text", "special", "offsets"}`` (error_codes.TOKENS_OUTPUT), from the
+        """Each text's tokens, ``{"ids", "text", "special", "offsets", "bytes"}`` (error_codes.TOKENS_OUTPUT), from the
         model's tokenizer step, prompted as the ensemble prompts (None: the model's default prompt, if any)."""
         parameters = {ADD_SPECIAL_TOKENS_PARAMETER: add_special_tokens,
                       **({PROMPT_PARAMETER: prompt_name} if prompt_name is not None else {})}

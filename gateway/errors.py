@@ -1,12 +1,14 @@
 """Errors, each answered in the caller's API's own error shape.
 
 One :class:`GatewayError` is raised everywhere; how it is written depends on the
-route: OpenAI's routes (``/v1/...``) answer ``{"error": {"message", "type",
-"param", "code"}}``, TEI's answer ``{"error", "error_type"}`` with TEI's error
-types.  The client's exceptions map onto it in :func:`from_client`.
+route: OpenAI's routes (``/v1/...``, and TEI's alias ``/embeddings``) answer
+``{"error": {"message", "type", "param", "code"}}``, TEI's answer ``{"error",
+"error_type"}`` with TEI's error types and statuses.  The client's exceptions map onto it in :func:`from_client`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
@@ -21,27 +23,44 @@ from nexus_sli.client import (
     WrongTaskError,
 )
 
-#: kind -> (HTTP status, OpenAI error type, TEI error type).  TEI's types are its
-#: ``ErrorType`` enum as TEI serialises it (variant names, capitalised).
+
+class Kind(NamedTuple):
+    """How one kind of error is answered by each API."""
+
+    openai_status: int
+    tei_status: int
+    openai_type: str
+    #: TEI's ``ErrorType`` as TEI serialises it (its variant names, capitalised)
+    tei_type: str
+
+
+#: Each kind of error, as each API answers it.  TEI's statuses are its own (router/src/http/server.rs):
+#: ``Validation`` is a 422 and ``Empty`` a 400, a failed inference and a model of the wrong kind a 424
+#: (``Backend``); its JSON extractor answers a body that does not parse with a 400, one past its payload
+#: limit with a 413.  OpenAI answers every invalid request with a 400.
 KINDS = {
-    "invalid": (400, "invalid_request_error", "Validation"),
-    "not_found": (404, "invalid_request_error", "Validation"),
-    "wrong_task": (400, "invalid_request_error", "Validation"),
-    # the served model cannot do what the route asks (TEI: /similarity on a model that does not embed)
-    "unsupported": (400, "invalid_request_error", "Backend"),
-    "too_large": (413, "invalid_request_error", "Validation"),
-    "unauthorized": (401, "invalid_request_error", "Validation"),
-    "no_route": (404, "invalid_request_error", "Validation"),
-    "method_not_allowed": (405, "invalid_request_error", "Validation"),
+    # the body does not parse as JSON
+    "malformed": Kind(400, 400, "invalid_request_error", "Validation"),
+    # it parses, and a field is missing or wrong, or past a limit (too many inputs, too long a text)
+    "invalid": Kind(400, 422, "invalid_request_error", "Validation"),
+    # no inputs at all
+    "empty": Kind(400, 400, "invalid_request_error", "Empty"),
+    "not_found": Kind(404, 404, "invalid_request_error", "Validation"),
+    # a model of another task (TEI: "model is not a re-ranker model", a Backend error)
+    "wrong_task": Kind(400, 424, "invalid_request_error", "Backend"),
+    # the served model cannot do what the route asks (its tokenizer lacks /tokenize's mode)
+    "unsupported": Kind(400, 424, "invalid_request_error", "Backend"),
+    # the body past --max-body-bytes
+    "too_large": Kind(413, 413, "invalid_request_error", "Validation"),
+    "unauthorized": Kind(401, 401, "invalid_request_error", "Validation"),
+    "no_route": Kind(404, 404, "invalid_request_error", "Validation"),
+    "method_not_allowed": Kind(405, 405, "invalid_request_error", "Validation"),
     # more requests at once than the gateway admits, or than Triton's queue holds: OpenAI's rate-limit
     # answer, which its SDK retries after Retry-After; TEI's "Model is overloaded"
-    "overloaded": (429, "rate_limit_error", "Overloaded"),
-    "unavailable": (503, "server_error", "Unhealthy"),
-    "backend": (500, "server_error", "Backend"),
+    "overloaded": Kind(429, 429, "rate_limit_error", "Overloaded"),
+    "unavailable": Kind(503, 503, "server_error", "Unhealthy"),
+    "backend": Kind(500, 424, "server_error", "Backend"),
 }
-#: TEI answers a failed inference, and a route its model cannot serve, with 424 Failed Dependency;
-#: OpenAI with a 500 and a 400.
-TEI_STATUS = {"backend": 424, "unsupported": 424}
 
 
 class GatewayError(Exception):
@@ -57,7 +76,8 @@ class GatewayError(Exception):
         self.allow = allow
 
     def status(self, api: str) -> int:
-        return TEI_STATUS.get(self.kind, KINDS[self.kind][0]) if api == "tei" else KINDS[self.kind][0]
+        kind = KINDS[self.kind]
+        return kind.tei_status if api == "tei" else kind.openai_status
 
 
 def from_client(exc: ClientError, retry_after: int) -> GatewayError:
@@ -93,20 +113,25 @@ def from_http(exc: HTTPException, request) -> GatewayError:
     return GatewayError("invalid", str(exc.detail))
 
 
+#: OpenAI's routes outside /v1: TEI's alias of its embeddings route.
+OPENAI_ALIASES = frozenset({"/embeddings"})
+
+
 def api_of(path: str) -> str:
     """Which API a path belongs to, and so which error shape it answers with."""
-    return "openai" if path.startswith("/v1/") or path == "/v1" else "tei"
+    return "openai" if path.startswith("/v1/") or path == "/v1" or path in OPENAI_ALIASES else "tei"
 
 
 def render(error: GatewayError, api: str) -> JSONResponse:
-    status, openai_type, tei_type = KINDS[error.kind]
+    kind = KINDS[error.kind]
     headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else {}
     if error.kind == "unauthorized":
         headers["WWW-Authenticate"] = "Bearer"
     if error.allow:
         headers["Allow"] = error.allow
     if api == "openai":
-        body = {"error": {"message": error.message, "type": openai_type, "param": error.param, "code": error.code}}
+        body = {"error": {"message": error.message, "type": kind.openai_type, "param": error.param,
+                          "code": error.code}}
     else:
-        body = {"error": error.message, "error_type": tei_type}
+        body = {"error": error.message, "error_type": kind.tei_type}
     return JSONResponse(body, status_code=error.status(api), headers=headers)

@@ -7,6 +7,7 @@ knows how to split the work.
 from __future__ import annotations
 
 import json
+import sys
 
 from starlette.requests import Request
 
@@ -18,7 +19,7 @@ from .errors import GatewayError
 
 
 async def read_json(request: Request, max_bytes: int) -> dict:
-    """The request's JSON object; 413 past ``max_bytes`` (read no further), 400 if not a JSON object."""
+    """The request's JSON object; 413 past ``max_bytes`` (read no further), 400 if it does not parse."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _body_too_large(max_bytes)
@@ -29,10 +30,13 @@ async def read_json(request: Request, max_bytes: int) -> dict:
             raise _body_too_large(max_bytes)
     try:
         value = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise GatewayError("invalid", f"the request body is not valid JSON: {exc}") from None
     except RecursionError:  # nesting deeper than the parser's stack ("[[[[..."): no request needs it
-        raise GatewayError("invalid", "the request body is not valid JSON here: it is nested too deeply") from None
+        raise GatewayError("malformed", "the request body is not valid JSON here: it is nested too deeply") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GatewayError("malformed", f"the request body is not valid JSON: {exc}") from None
+    except ValueError:  # an integer of more digits than Python converts (sys.get_int_max_str_digits, 4300)
+        raise GatewayError("malformed", "the request body is not valid JSON here: a number in it has more than "
+                           f"{sys.get_int_max_str_digits()} digits") from None
     if not isinstance(value, dict):
         raise GatewayError("invalid", f"the request body must be a JSON object, got {type(value).__name__}")
     return value
@@ -44,23 +48,24 @@ def _body_too_large(max_bytes: int) -> GatewayError:
 
 
 def check_count(items: list, config: GatewayConfig, param: str, item: str = "item") -> list:
-    """``items`` if there are some (else 400) and at most ``config.max_inputs`` (else 413)."""
+    """``items`` if there are some (else TEI's ``Empty``) and at most ``config.max_inputs``."""
     if not items:
-        raise GatewayError("invalid", f"{param} is empty: send at least one {item}", param=param)
+        raise GatewayError("empty", f"{param} is empty: send at least one {item}", param=param)
     if len(items) > config.max_inputs:
-        raise GatewayError("too_large", f"{param} has {len(items)} items; this gateway takes at most "
+        # OpenAI's 400 for too many inputs, TEI's batch-size Validation error (not the 413 of a large body)
+        raise GatewayError("invalid", f"{param} has {len(items)} items; this gateway takes at most "
                            f"{config.max_inputs} per request: split them into several requests",
                            param=param, code="too_many_inputs")
     return items
 
 
 def check_texts(texts: list[str], config: GatewayConfig, param: str) -> list[str]:
-    """``texts`` if they are within the gateway's limits (count, characters per text), else 413;
-    a text UTF-8 cannot carry (a lone surrogate such as ``"\\ud800"``, valid JSON) is a 400."""
+    """``texts`` if they are within the gateway's limits (count, characters per text); a text UTF-8
+    cannot carry (a lone surrogate such as ``"\\ud800"``, valid JSON) is refused too."""
     check_count(texts, config, param, "text")
     for index, text in enumerate(texts):
         if len(text) > config.max_input_chars:
-            raise GatewayError("too_large", f"{param}[{index}] has {len(text)} characters; this gateway takes at "
+            raise GatewayError("invalid", f"{param}[{index}] has {len(text)} characters; this gateway takes at "
                                f"most {config.max_input_chars} per text", param=param, code="input_too_long")
         try:
             check_text(text, f"{param}[{index}]")
@@ -69,18 +74,22 @@ def check_texts(texts: list[str], config: GatewayConfig, param: str) -> list[str
     return texts
 
 
-def text_list(value, param: str, what: str = "a string or a list of strings") -> list[str]:
-    """A string or a list of strings as a list; token-id arrays and anything else are a clear 400."""
+#: What a TEI route says of token ids: TEI takes them (its ``InputType::Ids``), this gateway does not.
+TEI_IDS_ADVICE = "unlike TEI, it takes no token-id inputs: send the texts (POST /decode turns token ids into text)"
+
+
+def text_list(value, param: str, what: str = "a string or a list of strings", *,
+              ids_advice: str = TEI_IDS_ADVICE) -> list[str]:
+    """A string or a list of strings as a list; token-id arrays (the message ends with ``ids_advice``) and
+    anything else are refused."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and all(isinstance(item, str) for item in value):
         return value
     if isinstance(value, list) and value and all(isinstance(i, int) or (isinstance(i, list) and all(
             isinstance(j, int) for j in i)) for i in value):
-        # LangChain's OpenAIEmbeddings sends tiktoken ids unless told not to: say how
         raise GatewayError("invalid", f"{param} holds token ids: this gateway takes text only (the server "
-                           "tokenizes with the model's own tokenizer); send the texts instead (LangChain's "
-                           "OpenAIEmbeddings: check_embedding_ctx_length=False)", param=param,
+                           f"tokenizes with the model's own tokenizer); {ids_advice}", param=param,
                            code="token_ids_not_supported")
     raise GatewayError("invalid", f"{param} must be {what}, got {_describe(value)}", param=param)
 

@@ -13,11 +13,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .auth import is_probe
+
 #: Seconds; a batch of 2048 texts on a CPU takes tens of seconds.
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-#: Not load: probes and scrapes are left out of the in-flight gauge (a scrape would count itself).
-NOT_IN_FLIGHT = frozenset({"/health", "/metrics"})
+#: Not load: probes (auth.is_probe) and scrapes are left out of the in-flight gauge (a scrape would count itself).
+SCRAPE_PATH = "/metrics"
 
 
 class Metrics:
@@ -62,7 +64,7 @@ class MetricsMiddleware:
             return
         path, method, start = scope["path"], scope["method"], time.perf_counter()
         status = 500  # an exception no handler answered: the server error Starlette answers
-        counted = path not in NOT_IN_FLIGHT
+        counted = path != SCRAPE_PATH and not is_probe(method, path)
 
         async def sending(message: Message) -> None:
             nonlocal status

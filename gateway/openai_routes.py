@@ -1,4 +1,4 @@
-"""OpenAI's embeddings API: ``POST /v1/embeddings`` and ``GET /v1/models``.
+"""OpenAI's embeddings API: ``POST /v1/embeddings`` (also ``/embeddings``, as TEI serves it) and ``GET /v1/models``.
 
 As OpenAI defines them (platform.openai.com/docs/api-reference/embeddings):
 ``input`` a string or a list of strings, ``model``, ``encoding_format``
@@ -23,6 +23,8 @@ from .errors import GatewayError
 from .limits import check_texts, read_json, text_list
 
 ENCODING_FORMATS = ("float", "base64")
+#: LangChain's OpenAIEmbeddings sends tiktoken ids unless told not to: say how
+IDS_ADVICE = "send the texts instead (LangChain's OpenAIEmbeddings: check_embedding_ctx_length=False)"
 
 
 async def embeddings(request: Request) -> JSONResponse:
@@ -34,7 +36,7 @@ async def embeddings(request: Request) -> JSONResponse:
                            "(GET /v1/models lists them)", param="model")
     if "input" not in body:
         raise GatewayError("invalid", "input is required: a string or a list of strings", param="input")
-    texts = check_texts(text_list(body["input"], "input"), state.config, "input")
+    texts = check_texts(text_list(body["input"], "input", ids_advice=IDS_ADVICE), state.config, "input")
     encoding_format = body.get("encoding_format") or "float"
     if encoding_format not in ENCODING_FORMATS:
         raise GatewayError("invalid", f"encoding_format must be one of {', '.join(ENCODING_FORMATS)}, "
@@ -76,4 +78,6 @@ def _described(model) -> dict:
             "prompts": model.prompts, "default_prompt_name": model.default_prompt_name}
 
 
-ROUTES = [Route("/v1/embeddings", embeddings, methods=["POST"]), Route("/v1/models", models, methods=["GET"])]
+# TEI serves OpenAI's embeddings route without /v1 too (errors.OPENAI_ALIASES: answered in OpenAI's shape)
+ROUTES = [Route("/v1/embeddings", embeddings, methods=["POST"]), Route("/embeddings", embeddings, methods=["POST"]),
+          Route("/v1/models", models, methods=["GET"])]

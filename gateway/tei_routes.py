@@ -8,7 +8,8 @@ the one model serving the route's task answers (or the gateway's ``tei_model``),
 and a request may add ``"model": "<name>"`` where several do.  The routes every
 task has (``/info``, ``/tokenize``, ``/decode``) take the one model served, the
 ``tei_model``, or the one named (``GET /info``: ``?model=NAME``).  Where TEI has an option the served model
-cannot honour, the answer is a clear 400, never a silently different result.
+cannot honour, the answer is a clear error, never a silently different result (``truncate``:
+:mod:`.tei_truncation`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from nexus_sli.client.calls import unit_rows
-from nexus_sli.client.model_info import ModelInfo
 from nexus_sli.tasks.multi_vector import DOCUMENT
 
 from . import tei_info, tei_tokens
@@ -28,6 +28,7 @@ from .embeddings import check_dimensions, check_input_type, check_prompt
 from .errors import GatewayError
 from .limits import check_texts, flag, read_json, text_list
 from .tei_tokens import model_of_any_task
+from .tei_truncation import check_direction, check_truncate
 
 
 async def _model(request: Request, body: dict, task: Tasks):
@@ -62,15 +63,6 @@ async def _model(request: Request, body: dict, task: Tasks):
     return await catalog.get(name, task)
 
 
-def _check_truncation(body: dict) -> None:
-    """``truncate`` is the export's choice (the default export truncates, like TEI's ``--auto-truncate``);
-    only right-side truncation exists."""
-    direction = body.get("truncation_direction")
-    if direction is not None and str(direction).lower() != "right":
-        raise GatewayError("invalid", f"truncation_direction {direction!r} is not available: the served "
-                           "tokenizer truncates on the right", param="truncation_direction")
-
-
 def _no_raw_scores(body: dict) -> None:
     """/predict: a softmax cannot be undone (its logits are known only up to a constant)."""
     if flag(body, "raw_scores", False):
@@ -103,9 +95,11 @@ async def _embedding_request(request: Request, task: str):
     if "inputs" not in body:
         raise GatewayError("invalid", "inputs is required: a string or a list of strings", param="inputs")
     texts = check_texts(text_list(body["inputs"], "inputs"), state.config, "inputs")
-    _check_truncation(body)
+    check_direction(body)
     model = await _model(request, body, task)
-    return state, body, texts, model, check_prompt(body.get("prompt_name"), model)
+    prompt_name = check_prompt(body.get("prompt_name"), model)
+    await check_truncate(state.backend, body, model, texts, "inputs", prompt_name)
+    return state, body, texts, model, prompt_name
 
 
 async def embed(request: Request) -> JSONResponse:
@@ -166,10 +160,11 @@ async def rerank(request: Request) -> JSONResponse:
         raise GatewayError("invalid", "texts is required: a list of strings", param="texts")
     texts = check_texts(text_list(body["texts"], "texts", "a list of strings"), state.config, "texts")
     check_texts([query], state.config, "query")
-    _check_truncation(body)
+    check_direction(body)
     raw_scores = flag(body, "raw_scores", False)
     return_text = flag(body, "return_text", False)
     model = await _model(request, body, RERANKERS)
+    await check_truncate(state.backend, body, model, texts, "texts")
     ranked = await state.backend.client.rerank(query, texts, model=model.name)
     state.metrics.texts.labels(request.url.path).inc(len(texts))
     # the logit is monotonic in the score: the order is the same either way.  A late-interaction score is
@@ -181,21 +176,29 @@ async def rerank(request: Request) -> JSONResponse:
 
 
 def _predict_inputs(value) -> tuple[list[str], bool]:
-    """(texts, single) from TEI's PredictInput: a string, a pair, or a batch of singles and pairs."""
+    """(texts, single) from TEI's PredictInput: a string or a one-string list (one input, answered as a flat
+    list), a pair of strings, or a batch of one-string lists and pairs."""
     if isinstance(value, str):
         return [value], True
     if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
-        raise GatewayError("invalid", "inputs is a pair of strings (TEI's form for sentence-pair models); the "
-                           "served classifiers take one text: send a string, or a batch [[\"text\"], ...]",
-                           param="inputs")
+        return [_one_text(value)], True
     if isinstance(value, list) and all(isinstance(item, list) and all(isinstance(t, str) for t in item)
                                        for item in value):
-        if any(len(item) != 1 for item in value):
-            raise GatewayError("invalid", "each batch item must be one text ([\"text\"]); text pairs are not "
-                               "available for the served classifiers", param="inputs")
-        return [item[0] for item in value], False
+        return [_one_text(item) for item in value], False
     raise GatewayError("invalid", "inputs must be a string or a batch of one-text lists [[\"text\"], ...]",
                        param="inputs")
+
+
+def _one_text(sequence: list[str]) -> str:
+    """The text of one of TEI's sequences: one string; a pair is TEI's form for sentence-pair models."""
+    if len(sequence) == 2:
+        raise GatewayError("invalid", "inputs holds a pair of strings (TEI's form for sentence-pair models); the "
+                           "served classifiers take one text: send a string, or a batch [[\"text\"], ...]",
+                           param="inputs")
+    if len(sequence) != 1:
+        raise GatewayError("invalid", f"inputs holds a sequence of {len(sequence)} strings: TEI's are one text "
+                           "[\"text\"] or a pair [\"text\", \"text\"]", param="inputs")
+    return sequence[0]
 
 
 async def predict(request: Request) -> JSONResponse:
@@ -205,9 +208,10 @@ async def predict(request: Request) -> JSONResponse:
         raise GatewayError("invalid", "inputs is required", param="inputs")
     texts, single = _predict_inputs(body["inputs"])
     check_texts(texts, state.config, "inputs")
-    _check_truncation(body)
+    check_direction(body)
     _no_raw_scores(body)
     model = await _model(request, body, "classification")
+    await check_truncate(state.backend, body, model, texts, "inputs")
     labels = await state.backend.client.classify(texts, model=model.name, top_k=max(model.dimensions, 1))
     state.metrics.texts.labels(request.url.path).inc(len(texts))
     rows = [[{"label": lab.label, "score": lab.score} for lab in row] for row in labels]
@@ -223,9 +227,11 @@ async def similarity(request: Request) -> JSONResponse:
     parameters = body.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise GatewayError("invalid", "parameters must be an object", param="parameters")
-    _check_truncation(parameters)
-    model = await _embedding_model(request, body)
-    vectors = unit_rows(await state.backend.embed(model, texts, check_prompt(parameters.get("prompt_name"), model)))
+    check_direction(parameters)
+    model = await _model(request, body, "embedding")  # one that does not embed: TEI's 424
+    prompt_name = check_prompt(parameters.get("prompt_name"), model)
+    await check_truncate(state.backend, parameters, model, texts, "inputs", prompt_name)
+    vectors = unit_rows(await state.backend.embed(model, texts, prompt_name))
     state.metrics.texts.labels(request.url.path).inc(len(texts))
     return JSONResponse((vectors[1:] @ vectors[0]).astype(np.float32).tolist())
 
@@ -235,20 +241,11 @@ def _similarity_inputs(value) -> tuple[str, list[str]]:
         raise GatewayError("invalid", "inputs is required: {\"source_sentence\": \"...\", \"sentences\": [...]}",
                            param="inputs")
     sentences = text_list(value.get("sentences"), "inputs.sentences", "a list of strings")
-    if not sentences or not isinstance(value["sentences"], list):
-        raise GatewayError("invalid", "inputs.sentences must be a non-empty list of strings", param="inputs")
+    if not isinstance(value["sentences"], list):
+        raise GatewayError("invalid", "inputs.sentences must be a list of strings", param="inputs")
+    if not sentences:
+        raise GatewayError("empty", "inputs.sentences is empty: send at least one sentence", param="inputs")
     return value["source_sentence"], sentences
-
-
-async def _embedding_model(request: Request, body: dict) -> ModelInfo:
-    """/similarity's model; one that does not embed is TEI's 424."""
-    try:
-        return await _model(request, body, "embedding")
-    except GatewayError as exc:
-        if exc.kind != "wrong_task":
-            raise
-        raise GatewayError("unsupported", f"{exc.message} (/similarity compares embeddings)", param="model",
-                           code="wrong_task") from None
 
 
 async def info(request: Request) -> JSONResponse:

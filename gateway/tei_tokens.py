@@ -54,11 +54,13 @@ async def tokenize(request: Request) -> JSONResponse:
 
 
 def _simple_tokens(tokens: dict) -> list[dict]:
-    """One text's tokens as TEI's SimpleToken: a special token covers no characters of the text."""
+    """One text's tokens as TEI's SimpleToken: ``start``/``stop`` are UTF-8 byte offsets into the prompted text,
+    as TEI's Rust tokenizer counts them (the step's ``bytes``); a special token covers none of the text.
+    Repositories exported before ``bytes`` answer character offsets (``offsets``) instead."""
+    spans = tokens.get("bytes", tokens["offsets"])
     return [{"id": i, "text": text, "special": special, "start": None if special else start,
              "stop": None if special else stop}
-            for i, text, special, (start, stop) in zip(tokens["ids"], tokens["text"], tokens["special"],
-                                                        tokens["offsets"])]
+            for i, text, special, (start, stop) in zip(tokens["ids"], tokens["text"], tokens["special"], spans)]
 
 
 async def decode(request: Request) -> JSONResponse:
@@ -74,17 +76,22 @@ async def decode(request: Request) -> JSONResponse:
     return JSONResponse(texts)
 
 
+#: TEI's token ids are u32.
+MAX_ID = 2**32 - 1
+
+
 def _id_rows(value) -> list[list[int]]:
     """TEI's InputIds: one list of token ids, or a batch of them."""
     def ids(row) -> bool:
-        return isinstance(row, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in row)
+        return isinstance(row, list) and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_ID
+                                             for i in row)
 
     if ids(value):
         return [value]
     if isinstance(value, list) and all(ids(row) for row in value):
         return value
-    raise GatewayError("invalid", "ids is required: a list of token ids (integers from 0), or a list of such lists",
-                       param="ids")
+    raise GatewayError("invalid", f"ids is required: a list of token ids (integers from 0 to {MAX_ID}), or a list "
+                       "of such lists", param="ids")
 
 
 ROUTES = [Route("/tokenize", tokenize, methods=["POST"]), Route("/decode", decode, methods=["POST"])]

@@ -331,7 +331,7 @@ def test_each_route_tokenizes_its_texts_once_and_usage_comes_from_the_same_call(
 
 def test_tei_routes_need_a_model_only_where_several_serve_the_task(gateway, strict):
     status, _, body = tei(strict, "/embed", {"inputs": "x"}, "EmbedRequest")  # no --tei-model
-    assert status == 400 and "several models serve 'embedding' (minilm, tiny_embedder)" in tei_error(body)["error"]
+    assert status == 422 and "several models serve 'embedding' (minilm, tiny_embedder)" in tei_error(body)["error"]
     assert call(f"{strict.url}/predict", {"inputs": "x"})[0] == 200  # one classifier: no name needed
     status, _, body = tei(gateway, "/embed", {"inputs": "x"}, "EmbedRequest")  # --tei-model minilm
     assert status == 200 and len(body[0]) == 384
@@ -387,6 +387,9 @@ def test_tei_predict_single_and_batch(gateway, direct):
     assert status == 200 and schema_problems(single, tei_schema("PredictResponse")) == []
     expected = direct.classify(TEXTS[:3], model="classifier", top_k=3)
     assert [p["label"] for p in single] == [lab.label for lab in expected[0]]
+    # a one-string list is one input, answered as the string is: TEI's deserializer reads it so (types.rs
+    # PredictInput), though its OpenAPI description lists only strings, pairs and batches
+    assert call(f"{gateway.url}/predict", {"inputs": [TEXTS[0]]})[2] == single
     status, _, batch = tei(gateway, "/predict", {"inputs": [[t] for t in TEXTS[:3]]}, "PredictRequest")
     assert status == 200 and schema_problems(batch, tei_schema("PredictResponse")) == []
     assert [[p["label"] for p in row] for row in batch] == [[lab.label for lab in row] for row in expected]
@@ -431,16 +434,32 @@ def test_openai_sdk_raises_its_own_exceptions(gateway):
         sdk(gateway).embeddings.create(model="classifier", input="x")
 
 
+def test_teis_aliases_of_the_openai_route_and_the_health_probe(gateway, direct):
+    """TEI serves OpenAI's route without /v1 (an SDK whose base_url is the server's root posts there) and answers
+    its health on GET / and /ping too."""
+    root = openai.OpenAI(base_url=gateway.url, api_key="unused", max_retries=0)
+    response = root.embeddings.create(model="minilm", input=TEXTS[:2], encoding_format="float")
+    vectors = np.array([d.embedding for d in response.data])
+    assert cosines(vectors, direct.embed(TEXTS[:2], model="minilm")).min() >= 0.9999
+    with pytest.raises(openai.NotFoundError):  # in OpenAI's error shape, which the SDK reads
+        root.embeddings.create(model="nope", input="x")
+    for path in ("/", "/ping"):
+        status, _, body = call(f"{gateway.url}{path}")
+        assert status == 200 and body["status"] == "ok", path
+
+
 @pytest.mark.parametrize("route, request_body, status, words", [
     ("/embed", {"inputs": "x", "model": "nope"}, 404, "'nope' is not served"),
-    ("/rerank", {"query": "q", "texts": ["a"], "model": "minilm"}, 400, "serves task 'embedding'"),
-    ("/predict", {"inputs": "x", "model": "reranker"}, 400, "serves task 'rerank'"),
-    ("/embed", {"inputs": "x", "normalize": False, "model": "minilm"}, 400, "normalize=false"),
-    ("/embed", {"inputs": [[101, 102]]}, 400, "token ids"),
-    ("/predict", {"inputs": "x", "raw_scores": True}, 400, "raw_scores"),
-    ("/embed", {"inputs": ["fine", "\ud800"]}, 400, "inputs[1] cannot be sent as UTF-8"),
-    ("/predict", {"inputs": ["first", "second"]}, 400, "pair"),
-    ("/embed", {"inputs": "x", "truncation_direction": "Left"}, 400, "truncation_direction"),
+    # TEI's statuses: a model of another kind is its Backend error (424), an invalid request its Validation (422)
+    ("/rerank", {"query": "q", "texts": ["a"], "model": "minilm"}, 424, "serves task 'embedding'"),
+    ("/predict", {"inputs": "x", "model": "reranker"}, 424, "serves task 'rerank'"),
+    ("/embed", {"inputs": "x", "normalize": False, "model": "minilm"}, 422, "normalize=false"),
+    ("/embed", {"inputs": [[101, 102]]}, 422, "token ids"),
+    ("/predict", {"inputs": "x", "raw_scores": True}, 422, "raw_scores"),
+    ("/embed", {"inputs": ["fine", "\ud800"]}, 422, "inputs[1] cannot be sent as UTF-8"),
+    ("/predict", {"inputs": ["first", "second"]}, 422, "pair"),
+    ("/embed", {"inputs": "x", "truncation_direction": "Left"}, 422, "truncation_direction"),
+    ("/embed", {"inputs": []}, 400, "inputs is empty"),
 ])
 def test_tei_errors(gateway, route, request_body, status, words):
     got, _, body = call(f"{gateway.url}{route}", request_body)
@@ -450,8 +469,10 @@ def test_tei_errors(gateway, route, request_body, status, words):
 def test_bad_json_is_a_400_in_each_shape(gateway):
     got, _, body = call(f"{gateway.url}/v1/embeddings", raw=b"{not json")
     assert got == 400 and "not valid JSON" in openai_error(got, body)["message"]
-    got, _, body = call(f"{gateway.url}/embed", raw=b"[1, 2]")
-    assert got == 400 and "JSON object" in tei_error(body)["error"]
+    got, _, body = call(f"{gateway.url}/embed", raw=b"{not json")
+    assert got == 400 and "not valid JSON" in tei_error(body)["error"]
+    got, _, body = call(f"{gateway.url}/embed", raw=b"[1, 2]")  # JSON, not TEI's request: its Validation
+    assert got == 422 and "JSON object" in tei_error(body)["error"]
     # nested past the parser's recursion limit: still a 400, not a crash
     got, _, body = call(f"{gateway.url}/v1/embeddings", raw=b"[" * 100_000)
     assert got == 400 and "nested too deeply" in openai_error(got, body)["message"]
@@ -472,15 +493,21 @@ def test_unknown_routes_and_methods_answer_in_each_apis_shape(gateway):
         sdk(gateway).completions.create(model="minilm", prompt="x")  # a route OpenAI has and the gateway does not
 
 
-def test_limits_are_413_with_the_limit_in_the_message(strict):
+def test_limits_say_the_limit_with_each_apis_status(strict):
+    """OpenAI answers too much input with a 400 (the SDK's BadRequestError), TEI with its batch-size Validation
+    error (422); only a body past its limit is a 413."""
     got, _, body = call(f"{strict.url}/v1/embeddings", {"model": "minilm", "input": ["a"] * 5})
-    assert got == 413 and "at most 4" in openai_error(got, body)["message"]
+    assert got == 400 and "at most 4" in openai_error(got, body)["message"]
+    assert body["error"]["code"] == "too_many_inputs"
     got, _, body = call(f"{strict.url}/embed", {"inputs": ["a"] * 5})
-    assert got == 413 and "at most 4" in tei_error(body)["error"]
+    assert got == 422 and "at most 4" in tei_error(body)["error"]
     got, _, body = call(f"{strict.url}/v1/embeddings", {"model": "minilm", "input": ["a" * 101]})
-    assert got == 413 and "at most 100 per text" in openai_error(got, body)["message"]
+    assert got == 400 and "at most 100 per text" in openai_error(got, body)["message"]
+    assert body["error"]["code"] == "input_too_long"
+    with pytest.raises(openai.BadRequestError, match="at most 4"):
+        sdk(strict).embeddings.create(model="minilm", input=["a"] * 5)
     got, _, body = call(f"{strict.url}/rerank", {"query": "q", "texts": ["a"] * 5})
-    assert got == 413 and "at most 4" in tei_error(body)["error"]
+    assert got == 422 and "at most 4" in tei_error(body)["error"]
     got, _, body = call(f"{strict.url}/v1/embeddings", {"model": "minilm", "input": ["a" * 90] * 4,
                                                         "user": "x" * 5000})
     assert got == 413 and "4096 bytes" in openai_error(got, body)["message"]
@@ -512,7 +539,8 @@ def test_api_key(keyed):
     assert got == 401 and "Authorization: Bearer" in tei_error(body)["error"]
     got, _, _ = call(f"{keyed.url}/metrics")
     assert got == 401
-    assert call(f"{keyed.url}/health")[0] == 200  # probes carry no key
+    for probe in ("/health", "/ping", "/"):  # probes carry no key
+        assert call(f"{keyed.url}{probe}")[0] == 200, probe
     with pytest.raises(openai.AuthenticationError):
         sdk(keyed, "wrong").embeddings.create(model="minilm", input="x")
     assert len(sdk(keyed, "s3cret").embeddings.create(model="minilm", input="x").data) == 1

@@ -283,11 +283,11 @@ def test_embed_multi_vector_answers_each_texts_vectors_on_the_side_asked():
         for got, text in zip(response.json(), texts):
             # the gateway writes the vectors it was given to JSON and back: no arithmetic, the same values
             np.testing.assert_allclose(got, _vectors(text, side), rtol=1e-6)
-    _tei_error(gateway.post("/embed_multi_vector", json={"inputs": "x", "input_type": "passage"}), 400,
+    _tei_error(gateway.post("/embed_multi_vector", json={"inputs": "x", "input_type": "passage"}), 422,
                "unknown input_type 'passage' for model 'colbert'; it reads 'query', 'document'")
-    _tei_error(gateway.post("/embed_multi_vector", json={"inputs": "x", "model": "embedder"}), 400,
+    _tei_error(gateway.post("/embed_multi_vector", json={"inputs": "x", "model": "embedder"}), 424,
                "serves task 'embedding', not 'multi-vector'")
-    _tei_error(gateway.post("/embed", json={"inputs": "x", "model": "colbert"}), 400,
+    _tei_error(gateway.post("/embed", json={"inputs": "x", "model": "colbert"}), 424,
                "use POST /embed_multi_vector or /rerank")
 
 
@@ -304,10 +304,10 @@ def test_rerank_by_a_multi_vector_model_is_its_score_best_first_and_raw_scores_c
     assert [r["text"] for r in ranks] == [DOCUMENTS[i] for i, _ in expected]
     _scored_as_theirs([r["score"] for r in ranks], "red cat", "maxsim")
     assert gateway.post("/rerank", json={**body, "raw_scores": True}).json() == ranks
-    _tei_error(gateway.post("/rerank", json={**body, "model": "embedder"}), 400,
+    _tei_error(gateway.post("/rerank", json={**body, "model": "embedder"}), 424,
                "serves task 'embedding', not 'rerank' or 'multi-vector'")
     both = _gateway(("colbert", "multi-vector"), ("reranker", "rerank"))
-    _tei_error(both.post("/rerank", json=body), 400, "several models serve 'rerank' or 'multi-vector' "
+    _tei_error(both.post("/rerank", json=body), 422, "several models serve 'rerank' or 'multi-vector' "
                "(colbert, reranker)")
 
 

@@ -285,7 +285,7 @@ def test_tei_embed_prompt_name_and_dimensions(gateway, reference, retriever, pro
 
 def test_tei_refuses_an_unknown_prompt(gateway):
     status, _, body = call(f"{gateway.url}/embed", {"inputs": "a", "prompt_name": "instruction"})
-    assert status == 400 and body["error_type"] == "Validation"
+    assert status == 422 and body["error_type"] == "Validation"
     assert "unknown prompt_name 'instruction'" in body["error"] and "document, passage, query" in body["error"]
 
 
@@ -372,7 +372,7 @@ def test_tei_embed_sparse(gateway, client, sparse_reference):
     expected = sparse_reference.encode(TEXTS, prompt_name="query").to_dense().numpy()
     assert cosines(dense, expected).min() >= COSINE
     status, _, body = call(f"{gateway.url}/embed_sparse", {"inputs": "a", "prompt_name": "passage"})
-    assert status == 400 and "unknown prompt_name 'passage'" in body["error"]
+    assert status == 422 and "unknown prompt_name 'passage'" in body["error"]
 
 
 # --- token embeddings -----------------------------------------------------------------------------

@@ -166,10 +166,15 @@ def test_info_of_a_named_classifier_lists_its_labels(gateway):
 
 
 def _expected(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[dict]:
-    """TEI's SimpleTokens of ``text`` from the tokenizer itself: a special token has its own string and no span."""
+    """TEI's SimpleTokens of ``text`` from the tokenizer itself: a special token has its own string and no span;
+    the span of any other is in UTF-8 bytes, as TEI's Rust tokenizer counts it (Python's counts characters)."""
     encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def byte(index: int) -> int:
+        return len(text[:index].encode("utf-8"))
+
     return [{"id": i, "text": token if special else text[start:stop], "special": bool(special),
-             "start": None if special else start, "stop": None if special else stop}
+             "start": None if special else byte(start), "stop": None if special else byte(stop)}
             for i, token, special, (start, stop) in zip(encoding.ids, encoding.tokens, encoding.special_tokens_mask,
                                                         encoding.offsets)]
 
@@ -182,10 +187,12 @@ def test_tokenize_is_the_models_own_tokenizer(gateway, tokenizer, prompt_name, a
     found = tei_answer(gateway, "/tokenize", body, "TokenizeRequest", "TokenizeResponse")
     prompt = PROMPTS.get(prompt_name, "")
     assert found == [_expected(tokenizer, prompt + text, add_special_tokens) for text in TEXTS]
-    # the offsets are characters of the prompted text, whatever UTF-8 makes of them
-    spans = [(t["start"], t["stop"]) for t in found[1] if not t["special"]]
-    assert all(t["text"] == (prompt + TEXTS[1])[a:b] for t, (a, b) in zip(
-        [t for t in found[1] if not t["special"]], spans))
+    # the offsets are UTF-8 bytes of the prompted text, as TEI's ("这" is (0, 3)), not its characters
+    for text, tokens in zip(TEXTS, found):
+        prompted = (prompt + text).encode("utf-8")
+        assert all(prompted[t["start"]:t["stop"]].decode("utf-8") == t["text"] for t in tokens if not t["special"])
+    cjk = [(t["start"], t["stop"]) for t in found[2] if not t["special"] and t["start"] >= len(prompt)]  # ASCII prompt
+    assert cjk[0] == (len(prompt), len(prompt) + 3) and cjk[-1][1] == len((prompt + TEXTS[2]).encode("utf-8"))
 
 
 def test_tokenize_one_string_and_a_long_text_untruncated(gateway, tokenizer):
@@ -219,27 +226,42 @@ def test_similarity_is_the_cosine_of_the_served_embeddings(gateway, served):
 MANY = GatewayConfig().max_inputs + 1
 
 
-@pytest.mark.parametrize("route, body, status, words", [
-    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "model": "classifier"}, 424,
+# TEI's statuses (router/src/http/server.rs): Validation 422, Empty 400, a model that cannot serve the route 424
+@pytest.mark.parametrize("route, body, status, error_type, words", [
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "model": "classifier"}, 424, "Backend",
      "serves task 'classification'"),
-    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": []}}, 400, "inputs.sentences"),
-    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"] * MANY}}, 413, "at most"),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": []}}, 400, "Empty", "inputs.sentences"),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"] * MANY}}, 422, "Validation", "at most"),
     ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]},
-                     "parameters": {"truncation_direction": "Left"}}, 400, "truncation_direction"),
-    ("/tokenize", {"inputs": []}, 400, "empty"),
-    ("/tokenize", {"inputs": ["a"] * MANY}, 413, "at most"),
-    ("/tokenize", {"inputs": "x", "prompt_name": "nope"}, 400, "unknown prompt_name"),
-    ("/tokenize", {"inputs": "x", "model": "older"}, 424, "export the model again"),
-    ("/decode", {"ids": [[1, 2]], "model": "older"}, 424, "export the model again"),
-    ("/decode", {"ids": [[1]] * MANY}, 413, "at most"),
-    ("/decode", {"ids": [[-1]]}, 400, "integers from 0"),
-    ("/decode", {"ids": [[10**6]]}, 400, "outside this model's vocabulary"),
-    ("/tokenize", {"inputs": "x", "model": "nope"}, 404, "'nope' is not served"),
+                     "parameters": {"truncation_direction": "Left"}}, 422, "Validation", "truncation_direction"),
+    ("/tokenize", {"inputs": []}, 400, "Empty", "empty"),
+    ("/tokenize", {"inputs": ["a"] * MANY}, 422, "Validation", "at most"),
+    ("/tokenize", {"inputs": "x", "prompt_name": "nope"}, 422, "Validation", "unknown prompt_name"),
+    ("/tokenize", {"inputs": "x", "model": "older"}, 424, "Backend", "export the model again"),
+    ("/decode", {"ids": [[1, 2]], "model": "older"}, 424, "Backend", "export the model again"),
+    ("/decode", {"ids": [[1]] * MANY}, 422, "Validation", "at most"),
+    ("/decode", {"ids": [[-1]]}, 422, "Validation", "integers from 0"),
+    ("/decode", {"ids": [[2**63]]}, 422, "Validation", "integers from 0 to 4294967295"),
+    ("/decode", {"ids": [[10**6]]}, 422, "Validation", "outside this model's vocabulary"),
+    ("/tokenize", {"inputs": "x", "model": "nope"}, 404, "Validation", "'nope' is not served"),
 ])
-def test_errors_in_teis_shape_and_status(gateway, route, body, status, words):
+def test_errors_in_teis_shape_and_status(gateway, route, body, status, error_type, words):
     got, _, answer = call(f"{gateway.url}{route}", body)
     assert schema_problems(answer, tei_schema("ErrorResponse")) == [], answer
-    assert got == status and words in answer["error"], answer
+    assert (got, answer["error_type"]) == (status, error_type) and words in answer["error"], answer
+
+
+def test_truncate_false_refuses_a_text_the_export_would_cut_and_serves_the_rest(gateway, served):
+    """The embedder's export truncates at 128 tokens (TEI's --auto-truncate); TEI refuses a longer text when asked
+    truncate=false, and so does the gateway, counting the tokens first.  A text within the length is embedded."""
+    long = " ".join(TEXTS * 20)
+    status, _, answer = tei(gateway, "/embed", {"inputs": [TEXTS[0], long], "truncate": False}, "EmbedRequest")
+    assert (status, answer["error_type"]) == (422, "Validation") and "inputs[1] has" in answer["error"], answer
+    assert "more than model 'embedder' takes (128)" in answer["error"]
+    status, _, cut = tei(gateway, "/embed", {"inputs": [TEXTS[0], long]}, "EmbedRequest")  # the export's choice
+    assert status == 200 and len(cut) == 2
+    status, _, whole = tei(gateway, "/embed", {"inputs": TEXTS, "truncate": False}, "EmbedRequest")
+    assert status == 200 and np.allclose(whole[0], cut[0], atol=1e-6)
 
 
 @pytest.mark.parametrize("prompt_name", [None, "query"])

@@ -1,0 +1,347 @@
+"""The gateway's reading of requests and its answers' statuses, on both APIs, without Triton.
+
+A real app (its routes, middleware and error handlers) over a backend that answers from configs:
+the models are discovered from Triton-shaped configs (``ConfigTriton``), and the calls return fixed
+results, recording what reached them.  What is checked is the gateway's side: which inputs it takes,
+what it sends on, and the status and error type each API answers with (TEI's router/src/http/server.rs,
+OpenAI's 400 for every invalid request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+from starlette.testclient import TestClient
+
+from helpers.fake_triton import ConfigTriton
+from helpers.http_api import schema_problems, tei_schema
+from nexus_sli.client.error_codes import DECODED_OUTPUT, IDS_INPUT, TOKENS_OUTPUT
+from nexus_sli.gateway import GatewayConfig, create_app
+from nexus_sli.gateway import backend as gateway_backend
+from nexus_sli.gateway.admission import AdmissionMiddleware
+from nexus_sli.gateway.discovery import Catalog
+from nexus_sli.gateway.metrics import Metrics
+from nexus_sli.tasks.results import Label, Ranked
+
+MAX_LENGTH = 8
+
+
+def _params(**values) -> dict:
+    return {key: {"string_value": value} for key, value in values.items()}
+
+
+def _tokenizer(truncate: bool = True, text_modes: bool = True) -> dict:
+    """A tokenizer step's config: ``text_modes`` false as exports before /tokenize and /decode."""
+    return {"backend": "python", "max_batch_size": 64,
+            "parameters": _params(max_length=str(MAX_LENGTH), truncate=str(truncate).lower()),
+            "input": [{"name": "TEXT"}, *([{"name": IDS_INPUT}] if text_modes else [])],
+            "output": [{"name": "input_ids"}, *([{"name": TOKENS_OUTPUT}, {"name": DECODED_OUTPUT}] if text_modes
+                                                 else [])]}
+
+
+def _ensemble(name: str, task: str, output: str = "EMBEDDING", dims: int = 4, **params) -> dict:
+    return {"platform": "ensemble", "max_batch_size": 64, "parameters": _params(task=task, **params),
+            "output": [{"name": output, "dims": [dims]}],
+            "ensemble_scheduling": {"step": [{"model_name": f"{name}_tokenizer"}]}}
+
+
+CONFIGS = {
+    "emb": _ensemble("emb", "embedding"), "emb_tokenizer": _tokenizer(),
+    "whole": _ensemble("whole", "embedding"), "whole_tokenizer": _tokenizer(truncate=False),
+    "older": _ensemble("older", "embedding"), "older_tokenizer": _tokenizer(text_modes=False),
+    "cls": _ensemble("cls", "classification", "SCORES", 2, id2label=json.dumps({"0": "neg", "1": "pos"})),
+    "cls_tokenizer": _tokenizer(),
+    "ranker": _ensemble("ranker", "rerank", "SCORES", 1), "ranker_tokenizer": _tokenizer(),
+}
+
+
+def _tokens(text: str) -> dict:
+    """The tokenizer step's TOKENS of ``text``: [CLS], one token per word, [SEP]; ``bytes`` as its UTF-8 offsets."""
+    words, start = [], 0
+    for word in text.split():
+        start = text.index(word, start)
+        words.append((word, start, start + len(word)))
+        start += len(word)
+    chars = [[a, b] for _, a, b in words]
+    return {"ids": [101, *range(1000, 1000 + len(words)), 102], "text": ["[CLS]", *(w for w, _, _ in words), "[SEP]"],
+            "special": [True, *[False] * len(words), True], "offsets": [[0, 0], *chars, [0, 0]],
+            "bytes": [[0, 0], *([len(text[:a].encode()), len(text[:b].encode())] for a, b in chars), [0, 0]]}
+
+
+class _Client:
+    def __init__(self, sent: list):
+        self.sent = sent
+
+    async def classify(self, texts, model, top_k):
+        self.sent.append(("classify", model, texts))
+        return [[Label("pos", 0.75), Label("neg", 0.25)][:top_k] for _ in texts]
+
+    async def rerank(self, query, texts, model):
+        self.sent.append(("rerank", model, texts))
+        return [Ranked(i, 0.5, text) for i, text in enumerate(texts)]
+
+
+class _Backend:
+    """The gateway's backend as its routes call it; ``sent`` records each call that would reach Triton."""
+
+    def __init__(self, tokens=_tokens):
+        self.catalog = Catalog(ConfigTriton(CONFIGS), ttl_s=60)
+        self.sent: list = []
+        self.client = _Client(self.sent)
+        self._tokens = tokens
+
+    async def ready(self) -> bool:
+        return True
+
+    async def embed(self, model, texts, prompt_name=None):
+        self.sent.append(("embed", model.name, texts))
+        return np.tile(np.array([0.6, 0.8, 0.0, 0.0], np.float32), (len(texts), 1))
+
+    async def embed_counted(self, model, texts, prompt_name=None):
+        return await self.embed(model, texts, prompt_name), 3 * len(texts)
+
+    async def tokenize(self, model, texts, prompt_name, add_special_tokens):
+        self.sent.append(("tokenize", model.name, texts))
+        return [self._tokens(text) for text in texts]
+
+    async def decode(self, model, rows, skip_special_tokens):
+        gateway_backend._ids_tensor(rows)  # the tensor the real backend would send
+        self.sent.append(("decode", model.name, rows))
+        return ["text"] * len(rows)
+
+
+def _gateway(config: GatewayConfig | None = None, backend: _Backend | None = None) -> TestClient:
+    app = create_app(config or GatewayConfig(max_inputs=4, max_input_chars=100))
+    app.state.backend = backend or _Backend()
+    return TestClient(app, raise_server_exceptions=False)  # no lifespan: Triton is not needed
+
+
+def _tei(response, status: int, error_type: str, words: str = "") -> str:
+    body = response.json()
+    assert response.status_code == status and schema_problems(body, tei_schema("ErrorResponse")) == [], body
+    assert body["error_type"] == error_type and words in body["error"], body
+    return body["error"]
+
+
+def _openai(response, status: int, code: str | None = None, words: str = "") -> str:
+    body = response.json()
+    assert response.status_code == status and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["type"] == "invalid_request_error" and words in body["error"]["message"], body
+    assert code is None or body["error"]["code"] == code, body
+    return body["error"]["message"]
+
+
+# --- /tokenize's offsets ---------------------------------------------------------------------------
+
+def test_tokenize_answers_utf8_byte_offsets_as_tei_does():
+    """TEI's SimpleToken start/stop are UTF-8 byte offsets (its into_tokens; "这" is (0, 3))."""
+    text = "这 Grüße café"
+    found = _gateway().post("/tokenize", json={"inputs": text, "model": "emb"}).json()[0]
+    words = [t for t in found if not t["special"]]
+    assert [(t["start"], t["stop"]) for t in words] == [(0, 3), (4, 11), (12, 17)]
+    assert all(text.encode()[t["start"]:t["stop"]].decode() == t["text"] for t in words)
+    assert [(t["start"], t["stop"]) for t in found if t["special"]] == [(None, None)] * 2
+
+
+def test_tokenize_of_an_export_without_bytes_falls_back_to_character_offsets():
+    def older(text: str) -> dict:
+        tokens = _tokens(text)
+        del tokens["bytes"]
+        return tokens
+
+    found = _gateway(backend=_Backend(older)).post("/tokenize", json={"inputs": "这 café", "model": "emb"}).json()[0]
+    assert [(t["start"], t["stop"]) for t in found if not t["special"]] == [(0, 1), (2, 6)]
+
+
+# --- /predict's inputs -----------------------------------------------------------------------------
+
+def test_predict_reads_a_one_string_list_as_one_input_and_refuses_a_pair_or_more():
+    gateway = _gateway()
+    single = gateway.post("/predict", json={"inputs": "one text"}).json()
+    assert gateway.post("/predict", json={"inputs": ["one text"]}).json() == single  # flat, as for a string
+    assert single == [{"label": "pos", "score": 0.75}, {"label": "neg", "score": 0.25}]
+    assert gateway.post("/predict", json={"inputs": [["one"], ["two"]]}).json() == [single, single]
+    _tei(gateway.post("/predict", json={"inputs": ["first", "second"]}), 422, "Validation", "a pair of strings")
+    _tei(gateway.post("/predict", json={"inputs": [["one"], ["a", "b"]]}), 422, "Validation", "a pair of strings")
+    _tei(gateway.post("/predict", json={"inputs": ["a", "b", "c"]}), 422, "Validation", "a sequence of 3 strings")
+
+
+# --- bodies and ids --------------------------------------------------------------------------------
+
+def test_an_integer_too_long_for_python_is_a_400_not_a_gateway_failure():
+    gateway = _gateway()
+    long_number = b"9" * 5000
+    response = gateway.post("/v1/embeddings", content=b'{"model": "emb", "input": "x", "dimensions": ' + long_number
+                            + b"}", headers={"Content-Type": "application/json"})
+    _openai(response, 400, words="more than 4300 digits")
+    response = gateway.post("/embed", content=b'{"inputs": "x", "extra": ' + long_number + b"}",
+                            headers={"Content-Type": "application/json"})
+    _tei(response, 400, "Validation", "not valid JSON")
+
+
+@pytest.mark.parametrize("ids", [[2**32], [[1, 2], [2**63]], [2**64], [[-1]]])
+def test_decode_refuses_ids_outside_teis_u32(ids):
+    backend = _Backend()
+    _tei(_gateway(backend=backend).post("/decode", json={"ids": ids, "model": "emb"}), 422, "Validation",
+         "integers from 0 to 4294967295")
+    assert backend.sent == []
+
+
+def test_decode_takes_the_largest_u32():
+    backend = _Backend()
+    assert _gateway(backend=backend).post("/decode", json={"ids": [2**32 - 1], "model": "emb"}).json() == ["text"]
+    assert backend.sent == [("decode", "emb", [[2**32 - 1]])]
+
+
+# --- statuses: TEI's own on its routes, OpenAI's 400 on its ----------------------------------------
+
+@pytest.mark.parametrize("route, body", [
+    ("/embed", {"inputs": "x", "model": "cls"}),
+    ("/predict", {"inputs": "x", "model": "emb"}),
+    ("/rerank", {"query": "q", "texts": ["a"], "model": "emb"}),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "model": "cls"}),
+])
+def test_a_model_of_another_task_is_teis_backend_error(route, body):
+    _tei(_gateway().post(route, json=body), 424, "Backend", "serves task")
+
+
+def test_a_model_of_another_task_stays_a_400_on_openais_route():
+    _openai(_gateway().post("/v1/embeddings", json={"model": "cls", "input": "x"}), 400, "wrong_task")
+
+
+@pytest.mark.parametrize("route, body, status, error_type, words", [
+    ("/embed", {"inputs": []}, 400, "Empty", "inputs is empty"),
+    ("/tokenize", {"inputs": [], "model": "emb"}, 400, "Empty", "inputs is empty"),
+    ("/rerank", {"query": "q", "texts": []}, 400, "Empty", "texts is empty"),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": []}}, 400, "Empty", "inputs.sentences is empty"),
+    ("/decode", {"ids": [[1]] * 5, "model": "emb"}, 422, "Validation", "at most 4"),
+    ("/embed", {"inputs": ["a"] * 5}, 422, "Validation", "at most 4"),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"] * 4}}, 422, "Validation", "at most 4"),
+    ("/embed", {"inputs": "a" * 101}, 422, "Validation", "at most 100 per text"),
+    ("/embed", {"inputs": "x", "prompt_name": "nope"}, 422, "Validation", "unknown prompt_name"),
+    ("/embed", {"inputs": "x", "truncation_direction": "Left"}, 422, "Validation", "truncation_direction"),
+    ("/embed", [1, 2], 422, "Validation", "JSON object"),
+])
+def test_tei_answers_validation_with_422_and_no_inputs_with_400_empty(route, body, status, error_type, words):
+    gateway = _gateway(GatewayConfig(max_inputs=4, max_input_chars=100, tei_model="emb"))
+    _tei(gateway.post(route, json=body), status, error_type, words)
+
+
+def test_only_a_body_past_its_limit_is_a_413():
+    gateway = _gateway(GatewayConfig(max_body_bytes=4096))
+    _tei(gateway.post("/embed", json={"inputs": "x" * 5000}), 413, "Validation", "4096 bytes")
+    _openai(gateway.post("/v1/embeddings", json={"model": "emb", "input": "x" * 5000}), 413, "body_too_large")
+
+
+@pytest.mark.parametrize("body, code, words", [
+    ({"model": "emb", "input": ["a"] * 5}, "too_many_inputs", "at most 4"),
+    ({"model": "emb", "input": ["a" * 101]}, "input_too_long", "at most 100 per text"),
+    ({"model": "emb", "input": []}, None, "input is empty"),
+])
+def test_openai_answers_every_invalid_input_with_400(body, code, words):
+    """The openai SDK raises BadRequestError for a 400; a 413 would be a bare APIStatusError."""
+    _openai(_gateway().post("/v1/embeddings", json=body), 400, code, words)
+
+
+def test_token_ids_on_tei_routes_get_teis_advice_and_on_openais_langchains():
+    gateway = _gateway()
+    for route, body in (("/embed", {"inputs": [101, 2023]}), ("/embed_all", {"inputs": [[101, 2023]]}),
+                        ("/embed_sparse", {"inputs": [[101]]}), ("/tokenize", {"inputs": [101]})):
+        message = _tei(gateway.post(route, json=body), 422, "Validation", "unlike TEI, it takes no token-id inputs")
+        assert "LangChain" not in message and "/decode" in message
+    _openai(gateway.post("/v1/embeddings", json={"model": "emb", "input": [[101, 2023]]}), 400,
+            "token_ids_not_supported", "check_embedding_ctx_length=False")
+
+
+# --- truncate --------------------------------------------------------------------------------------
+
+LONG = " ".join(["word"] * MAX_LENGTH)  # with [CLS] and [SEP]: past MAX_LENGTH tokens
+
+
+def test_truncate_false_on_a_truncating_export_refuses_only_a_text_it_would_cut():
+    backend = _Backend()
+    gateway = _gateway(backend=backend)
+    assert gateway.post("/embed", json={"inputs": ["short text"], "model": "emb", "truncate": False}).status_code == 200
+    assert backend.sent[-1] == ("embed", "emb", ["short text"])
+    backend.sent.clear()
+    _tei(gateway.post("/embed", json={"inputs": ["short", LONG], "model": "emb", "truncate": False}), 422,
+         "Validation", f"inputs[1] has {MAX_LENGTH + 2} tokens, more than model 'emb' takes ({MAX_LENGTH})")
+    assert [call[0] for call in backend.sent] == ["tokenize"]  # counted, and nothing embedded
+    _tei(gateway.post("/predict", json={"inputs": LONG, "model": "cls", "truncate": False}), 422, "Validation",
+         "truncate is false")
+    body = {"inputs": {"source_sentence": "a", "sentences": [LONG]}, "parameters": {"truncate": False}, "model": "emb"}
+    _tei(gateway.post("/similarity", json=body), 422, "Validation", "inputs[1] has")
+    for truncate in (True, None):  # as the export does, or its choice: nothing to check, nothing counted
+        backend.sent.clear()
+        assert gateway.post("/embed", json={"inputs": LONG, "model": "emb", "truncate": truncate}).status_code == 200
+        assert [call[0] for call in backend.sent] == ["embed"]
+
+
+def test_truncate_false_where_the_tokens_cannot_be_counted_is_refused_outright():
+    gateway = _gateway()
+    _tei(gateway.post("/embed", json={"inputs": "short", "model": "older", "truncate": False}), 422, "Validation",
+         "truncate=false is not available for model 'older'")
+    _tei(gateway.post("/rerank", json={"query": "q", "texts": ["a"], "truncate": False}), 422, "Validation",
+         "truncate=false is not available for model 'ranker'")
+    assert gateway.post("/rerank", json={"query": "q", "texts": ["a"], "truncate": True}).status_code == 200
+
+
+def test_truncate_on_an_export_that_does_not_truncate_is_sent_on_and_truncate_must_be_a_flag():
+    backend = _Backend()
+    gateway = _gateway(backend=backend)
+    for truncate in (True, False):  # a longer text is refused by the export itself: never a different result
+        assert gateway.post("/embed", json={"inputs": LONG, "model": "whole", "truncate": truncate}).status_code == 200
+    assert [call[0] for call in backend.sent] == ["embed", "embed"]
+    _tei(gateway.post("/embed", json={"inputs": "x", "model": "emb", "truncate": "no"}), 422, "Validation",
+         "truncate must be true or false")
+
+
+# --- TEI's aliases ---------------------------------------------------------------------------------
+
+def test_teis_aliases_embeddings_ping_and_get_root():
+    gateway = _gateway()
+    answer = gateway.post("/embeddings", json={"model": "emb", "input": ["a", "b"]}).json()
+    assert answer["object"] == "list" and [d["index"] for d in answer["data"]] == [0, 1]
+    _openai(gateway.post("/embeddings", json={"model": "nope", "input": "x"}), 404, "model_not_found")
+    _openai(gateway.post("/embeddings", json={"model": "emb", "input": ["a"] * 5}), 400, "too_many_inputs")
+    for path in ("/", "/ping", "/health"):
+        response = gateway.get(path)
+        assert response.status_code == 200 and response.json()["status"] == "ok", path
+    assert gateway.post("/", json={"inputs": "x", "model": "emb"}).json() == [[0.6000000238418579, 0.800000011920929,
+                                                                               0.0, 0.0]]
+
+
+def test_the_probes_are_open_without_the_key_and_post_root_is_not():
+    gateway = _gateway(GatewayConfig(api_key="s3cret"))
+    for path in ("/", "/ping", "/health"):
+        assert gateway.get(path).status_code == 200, path
+    _tei(gateway.post("/", json={"inputs": "x", "model": "emb"}), 401, "Validation", "no API key")
+    response = gateway.post("/embeddings", json={"model": "emb", "input": "x"})
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_admission_bounds_post_root_and_never_a_probe_on_the_same_path():
+    answered = []
+
+    async def app(scope, receive, send):
+        answered.append((scope["method"], scope["path"]))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def call(method: str) -> int:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": method, "path": "/", "headers": []}
+        await admission(scope, None, send)
+        return sent[0]["status"]
+
+    admission = AdmissionMiddleware(app, limit=1, paths=frozenset({"/"}), metrics=Metrics({"/"}))
+    admission.in_flight = 1  # one inference request being answered
+    assert asyncio.run(call("GET")) == 200 and asyncio.run(call("POST")) == 429
+    assert answered == [("GET", "/")]
