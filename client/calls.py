@@ -14,7 +14,7 @@ import numpy as np
 from nexus_sli.tasks import bge_m3, get_task
 from nexus_sli.tasks.multi_vector import DOCUMENT, QUERY
 from nexus_sli.tasks.results import M3Embedding, SparseEmbedding
-from nexus_sli.tasks.spec import TOKEN_MASK, TOKEN_TASK
+from nexus_sli.tasks.spec import TOKEN_MASK, TOKEN_TASK, check_top_k
 
 from . import late_interaction
 from . import protocol as p
@@ -148,8 +148,7 @@ def selected(ids: np.ndarray, weights: np.ndarray, top_k: int | None, threshold:
 def embed_sparse(texts, info: ModelInfo, prompt_name: str | None = None, top_k: int | None = None,
                  threshold: float = 0.0) -> Call:
     """A SPLADE model's ``[vocab]`` rows, or a BGE-M3 model's lexical weights, as each text's terms."""
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise InvalidInputError(f"top_k must be a positive integer or None (every active term), got {top_k!r}")
+    _check_top_k(top_k, "every active term")
     if info.task == bge_m3.SPEC.name:
         return _texts_call("sparse-embedding", texts, info, lambda answers: [
             selected(*terms, top_k, threshold) for terms in _lexical(answers)], _prompt(prompt_name, info), M3_SPARSE)
@@ -214,7 +213,16 @@ def embed_multi_vector(texts, info: ModelInfo, input_type: str = DOCUMENT, promp
     return _texts_call(spec.name, texts, info, spec.parse, parameters, _names(spec.results))
 
 
+def _check_top_k(top_k, every: str) -> None:
+    """``top_k`` refused before anything is sent (:func:`tasks.spec.check_top_k`)."""
+    try:
+        check_top_k(top_k, every)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
+
+
 def classify(texts, info: ModelInfo, top_k: int = 1) -> Call:
+    _check_top_k(top_k, "every label")
     spec = get_task("classification")
     return _texts_call(spec.name, texts, info, lambda outs: spec.parse(outs, info.id2label, top_k))
 
@@ -228,6 +236,7 @@ def answer(question: str, context: str, info: ModelInfo, top_k: int = 1) -> Call
         p.check_text(value, name)
     if not context.strip():
         raise InvalidInputError("context is empty: there is nothing to find an answer in")
+    _check_top_k(top_k, "every answer")
     spec = get_task("question-answering")
     request = {"QUESTION": p.strings([question]), "CONTEXT": p.strings([context])}
     return Call(spec.name, [request], (spec.client_output,), lambda outs: spec.parse(outs, top_k))
@@ -239,6 +248,7 @@ def rerank(query: str, documents, info: ModelInfo, top_k: int | None = None) -> 
     each document's (:func:`late_rerank`)."""
     p.check_text(query, "query")
     items, _ = p.as_list(documents, "documents")
+    _check_top_k(top_k, "every document")
     spec = get_task("rerank")
     if not info.serves(spec.name) and info.serves("multi-vector"):
         return late_rerank(query, items, info, top_k)

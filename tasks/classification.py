@@ -1,16 +1,17 @@
-"""Text classification: one label distribution per text (softmax, or sigmoids for multi-label)."""
+"""Text classification: scores per label for each text (softmax, sigmoids, or a regression's raw values)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from .model_parameters import MULTI_LABEL, write
+from .model_parameters import MULTI_LABEL, SCORE_FUNCTION, write
 from .results import Label
-from .spec import LABELS, TaskSpec, Tensor, label_params, register, sequence_classifier, text
+from .spec import LABELS, TaskSpec, Tensor, check_top_k, label_params, register, sequence_classifier, text
 
 
-def parse(outputs: list[np.ndarray], id2label: dict[int, str], top_k: int) -> list[list[Label]]:
-    """The ``top_k`` labels of each text, best first."""
+def parse(outputs: list[np.ndarray], id2label: dict[int, str], top_k: int | None) -> list[list[Label]]:
+    """The ``top_k`` labels of each text, best first (None: every label)."""
+    check_top_k(top_k, "every label")
     result = []
     for scores in (row for out in outputs for row in out):
         order = np.argsort(-scores)[:top_k]
@@ -18,9 +19,24 @@ def parse(outputs: list[np.ndarray], id2label: dict[int, str], top_k: int) -> li
     return result
 
 
+def score_function(config) -> str:
+    """How the head turns logits into scores, chosen from the config as transformers' TextClassificationPipeline
+    chooses its ``function_to_apply``: none for a regression, a sigmoid per label for multi-label models and
+    models of one label, else a softmax (a config that says none of this: its own ``function_to_apply``, else
+    none)."""
+    problem_type, labels = getattr(config, "problem_type", None), getattr(config, "num_labels", 2)
+    if problem_type == "regression":
+        return "none"
+    if problem_type == "multi_label_classification" or labels == 1:
+        return "sigmoid"
+    if problem_type == "single_label_classification" or labels > 1:
+        return "softmax"
+    return getattr(config, "function_to_apply", None) or "none"
+
+
 def post_params(config, embedder) -> dict[str, str]:
     multi_label = getattr(config, "problem_type", None) == "multi_label_classification"
-    return {**label_params(config), **write({MULTI_LABEL: multi_label})}
+    return {**label_params(config), **write({MULTI_LABEL: multi_label, SCORE_FUNCTION: score_function(config)})}
 
 
 SPEC = register(TaskSpec(

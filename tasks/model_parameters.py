@@ -159,8 +159,12 @@ POOLING = text("pooling")
 NORMALIZE = flag("normalize")
 #: a classifier's or tagger's labels, JSON: ``{"0": "label", ...}``
 ID2LABEL = json_value("id2label")
-#: whether a classifier's labels are independent (sigmoids, not one softmax)
+#: whether a classifier's labels are independent (sigmoids, not one softmax); its head reads it only where
+#: :data:`SCORE_FUNCTION` is absent (a repository exported before it)
 MULTI_LABEL = flag("multi_label")
+#: how a classifier's logits become scores: ``softmax``, ``sigmoid`` or ``none`` (``heads.SCORE_FUNCTIONS``,
+#: transformers' TextClassificationPipeline's ``function_to_apply``, chosen as it chooses from the config)
+SCORE_FUNCTION = text("function_to_apply")
 #: a sparse model's SpladePooling strategy and activation (``encoding.SPLADE_STRATEGIES``, ``SPLADE_ACTIVATIONS``)
 SPLADE_POOLING = text("splade_pooling")
 SPLADE_ACTIVATION = text("splade_activation")
@@ -178,6 +182,9 @@ SERVES = names("serves")
 SPARSE_FORM = text("sparse_form")
 #: answers a question-answering head keeps (not written by an export; its default is ``heads.TOP_ANSWERS``)
 TOP_K = integer("top_k")
+#: whether a question-answering head answers "no answer" too, the empty answer (0, 0) scored by the model's
+#: [CLS] (transformers' ``handle_impossible_answer``; not written by an export, absent: false)
+IMPOSSIBLE_ANSWER = flag("handle_impossible_answer")
 
 # What the ensembles tell clients besides (ModelInfo).
 #: the precision the encoder was exported in (``fp32``, ``fp16``, ``int8`` ...)
@@ -213,8 +220,8 @@ JOINED_BACKENDS = text("joined_backends")
 
 #: The keys of each kind of model.
 TOKENIZER = (MODE, MAX_LENGTH, PAD_ID, TRUNCATE, PAD_WIDTHS, STRIDE, MAX_ROWS, SIDES, PROMPTS, DEFAULT_PROMPT_NAME)
-TASK_PARAMETERS = (POOLING, NORMALIZE, ID2LABEL, MULTI_LABEL, SPLADE_POOLING, SPLADE_ACTIVATION, VOCAB_SIZE,
-                   SIMILARITY, VECTOR_SIZE, INPUT_TYPES, SERVES, SPARSE_FORM, TOP_K)
+TASK_PARAMETERS = (POOLING, NORMALIZE, ID2LABEL, MULTI_LABEL, SCORE_FUNCTION, SPLADE_POOLING, SPLADE_ACTIVATION,
+                   VOCAB_SIZE, SIMILARITY, VECTOR_SIZE, INPUT_TYPES, SERVES, SPARSE_FORM, TOP_K, IMPOSSIBLE_ANSWER)
 POSTPROCESS = (TASK, HEAD, *TASK_PARAMETERS)
 DESCRIBED = (PRECISION, BACKEND, MATRYOSHKA_DIMS, TOKEN_MODEL, EMBEDDING_MODEL)
 ENSEMBLE = (TASK, *TASK_PARAMETERS, PROMPTS, DEFAULT_PROMPT_NAME, *DESCRIBED)

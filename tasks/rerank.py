@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from .results import Ranked
-from .spec import TaskSpec, Tensor, label_params, register, sequence_classifier, text
+from .spec import TaskSpec, Tensor, check_top_k, label_params, register, sequence_classifier, text
 
 
 def parse(outputs: list[np.ndarray], documents: list[str], top_k: int | None) -> list[Ranked]:
     """The documents by relevance, best first (all of them, or the ``top_k`` best)."""
+    check_top_k(top_k, "every document")
     scores = np.concatenate(outputs) if outputs else np.zeros((0,), np.float32)
     ranked = sorted((Ranked(i, float(s), documents[i]) for i, s in enumerate(scores)), key=lambda r: -r.score)
     return ranked if top_k is None else ranked[:top_k]

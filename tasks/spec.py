@@ -125,6 +125,13 @@ class TaskSpec:
         return self.results[0].name
 
 
+def check_top_k(top_k: Any, every: str) -> None:
+    """Refuse a ``top_k`` that is not a positive integer or None (``every`` result, as the message says), as
+    ``embed_sparse`` does: a slice by 0 or a negative number would drop results without a word."""
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive integer or None ({every}), got {top_k!r}")
+
+
 def label_params(config: Any) -> dict[str, str]:
     """The label names a checkpoint's config carries, as the post-processing and clients read them."""
     labels = getattr(config, "id2label", None) or {}

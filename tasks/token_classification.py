@@ -22,13 +22,14 @@ SPEC = register(TaskSpec(
     inputs=(text("TEXT"),),
     results=(text("ENTITIES"),),
     encoder_outputs=(Tensor("logits", "FP32", (-1, LABELS)),),
-    post_inputs=("TEXT", "logits", "offsets", "attention_mask"),
+    post_inputs=("TEXT", "logits", "offsets", "attention_mask", "special_tokens_mask"),
     tokenizer_mode="single",
     head="token-classification",
     agreement="tokens",
     parse=parse,
     inferred_from=lambda architecture, config: architecture.endswith("ForTokenClassification"),
     post_params=lambda config, embedder: label_params(config),
-    token_extras=(Tensor("offsets", "INT64", (-1, 2)),),
+    # special_tokens_mask: the tokens the head skips (the tokenizer's own; a real token may have an empty span)
+    token_extras=(Tensor("offsets", "INT64", (-1, 2)), Tensor("special_tokens_mask", "INT64", (-1,))),
     per_token=True,
 ))

@@ -440,3 +440,20 @@ def test_an_invalid_text_is_named_by_its_place_in_the_callers_list():
             _known(client).embed(texts)
         with pytest.raises(InvalidInputError, match=r"a text is too long$"):  # one request: numbered as the list
             _known(client).embed(texts[6:8])
+
+
+@pytest.mark.parametrize("task, call", [
+    ("classification", lambda c, top_k: c.classify(["1"], model="m", top_k=top_k)),
+    ("rerank", lambda c, top_k: c.rerank("1", ["2", "3"], model="m", top_k=top_k)),
+    ("question-answering", lambda c, top_k: c.answer("1", "2", model="m", top_k=top_k)),
+])
+def test_a_top_k_that_would_drop_results_is_refused_before_anything_is_sent(task, call):
+    server = _Server("grpc")
+    client = EncoderClient(URL, model="m")
+    client.fleet.clients[URL] = server
+    client._info["m"] = ModelInfo("m", task, CHUNK)
+    with client:
+        for wrong in (0, -1, 1.5, True):
+            with pytest.raises(InvalidInputError, match=r"top_k must be a positive integer or None"):
+                call(client, wrong)
+    assert not server.sent

@@ -335,12 +335,14 @@ STEP_CASES = [
      _all_nan("SCORES", (1, 3))),
     ("tagger_postprocess", "offsets outside the text",
      {"TEXT": _texts(["hi"])["TEXT"], "logits": B_PER,
-      "offsets": np.array([[[0, 0], [-7, 5000], [9, 2]]]), "attention_mask": np.ones((1, 3), np.int64)},
+      "offsets": np.array([[[0, 0], [-7, 5000], [9, 2]]]), "attention_mask": np.ones((1, 3), np.int64),
+      "special_tokens_mask": np.array([[1, 0, 0]])},
      _entities_sliced_from_hi),
     ("reader_postprocess", "more logit rows than offsets",
      {"CONTEXT": _bytes(["hello world"]), "start_logits": np.zeros((2, 3), np.float32),
       "end_logits": np.zeros((2, 3), np.float32), "offsets": np.zeros((1, 3, 2), np.int64),
-      "context_mask": np.ones((1, 3), np.int64)}, r"question-answering post-processing failed for this request"),
+      "context_mask": np.ones((1, 3), np.int64), "word_spans": np.zeros((1, 3, 2), np.int64)},
+     r"question-answering post-processing failed for this request"),
 ]
 
 
@@ -479,7 +481,8 @@ def test_fuzz_ensembles_and_post_processing(served, raw):
         length = int(rng.integers(1, 40))
         tagged = _infer(raw, "http", "tagger_postprocess", {
             "TEXT": _texts(any_texts)["TEXT"], "logits": rng.normal(0, 5, (8, length, 5)).astype(np.float32),
-            "offsets": rng.integers(-3, 420, (8, length, 2)), "attention_mask": rng.integers(0, 2, (8, length))})
+            "offsets": rng.integers(-3, 420, (8, length, 2)), "attention_mask": rng.integers(0, 2, (8, length)),
+            "special_tokens_mask": rng.integers(0, 2, (8, length))})
         assert len(tagged["ENTITIES"].reshape(-1)) == 8
         assert all(isinstance(json.loads(item), list) for item in tagged["ENTITIES"].reshape(-1))
         windows = int(rng.integers(1, 4))
@@ -488,7 +491,8 @@ def test_fuzz_ensembles_and_post_processing(served, raw):
             "start_logits": rng.normal(0, 5, (windows, length)).astype(np.float32),
             "end_logits": rng.normal(0, 5, (windows, length)).astype(np.float32),
             "offsets": rng.integers(-3, 420, (windows, length, 2)),
-            "context_mask": rng.integers(0, 2, (windows, length))})
+            "context_mask": rng.integers(0, 2, (windows, length)),
+            "word_spans": rng.integers(-3, 420, (windows, length, 2))})
         assert isinstance(json.loads(answered["ANSWERS"].reshape(-1)[0]), list)
         sent.append(len(texts) + len(any_texts))
 

@@ -93,7 +93,8 @@ def test_unknown_and_duplicate_tasks_are_refused_with_the_known_names():
 def test_post_processing_parameters_come_from_the_spec():
     config = SimpleNamespace(id2label={0: "neg", 1: "pos"}, problem_type="multi_label_classification")
     assert get_task("classification").post_params(config, None) == {"id2label": '{"0": "neg", "1": "pos"}',
-                                                                     "multi_label": "true"}
+                                                                     "multi_label": "true",
+                                                                     "function_to_apply": "sigmoid"}
     embedder = SimpleNamespace(pooling="cls", normalize=False)
     assert get_task("embedding").post_params(config, embedder) == {"pooling": "cls", "normalize": "false"}
 

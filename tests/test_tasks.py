@@ -25,6 +25,7 @@ from nexus_sli.client import (
     ServerUnavailableError,
     WrongTaskError,
 )
+from nexus_sli.client import fan_out
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer, to_arrays, windows
 from nexus_sli.exporter.triton.python_models.heads import answer_spans, class_scores, entities, sigmoid
@@ -102,7 +103,7 @@ def test_classification_matches_pytorch(client, served):
     _, arrays = _tokenize(checkpoint, TEXTS, ["input_ids", "attention_mask", "token_type_ids"])
     with torch.no_grad():
         logits = model(**{k: torch.from_numpy(v) for k, v in arrays.items()}).logits.numpy()
-    expected = class_scores(logits, multi_label=False)
+    expected = class_scores(logits, "softmax")
     served_labels = client.classify(TEXTS, model="classifier", top_k=3)
     for row, labels in zip(expected, served_labels):
         assert [lab.label for lab in labels] == [model.config.id2label[i] for i in np.argsort(-row)]
@@ -128,14 +129,15 @@ def test_real_weights_topic_classifier_is_meaningful_and_agrees(client, served, 
 def test_ner_entities_match_pytorch_and_slice_the_text(client, served):
     checkpoint = served["checkpoints"]["tagger"]
     model = _torch(checkpoint, "AutoModelForTokenClassification")
-    names = ["input_ids", "attention_mask", "token_type_ids", "offsets"]
+    names = ["input_ids", "attention_mask", "token_type_ids", "offsets", "special_tokens_mask"]
     _, arrays = _tokenize(checkpoint, TEXTS, names)
     with torch.no_grad():
         logits = model(**{k: torch.from_numpy(arrays[k]) for k in names[:3]}).logits.numpy()
+    counted = arrays["attention_mask"].astype(bool) & ~arrays["special_tokens_mask"].astype(bool)
     served_entities = client.ner(TEXTS, model="tagger")
     assert sum(len(found) for found in served_entities) > 0
     for i, (text, found) in enumerate(zip(TEXTS, served_entities)):
-        reference = entities(text, logits[i], arrays["offsets"][i], arrays["attention_mask"][i], model.config.id2label)
+        reference = entities(text, logits[i], arrays["offsets"][i], counted[i], model.config.id2label)
         assert [(e.label, e.start, e.end) for e in found] == [(e["label"], e["start"], e["end"]) for e in reference]
         for entity in found:
             assert entity.text == text[entity.start:entity.end] and entity.label in {"PER", "LOC"}
@@ -174,15 +176,23 @@ def test_answer_matches_pytorch_over_windows(client, served):
     question, context = "what is it?", " ".join(validation_texts()[:6])
     tokenizer = load_tokenizer(str(checkpoint / "tokenizer.json"), 128, stride=32, strategy="only_second")
     encs = windows(tokenizer, question, context)
-    names = ["input_ids", "attention_mask", "token_type_ids", "offsets", "context_mask"]
+    names = ["input_ids", "attention_mask", "token_type_ids", "offsets", "context_mask", "word_spans"]
     arrays = to_arrays(encs, names, 0, max(len(e.ids) for e in encs))
     with torch.no_grad():
         out = model(**{k: torch.from_numpy(arrays[k]) for k in names[:3]})
     expected = answer_spans(context, out.start_logits.numpy(), out.end_logits.numpy(), arrays["offsets"],
-                            arrays["context_mask"], 3)
+                            arrays["context_mask"], 3, arrays["word_spans"])
     served_answers = client.answer(question, context, model="reader", top_k=3)
     assert [(a.start, a.end) for a in served_answers] == [(e["start"], e["end"]) for e in expected]
     assert np.allclose([a.score for a in served_answers], [e["score"] for e in expected], atol=1e-4)
+
+
+def test_an_answer_inside_a_word_is_the_whole_word(client, served):
+    """The reader answers its marker token, here the first of ``waterproof``'s (water ##p ##ro ##o ##f): the
+    served answer is the word, as transformers' QuestionAnsweringPipeline answers it (``align_to_words``)."""
+    context = "They searched the old house for hours. In the end they found a waterproof box in the cellar."
+    best = client.answer("what did they find?", context, model="reader")[0]
+    assert (best.text, context[best.start:best.end]) == ("waterproof", "waterproof")
 
 
 def test_large_inputs_are_chunked_in_order(client, served):
@@ -195,12 +205,14 @@ def test_large_inputs_are_chunked_in_order(client, served):
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_async_client_sends_chunks_concurrently(served, protocol):
+def test_async_client_sends_chunks_as_the_sync_one_does(served, protocol, monkeypatch):
+    """One request at a time by default (``fan_out.IN_FLIGHT``), as many as it allows where raised."""
     texts = TEXTS * 12  # 144 texts: three chunks
 
     in_flight, most = 0, 0
 
     async def run():
+        nonlocal most
         async with AsyncEncoderClient(served[protocol], protocol=protocol) as c:
             (connection,) = c.fleet.clients.values()
             infer = connection.infer
@@ -215,15 +227,18 @@ def test_async_client_sends_chunks_concurrently(served, protocol):
                     in_flight -= 1
 
             connection.infer = counted
+            await c.embed(texts, model="minilm")
+            one_by_one, most = most, 0
+            monkeypatch.setattr(fan_out, "IN_FLIGHT", 8)
             vectors = await c.embed(texts, model="minilm")
-            chunked_at_once = most
+            chunked_at_once = (one_by_one, most)
             labels = await c.classify(TEXTS, model="classifier")
             ranked = await c.rerank(TEXTS[0], TEXTS[1:], model="reranker")
             answer = await c.answer("what?", TEXTS[3], model="reader")
         return vectors, labels, ranked, answer, chunked_at_once
 
     vectors, labels, ranked, answer, chunked_at_once = asyncio.run(run())
-    assert chunked_at_once == 3, f"{chunked_at_once} of the 3 chunks were in flight together"
+    assert chunked_at_once == (1, 3), f"(by default, raised): {chunked_at_once} of the 3 chunks in flight together"
     with EncoderClient(served["grpc"]) as sync:
         assert np.allclose(vectors, sync.embed(texts, model="minilm"), atol=1e-5)
         assert [l[0].label for l in labels] == [l[0].label for l in sync.classify(TEXTS, model="classifier")]

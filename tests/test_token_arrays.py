@@ -10,19 +10,32 @@ from nexus_sli.bench.stack_ceiling import packaged_tokenizer
 from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer, to_arrays
 
-NAMES = ["input_ids", "attention_mask", "token_type_ids", "offsets", "context_mask"]
+NAMES = ["input_ids", "attention_mask", "token_type_ids", "offsets", "context_mask", "word_spans",
+         "special_tokens_mask"]
 PAD = 7
+
+
+def _word_span(encoding, position: int) -> tuple[int, int]:
+    """transformers' QuestionAnsweringPipeline's answer bound at a context token (``align_to_words``): its
+    word's characters, else (no word) its own."""
+    try:
+        return encoding.word_to_chars(encoding.token_to_word(position), sequence_index=1)
+    except Exception:  # noqa: BLE001 - as the pipeline falls back
+        return encoding.offsets[position]
 
 
 def _expected_row(encoding, name: str, width: int) -> np.ndarray:
     """One row as the encoding gives it, padding after it: what a row-by-row copy writes."""
     n = len(encoding.ids)
-    if name == "offsets":
+    if name in ("offsets", "word_spans"):
         row = np.zeros((width, 2), dtype=np.int64)
-        row[:n] = [(0, 0) if sid is None else span for sid, span in zip(encoding.sequence_ids, encoding.offsets)]
+        row[:n] = ([(0, 0) if sid is None else span for sid, span in zip(encoding.sequence_ids, encoding.offsets)]
+                   if name == "offsets" else
+                   [_word_span(encoding, i) if sid == 1 else (0, 0) for i, sid in enumerate(encoding.sequence_ids)])
         return row
     values = {"input_ids": encoding.ids, "attention_mask": [1] * n, "token_type_ids": encoding.type_ids,
-              "context_mask": [int(sid == 1) for sid in encoding.sequence_ids]}[name]
+              "context_mask": [int(sid == 1) for sid in encoding.sequence_ids],
+              "special_tokens_mask": encoding.special_tokens_mask}[name]
     return np.array(list(values) + [PAD if name == "input_ids" else 0] * (width - n), dtype=np.int64)
 
 
@@ -43,6 +56,9 @@ def test_each_row_holds_its_encodings_values_then_padding(pairs, rows):
             np.testing.assert_array_equal(arrays[name][row], _expected_row(encoding, name, width), err_msg=name)
     if pairs:  # the pairs' second texts are there: type ids and the context mask are not all zero
         assert arrays["token_type_ids"].any() and arrays["context_mask"].any()
+        # and some of their words are several tokens, whose spans are the whole word's
+        assert (arrays["word_spans"] != arrays["offsets"]).any()
+    assert arrays["special_tokens_mask"].sum() == sum(sum(e.special_tokens_mask) for e in encodings)
 
 
 def test_only_the_inputs_asked_for_are_built_and_an_unknown_one_is_named():

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 from nexus_sli.exporter.errors import ExportError, NexusError, ValidationError
 from nexus_sli.exporter.targets import Candidate, Configuration, ExportedGraph, configurations_for
 from nexus_sli.exporter.triton.config import read as read_config
+from nexus_sli.exporter.triton.folders import check_free
 from nexus_sli.exporter.triton.models import ServingFacts, write_models, write_readme
 from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer
 from nexus_sli.exporter.triton.python_models.sides import SCORE_MASK, SIDE_NAMES, Sides, row_width
@@ -186,8 +187,11 @@ def run_export(options: ExportOptions) -> ExportResult:
 
 
 def _name(options: ExportOptions, source) -> str:
-    """The model's name in the repository: the one asked for, else the model id's."""
-    return check_name(options.name or source.default_name)
+    """The model's name in the repository: the one asked for, else the model id's; refused where another model
+    of the repository uses one of the folders it writes."""
+    name = check_name(options.name or source.default_name)
+    check_free(Path(options.out), name)
+    return name
 
 
 def _say_replaced(out: Path, name: str, task: str) -> None:

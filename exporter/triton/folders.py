@@ -60,9 +60,9 @@ def _steps(config: tc.pb.ModelConfig) -> set[str]:
 
 
 def _owns(name: str, ensemble: str, config: tc.pb.ModelConfig) -> bool:
-    """Whether ``ensemble`` is the model ``name`` itself, or its token ensemble (``NAME_tokens``, calling only
-    ``name``'s steps)."""
-    return ensemble == name or (ensemble == name + TOKEN_MODEL_SUFFIX and _steps(config) <= written_by(name))
+    """Whether ``ensemble`` is the model ``name`` itself or its token ensemble (``NAME_tokens``): either calls only
+    ``name``'s steps (a model's token ensemble named like another model calls its own model's)."""
+    return ensemble in (name, name + TOKEN_MODEL_SUFFIX) and _steps(config) <= written_by(name)
 
 
 def check_free(out: Path, name: str) -> None:

@@ -42,9 +42,19 @@ class Staging:
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RepositoryError(f"cannot create repository {self.out}: {exc}") from exc
+        parent = self.out.resolve().parent
+        if os.stat(parent).st_dev != os.stat(self.out).st_dev:  # a mount point: no rename reaches it from beside
+            raise RepositoryError(f"{self.out} is a mount point, and an export builds each model beside the "
+                                  "repository and renames it in: export into a folder inside it (--out "
+                                  f"{self.out / 'model_repository'}) and serve that folder")
         self._remove_stale()
         prefix = f".{self.out.name}{_STAGING}{os.getpid()}-"
-        self.root = Path(tempfile.mkdtemp(prefix=prefix, dir=self.out.resolve().parent))
+        try:
+            self.root = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        except OSError as exc:
+            raise RepositoryError(f"cannot stage the export beside {self.out} ({exc}): an export builds each model "
+                                  f"in {parent} and renames it in; make {parent} writable, or export into a "
+                                  f"folder inside (--out {self.out / 'model_repository'}) and serve that") from exc
         self.work = self.root / ".work"  # scratch files that are never published
         self.work.mkdir()
 

@@ -23,6 +23,9 @@ MIN_COUNT, MASKED_OUT, MIN_NORM = 1e-9, -1e9, 1e-12
 #: (question, context) in overlapping windows, or one text per row on the query or the document
 #: side of a late-interaction model (``sides.py``); a task spec names one.
 TOKENIZER_MODES = ("single", "pair", "qa", "sided")
+#: The token arrays :func:`to_arrays` builds: the graph's inputs and the ones the post-processing reads.
+TOKEN_ARRAYS = ("input_ids", "attention_mask", "token_type_ids", "offsets", "context_mask", "word_spans",
+                "special_tokens_mask")
 
 
 class TextTooLongError(ValueError):
@@ -83,6 +86,8 @@ def to_arrays(encodings, input_names: list[str], pad_id: int, length: int) -> di
             arrays[name] = real.astype(np.int64)
         elif name == "offsets":  # character span of each token in its own sequence; (0, 0) for specials and padding
             arrays[name] = _offsets(encodings, length)
+        elif name == "word_spans":
+            arrays[name] = _word_spans(encodings, length)
         else:
             array = np.full(real.shape, pad_id if name == "input_ids" else 0, dtype=np.int64)
             array[real] = np.fromiter(chain.from_iterable(_row_values(name, ids, encodings)), dtype=np.int64,
@@ -99,7 +104,9 @@ def _row_values(name: str, ids: list, encodings):
         return (encoding.type_ids for encoding in encodings)
     if name == "context_mask":  # 1 where a token belongs to the second sequence (the context of a QA pair)
         return ((sid == 1 for sid in encoding.sequence_ids) for encoding in encodings)
-    raise KeyError(f"no token array {name!r}; known: input_ids, attention_mask, token_type_ids, offsets, context_mask")
+    if name == "special_tokens_mask":  # 1 where the tokenizer's template added the token ([CLS], [SEP], <s> ...)
+        return (encoding.special_tokens_mask for encoding in encodings)
+    raise KeyError(f"no token array {name!r}; known: {', '.join(TOKEN_ARRAYS)}")
 
 
 def _offsets(encodings, length: int) -> np.ndarray:
@@ -108,6 +115,22 @@ def _offsets(encodings, length: int) -> np.ndarray:
         offsets[row, :len(encoding.ids)] = encoding.offsets
         offsets[row, [i for i, sid in enumerate(encoding.sequence_ids) if sid is None]] = 0
     return offsets
+
+
+def _word_spans(encodings, length: int) -> np.ndarray:
+    """Per token of the second sequence (a QA pair's context), the character span of the word it is part of,
+    words as the tokenizer's pre-tokenizer splits them (``Encoding.word_to_chars``), which transformers'
+    QuestionAnsweringPipeline widens answers to (``align_to_words``); a token of no word keeps its own span,
+    as there; (0, 0) for the other tokens and padding."""
+    spans = np.zeros((len(encodings), length, 2), dtype=np.int64)
+    for row, encoding in enumerate(encodings):
+        words, found = {}, []
+        for sequence, word, own in zip(encoding.sequence_ids, encoding.word_ids, encoding.offsets):
+            if sequence == 1 and word is not None and word not in words:
+                words[word] = encoding.word_to_chars(word, 1)
+            found.append((0, 0) if sequence != 1 else words.get(word) or own)
+        spans[row, :len(found)] = found
+    return spans
 
 
 def encode(

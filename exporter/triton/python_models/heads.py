@@ -14,15 +14,17 @@ import json
 import numpy as np
 
 if __package__:  # imported from the nexus_sli package (validation, tests)
-    from nexus_sli.tasks.model_parameters import (ID2LABEL, MULTI_LABEL, NORMALIZE, POOLING, SPLADE_ACTIVATION,
-                                                  SPLADE_POOLING, TOP_K)
+    from nexus_sli.tasks.model_parameters import (ID2LABEL, IMPOSSIBLE_ANSWER, MULTI_LABEL, NORMALIZE, POOLING,
+                                                  SCORE_FUNCTION, SPLADE_ACTIVATION, SPLADE_POOLING, TOP_K)
 
     from .encoding import l2_normalize, pool, splade
 else:  # a file copied beside model.py in a Triton repository
     from encoding import l2_normalize, pool, splade
-    from model_parameters import ID2LABEL, MULTI_LABEL, NORMALIZE, POOLING, SPLADE_ACTIVATION, SPLADE_POOLING, TOP_K
+    from model_parameters import (ID2LABEL, IMPOSSIBLE_ANSWER, MULTI_LABEL, NORMALIZE, POOLING, SCORE_FUNCTION,
+                                  SPLADE_ACTIVATION, SPLADE_POOLING, TOP_K)
 
-#: Longest answer span considered, in tokens (as transformers' QA pipeline).
+#: Longest answer span considered, in tokens: transformers' run_qa.py's default ``max_answer_length``
+#: (its QuestionAnsweringPipeline's ``max_answer_len`` defaults to 15).
 MAX_ANSWER_TOKENS = 30
 #: Best start/end candidates tried per window.
 SPAN_CANDIDATES = 20
@@ -40,69 +42,102 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def class_scores(logits: np.ndarray, multi_label: bool) -> np.ndarray:
-    """Probabilities per label: softmax, or independent sigmoids for multi-label models."""
-    return sigmoid(logits) if multi_label else softmax(logits)
+#: How a classifier's logits become scores, transformers' TextClassificationPipeline's ``function_to_apply``.
+SCORE_FUNCTIONS = {"softmax": softmax, "sigmoid": sigmoid, "none": lambda logits: logits}
 
 
-def _entity_type(label: str) -> tuple[str, str]:
-    """('B', 'PER') for 'B-PER'; ('', 'PER') for a label without a B-/I- prefix."""
-    if len(label) > 2 and label[1] == "-" and label[0] in "BIES":
+def class_scores(logits: np.ndarray, function: str) -> np.ndarray:
+    """Scores per label by ``function`` (:data:`SCORE_FUNCTIONS`): one softmax, independent sigmoids, or the
+    raw values (regression)."""
+    if function not in SCORE_FUNCTIONS:
+        raise ValueError(f"unknown score function {function!r}; known: {', '.join(SCORE_FUNCTIONS)}")
+    return SCORE_FUNCTIONS[function](logits)
+
+
+def _score_function(params: dict) -> str:
+    """The classification step's score function; a repository written before the parameter existed says
+    only whether its labels are independent (sigmoid) or not (softmax)."""
+    return SCORE_FUNCTION.read(params, None) or ("sigmoid" if MULTI_LABEL.read(params, False) else "softmax")
+
+
+def _tag(label: str) -> tuple[str, str]:
+    """transformers' ``TokenClassificationPipeline.get_tag``: ('B', 'PER') for 'B-PER', ('I', 'PER') for
+    'I-PER'; any other label is the whole type, read as a continuation: ('I', 'E-PER'), ('I', 'O')."""
+    if label.startswith(("B-", "I-")):
         return label[0], label[2:]
-    return "", label
+    return "I", label
 
 
 def entities(text: str, logits: np.ndarray, offsets: np.ndarray, mask: np.ndarray, id2label: dict) -> list[dict]:
-    """Token labels grouped into entities (B-/I- scheme) with character offsets into ``text``.
+    """Token labels grouped into entities with character offsets into ``text``, as transformers'
+    TokenClassificationPipeline groups them with ``aggregation_strategy="simple"``.
 
-    A token starts a new entity on ``B-X``, or on ``I-X`` when the previous token
-    was not of type X; the score is the mean of its tokens' top probabilities.
-    Special and padding tokens (offsets (0, 0)) are skipped.
+    ``mask``: 1 for the tokens that count (real, not special; a token with an empty span counts).  A token
+    joins the previous token's group where its tag (:func:`_tag`) is that group's and it is no ``B-``; a
+    group's label is its first token's after the first ``-`` (``E-PER`` -> ``PER``), groups labelled ``O``
+    are dropped, and a group's score is the mean of its tokens' top probabilities.
     """
     probs = softmax(logits.astype(np.float64))
-    found, current = [], None
-    for position in range(len(mask)):
-        start, end = (int(v) for v in offsets[position])
-        if not mask[position] or start == end:
-            continue
+    groups: list[list[tuple[str, int, int, float]]] = []
+    last_tag = None
+    for position in np.flatnonzero(np.asarray(mask).astype(bool)):
         label_id = int(probs[position].argmax())
-        prefix, kind = _entity_type(str(id2label.get(label_id, id2label.get(str(label_id), label_id))))
-        score = float(probs[position, label_id])
-        if kind == "O":
-            current = None
-            continue
-        if current is not None and current["label"] == kind and prefix != "B":
-            current["end"], current["scores"] = end, current["scores"] + [score]
-            continue
-        current = {"label": kind, "start": start, "end": end, "scores": [score]}
-        found.append(current)
-    return [{"text": text[e["start"]:e["end"]], "label": e["label"], "start": e["start"], "end": e["end"],
-             "score": float(np.mean(e["scores"]))} for e in found]
+        label = str(id2label.get(label_id, id2label.get(str(label_id), label_id)))
+        prefix, tag = _tag(label)
+        start, end = (int(v) for v in offsets[position])
+        if not groups or tag != last_tag or prefix == "B":
+            groups.append([])
+        groups[-1].append((label, start, end, float(probs[position, label_id])))
+        last_tag = tag
+    found = []
+    for group in groups:
+        label, start, end = group[0][0].split("-", 1)[-1], group[0][1], group[-1][2]
+        if label != "O":
+            found.append({"text": text[start:end], "label": label, "start": start, "end": end,
+                          "score": float(np.mean([score for *_, score in group]))})
+    return found
 
 
 def answer_spans(context: str, start_logits: np.ndarray, end_logits: np.ndarray, offsets: np.ndarray,
-                 context_mask: np.ndarray, top_k: int) -> list[dict]:
-    """Best answer spans over all windows of one (question, context) pair.
+                 context_mask: np.ndarray, top_k: int, word_spans: np.ndarray | None = None,
+                 impossible: bool = False) -> list[dict]:
+    """Best answer spans over all windows of one (question, context) pair, as transformers'
+    QuestionAnsweringPipeline scores them.
 
-    Per window, start and end probabilities are a softmax over the context
-    tokens; a span's score is p(start) * p(end), the end not before the start
-    and at most MAX_ANSWER_TOKENS long.  The best spans over every window win.
+    Per window, start and end probabilities are a softmax over the context tokens and the first token
+    where it is a special one ([CLS]: "no answer"), whose probability is then set to 0; a span's score is
+    p(start) * p(end), the end not before the start and at most MAX_ANSWER_TOKENS long.  A span covers
+    its tokens' words (``word_spans``, the pipeline's ``align_to_words``; None: the tokens' own
+    ``offsets``).  A span found in several windows keeps its best score (the pipeline adds them).
+    ``impossible``: the pipeline's ``handle_impossible_answer``, the empty answer (0, 0) scored by the
+    least p([CLS] start) * p([CLS] end) over the windows.
     """
+    spans = offsets if word_spans is None else word_spans
     best: dict[tuple[int, int], float] = {}
+    null = None
     for window in range(start_logits.shape[0]):
         in_context = context_mask[window].astype(bool)
         if not in_context.any():
             continue
-        p_start = softmax(np.where(in_context, start_logits[window], -np.inf).astype(np.float64))
-        p_end = softmax(np.where(in_context, end_logits[window], -np.inf).astype(np.float64))
+        cls = not in_context[0] and not offsets[window, 0].any()  # a special first token: (0, 0), no context
+        kept = in_context.copy()
+        kept[0] |= cls
+        p_start = softmax(np.where(kept, start_logits[window], -np.inf).astype(np.float64))
+        p_end = softmax(np.where(kept, end_logits[window], -np.inf).astype(np.float64))
+        if cls:
+            score = float(p_start[0] * p_end[0])
+            null = score if null is None else min(null, score)
+            p_start[0] = p_end[0] = 0.0
         starts = np.argsort(p_start)[::-1][:SPAN_CANDIDATES]
         ends = np.argsort(p_end)[::-1][:SPAN_CANDIDATES]
         for s in starts:
             for e in ends:
                 if not (in_context[s] and in_context[e]) or e < s or e - s + 1 > MAX_ANSWER_TOKENS:
                     continue
-                span = (int(offsets[window, s, 0]), int(offsets[window, e, 1]))
+                span = (int(spans[window, s, 0]), int(spans[window, e, 1]))
                 best[span] = max(best.get(span, 0.0), float(p_start[s] * p_end[e]))
+    if impossible and null is not None:
+        best[(0, 0)] = null
     ranked = sorted(best.items(), key=lambda item: -item[1])[:top_k]
     return [{"text": context[a:b], "start": a, "end": b, "score": score} for (a, b), score in ranked]
 
@@ -141,7 +176,7 @@ def bge_m3_head(x: dict, params: dict) -> dict:
 
 
 def classification_head(x: dict, params: dict) -> dict:
-    scores = class_scores(x["logits"].astype(np.float64), MULTI_LABEL.read(params, False))
+    scores = class_scores(x["logits"].astype(np.float64), _score_function(params))
     return {"SCORES": scores.astype(np.float32)}
 
 
@@ -152,15 +187,15 @@ def rerank_head(x: dict, params: dict) -> dict:
 def token_classification_head(x: dict, params: dict) -> dict:
     id2label = ID2LABEL.read(params, {})
     texts = [t.decode("utf-8", "replace") for t in x["TEXT"].reshape(-1)]
-    found = [entities(text, x["logits"][i], x["offsets"][i], x["attention_mask"][i], id2label)
-             for i, text in enumerate(texts)]
+    counted = x["attention_mask"].astype(bool) & ~x["special_tokens_mask"].astype(bool)
+    found = [entities(text, x["logits"][i], x["offsets"][i], counted[i], id2label) for i, text in enumerate(texts)]
     return {"ENTITIES": _json_strings(found).reshape(-1, 1)}
 
 
 def question_answering_head(x: dict, params: dict) -> dict:
     context = x["CONTEXT"].reshape(-1)[0].decode("utf-8", "replace")
     spans = answer_spans(context, x["start_logits"], x["end_logits"], x["offsets"], x["context_mask"],
-                         TOP_K.read(params, TOP_ANSWERS))
+                         TOP_K.read(params, TOP_ANSWERS), x["word_spans"], IMPOSSIBLE_ANSWER.read(params, False))
     return {"ANSWERS": _json_strings([spans])}
 
 

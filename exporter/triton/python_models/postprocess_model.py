@@ -10,13 +10,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from encoding import pool
 from error_codes import INFERENCE_FAILED, INVALID_INPUT, mark
-from heads import HEADS
-from model_parameters import HEAD, POOLING, TASK, strings
+from heads import HEADS, class_scores
+from model_parameters import HEAD, POOLING, SCORE_FUNCTION, TASK, strings
 
 
 #: Token-aligned inputs: the tokenizer pads them to a fixed width, while the encoder's
 #: per-token outputs come back cut to the batch's longest real token.
-_TOKEN_ALIGNED = ("attention_mask", "offsets", "context_mask")
+_TOKEN_ALIGNED = ("attention_mask", "offsets", "context_mask", "word_spans", "special_tokens_mask")
 _PER_TOKEN = ("last_hidden_state", "start_logits", "logits")
 
 
@@ -44,6 +44,9 @@ class TritonPythonModel:
         pooling = POOLING.read(self.params, None)
         if pooling is not None:  # a bad pooling mode fails the load, not every request
             pool(np.zeros((1, 1, 1), np.float32), np.ones((1, 1), np.int64), pooling)
+        function = SCORE_FUNCTION.read(self.params, None)
+        if function is not None:  # so does a bad score function
+            class_scores(np.zeros((1, 1)), function)
 
     def run(self, inputs):
         return self.head(inputs, self.params)

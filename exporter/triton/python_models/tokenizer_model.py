@@ -3,7 +3,9 @@
 Its parameters are ``model_parameters.TokenizerParameters``.  Modes (the ``mode`` parameter):
 - ``single``: ``TEXT`` (one string per batch item); dynamically batched.
 - ``pair``: ``QUERY`` (one string) and ``DOCUMENTS`` (N strings) -> N (query, document) rows.
-- ``qa``: ``QUESTION`` and ``CONTEXT`` -> one row per overlapping window of the context.
+- ``qa``: ``QUESTION`` and ``CONTEXT`` -> one row per overlapping window of the context; besides the
+  graph's inputs, each token's ``offsets``, ``context_mask`` and, in repositories exported since answers
+  cover whole words, ``word_spans`` (its word's characters, ``encoding.to_arrays``).
 - ``sided``: ``TEXT``, as ``single``, for a late-interaction model: the request parameter
   ``input_type`` (``error_codes.INPUT_TYPE_PARAMETER``: ``query`` or ``document``, absent:
   ``document``) picks the side (the ``sides`` parameter, ``sides.Sides``) whose prompt, truncation,
@@ -75,6 +77,9 @@ from sides import DOCUMENT, SIDE_NAMES, Sides, row_width, side_tokenizers, sided
 
 #: The outputs of the text modes, computed only for the requests that ask for them.
 TEXT_OUTPUTS = (TOKENS_OUTPUT, DECODED_OUTPUT)
+#: Token arrays read from a full encoding (offsets, sequence and word ids, special tokens), which
+#: ``encode_batch_fast`` may leave out: NER's and QA's (``encoding.to_arrays``).
+SPAN_ARRAYS = ("offsets", "context_mask", "word_spans", "special_tokens_mask")
 
 
 def _strings(request, name):
@@ -103,12 +108,16 @@ def _flag(request, name, default):
 
 
 def _described(encoding, text):
-    """One text's tokens as ``TOKENS`` answers them: the characters each covers, a special token its own string."""
+    """One text's tokens as ``TOKENS`` answers them: the characters each covers (``offsets``) and the same span
+    in UTF-8 bytes (``bytes``: TEI's offsets, which its Rust tokenizer counts in bytes), a special token its own
+    string and the span [0, 0]."""
     special = [bool(flag) for flag in encoding.special_tokens_mask]
     offsets = [[0, 0] if flag else [int(start), int(stop)] for flag, (start, stop) in zip(special, encoding.offsets)]
     pieces = [token if flag else text[start:stop]
               for token, flag, (start, stop) in zip(encoding.tokens, special, offsets)]
-    return {"ids": list(encoding.ids), "text": pieces, "special": special, "offsets": offsets}
+    byte_at = np.cumsum([0, *(len(c.encode("utf-8")) for c in text)])  # character index -> byte index
+    spans = [[int(byte_at[start]), int(byte_at[stop])] for start, stop in offsets]
+    return {"ids": list(encoding.ids), "text": pieces, "special": special, "offsets": offsets, "bytes": spans}
 
 
 def _strings_out(values):
@@ -158,7 +167,7 @@ class TritonPythonModel:
         # Rows that need no character offsets (every output but NER's and QA's) are tokenized without them:
         # the same ids, less work (bench/data/tried.md, "The tokenizer step's own work"); tokenizers before
         # 0.20 have no encode_batch_fast
-        self.rows_only = not {"offsets", "context_mask"} & set(self.output_names)
+        self.rows_only = not set(SPAN_ARRAYS) & set(self.output_names)
         self.prompts = params.prompts.named
         self.default_prompt = params.prompts.default
         if self.mode == "sided":
