@@ -16,7 +16,9 @@ def add_parser(commands) -> None:
     publish.add_argument("--endpoint-url", default=None,
                          help="the S3 endpoint of an S3-compatible store (MinIO, SeaweedFS, Ceph, ...); credentials "
                               "come from the standard AWS environment or ~/.aws, never from the command line")
-    publish.add_argument("--dry-run", action="store_true", help="list what would be uploaded and switched; write nothing")
+    publish.add_argument("--dry-run", action="store_true",
+                         help="list what would be uploaded, switched and deleted (with --prune, the folders it "
+                              "deletes); write nothing")
     publish.add_argument("--prune", action="store_true",
                          help="after the switch, delete the version folders no config serves (servers copy every "
                               "version folder of a model when they load it); needs s3:DeleteObject")
@@ -28,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     destination = Destination.parse(args.to, args.endpoint_url)
     if args.dry_run:
-        result = plan_publish(Path(args.repository), destination)
+        result = plan_publish(Path(args.repository), destination, prune=args.prune)
     else:
         result = publish(Path(args.repository), destination, prune=args.prune)
     print(f"{'would publish' if args.dry_run else 'published'} {args.repository} -> {destination}")

@@ -74,9 +74,10 @@ def run(args: argparse.Namespace) -> int:
               "only apply to a folder with no model)", file=sys.stderr, flush=True)
     if first_export:
         choice = ModelChoice(args.model, args.task, args.name, args.backend, args.precision, args.optimize)
-        _check_choice(choice, searches=choice.searches and not args.no_search)
+        # even --backend onnxruntime --precision fp32 searches: it times the fused graph beside the first export's
+        _check_choice(choice, searches=not args.no_search)
         name = export_first(choice, repository)
-        if choice.searches and not args.no_search:
+        if not args.no_search:
             search = lambda server: BackgroundSearch(choice, repository, name, server, _search_threads())  # noqa: E731
     return serve_forever(repository, args.http_port, args.grpc_port, args.metrics_port, args.host,
                          args.gpu_models_on_cpu, beside=gateway_command(args), separate_steps=args.separate_steps,

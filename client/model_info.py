@@ -188,6 +188,12 @@ class ModelInfo:
         return {int(k): v for k, v in parameters.ID2LABEL.read(self.params, {}).items()}
 
     @property
+    def score_function(self) -> str | None:
+        """How a classifier's or cross-encoder's served scores come from its logits (``softmax``, ``sigmoid``,
+        ``none``: the logits themselves); None: an export before it said (a cross-encoder's: a sigmoid)."""
+        return parameters.SCORE_FUNCTION.read(self.params, None)
+
+    @property
     def similarity(self) -> str | None:
         """A multi-vector model's late-interaction score (``maxsim`` or ``meanmaxsim``; None: not one)."""
         return parameters.SIMILARITY.read(self.params, None)

@@ -167,12 +167,20 @@ async def rerank(request: Request) -> JSONResponse:
     await check_truncate(state.backend, body, model, texts, "texts")
     ranked = await state.backend.client.rerank(query, texts, model=model.name)
     state.metrics.texts.labels(request.url.path).inc(len(texts))
-    # the logit is monotonic in the score: the order is the same either way.  A late-interaction score is
-    # no probability: it is its own raw score
-    raw_scores = raw_scores and model.serves("rerank")
-    scores = logits([r.score for r in ranked]) if raw_scores else [r.score for r in ranked]
+    scores = _tei_scores(model, [r.score for r in ranked], raw_scores)
     return JSONResponse([{"index": r.index, "score": score, **({"text": r.document} if return_text else {})}
                          for r, score in zip(ranked, scores)])
+
+
+def _tei_scores(model, scores: list[float], raw_scores: bool) -> list[float]:
+    """TEI's rerank scores from the served ones: the sigmoid of the logit, or the logit itself (``raw_scores``),
+    whatever the cross-encoder's own activation (a sigmoid, or none: the served score is its logit).  The
+    order is the same either way.  A late-interaction score is no probability: it is its own raw score."""
+    if not model.serves("rerank"):
+        return scores
+    if (model.score_function or "sigmoid") == "none":
+        return scores if raw_scores else (1.0 / (1.0 + np.exp(-np.asarray(scores, dtype=np.float64)))).tolist()
+    return logits(scores) if raw_scores else scores
 
 
 def _predict_inputs(value) -> tuple[list[str], bool]:

@@ -1,11 +1,17 @@
-"""Reranking: a cross-encoder scores each (query, document) pair; one query per request."""
+"""Reranking: a cross-encoder scores each (query, document) pair; one query per request.  The score is
+sentence-transformers' ``CrossEncoder.predict``'s: the logit through the activation the model's config names
+(:func:`score_function`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from .model_parameters import SCORE_FUNCTION, write
 from .results import Ranked
-from .spec import TaskSpec, Tensor, check_top_k, label_params, register, sequence_classifier, text
+from .spec import TaskError, TaskSpec, Tensor, check_top_k, label_params, register, sequence_classifier, text
+
+#: The activations a CrossEncoder's config may name (its class path), as the head's score functions.
+ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "none"}
 
 
 def parse(outputs: list[np.ndarray], documents: list[str], top_k: int | None) -> list[Ranked]:
@@ -14,6 +20,26 @@ def parse(outputs: list[np.ndarray], documents: list[str], top_k: int | None) ->
     scores = np.concatenate(outputs) if outputs else np.zeros((0,), np.float32)
     ranked = sorted((Ranked(i, float(s), documents[i]) for i, s in enumerate(scores)), key=lambda r: -r.score)
     return ranked if top_k is None else ranked[:top_k]
+
+
+def score_function(config) -> str:
+    """The head's score function, as sentence-transformers' ``CrossEncoder.get_default_activation_fn`` chooses
+    the activation: the one the config names (``sentence_transformers.activation_fn``; before its v4,
+    ``sbert_ce_default_activation_function``), where it is torch's (another it would not import without
+    ``trust_remote_code``), else a sigmoid of the one logit."""
+    named = getattr(config, "sentence_transformers", None)
+    path = (named.get("activation_fn") if isinstance(named, dict) else None) or getattr(
+        config, "sbert_ce_default_activation_function", None)
+    if not isinstance(path, str) or not path.startswith("torch."):
+        return "sigmoid"
+    if path not in ACTIVATIONS:
+        raise TaskError(f"the cross-encoder's config names the activation {path}, which the served head does not "
+                        f"apply (it applies {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[path]
+
+
+def post_params(config, embedder) -> dict[str, str]:
+    return {**label_params(config), **write({SCORE_FUNCTION: score_function(config)})}
 
 
 SPEC = register(TaskSpec(
@@ -31,7 +57,7 @@ SPEC = register(TaskSpec(
     # a sequence classifier with one label is a cross-encoder
     inferred_from=lambda architecture, config: (sequence_classifier(architecture)
                                                 and getattr(config, "num_labels", 2) == 1),
-    post_params=lambda config, embedder: label_params(config),
+    post_params=post_params,
     batched=False,
     pair=True,
 ))

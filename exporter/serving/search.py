@@ -5,9 +5,11 @@
       -> the export asked for (``auto``: every configuration this CPU runs) in a background process
          (:class:`BackgroundSearch`), at a lower priority and on fewer threads, into a folder beside the
          repository, which Triton never reads
-      -> its winner, where it is not the graph served, swapped in with no failed call (:mod:`swap`)
+      -> its winner, where it is not the graph served, swapped in with no failed call (:mod:`swap`), unless the
+         user exported the model into the repository meanwhile: that export stays, and the log says why
 
-A search that fails, or is stopped (Ctrl-C), leaves the first export served and removes what it wrote.
+A search that fails, or is stopped (Ctrl-C), leaves the first export served and removes what it wrote.  A first
+export stopped (Ctrl-C, or SIGTERM once serve has made it a KeyboardInterrupt) stops its export process too.
 The search validates and times its graphs beside the served model: traffic while it times is in its figures
 (validation.json records the timing as it ran).
 """
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .binary import ServerError
-from .swap import swap_in
+from .swap import models_in, stamp, swap_in
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,11 @@ log = logging.getLogger(__name__)
 FIRST = ("onnxruntime", "fp32")
 #: How much lower the search's priority is than the server's (``nice``).
 NICENESS = 10
+#: How long a stopped first export has to clean up after its SIGINT (its staging folder) before it is killed.
+EXPORT_GRACE_S = 10.0
+#: How long it has to end on a terminal's Ctrl-C, which reaches it too, before it is sent one: a second SIGINT
+#: would interrupt its clean-up.
+OWN_CTRL_C_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -57,11 +64,6 @@ class ModelChoice:
                 *(["--name", name or self.name] if name or self.name else []),
                 *(["--no-search"] if first else [])]
 
-    @property
-    def searches(self) -> bool:
-        """Whether the export asked for may differ from the first (else the first is what was asked for)."""
-        return (self.backend, self.precision) != FIRST
-
 
 def holds_a_model(repository: Path) -> bool:
     return any(p.joinpath("config.pbtxt").is_file() for p in Path(repository).glob("*"))
@@ -71,10 +73,35 @@ def export_first(choice: ModelChoice, repository: Path) -> str:
     """Export the first graph into ``repository`` (its log on stderr, as it goes); the model's name."""
     print("nexus-sli: no model in the repository yet: exporting the one graph that needs no search first "
           f"({' '.join(FIRST)}, validated against PyTorch), then serving it", file=sys.stderr, flush=True)
-    done = subprocess.run(choice.export_command(repository, first=True), stdout=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        raise ServerError(f"the first export failed (exit code {done.returncode}); nothing is served")
-    return json.loads(done.stdout.strip().splitlines()[-1])["name"]
+    process = subprocess.Popen(choice.export_command(repository, first=True), stdout=subprocess.PIPE, text=True)
+    try:
+        with process.stdout:
+            out = process.stdout.read()
+        code = process.wait()
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM made one: the export must not outlive serve
+        _stop_export(process, Path(repository))
+        raise
+    if code != 0:
+        raise ServerError(f"the first export failed (exit code {code}); nothing is served")
+    return json.loads(out.strip().splitlines()[-1])["name"]
+
+
+def _stop_export(process: subprocess.Popen, repository: Path, grace: float = EXPORT_GRACE_S) -> None:
+    """Stop an export process: SIGINT, on which it removes its staging folder (and a repository folder it
+    created) as a Ctrl-C has it do; SIGKILL past ``grace`` seconds, or at a second Ctrl-C.  What a killed export
+    leaves beside the repository (its staging folder, named with its pid) is removed here."""
+    try:
+        try:
+            process.wait(OWN_CTRL_C_S)
+        except subprocess.TimeoutExpired:  # SIGTERM, or a SIGINT sent to serve alone, did not reach it
+            print("nexus-sli: stopping the first export ...", file=sys.stderr, flush=True)
+            process.send_signal(signal.SIGINT)
+            process.wait(grace)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        process.kill()
+        process.wait()
+    for staging in repository.resolve().parent.glob(f".{repository.name}.staging-{process.pid}-*"):
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _served(encoder: Path) -> tuple[str, str, str]:
@@ -88,8 +115,12 @@ class BackgroundSearch(threading.Thread):
 
     ``server``: the :class:`~.keeper.KeptServer` serving ``repository`` (the server it runs when the search
     ends is the one swapped).  ``threads``: the environment that gives the export fewer threads than the cores
-    (the caller knows the exporter's variable: ``{variable: count}``).  ``outcome``: None while it runs, then ``"swapped"``, ``"kept"`` (the served
-    graph won), ``"failed"`` or ``"stopped"``."""
+    (the caller knows the exporter's variable: ``{variable: count}``).  ``outcome``: None while it runs, then
+    ``"swapped"``, ``"kept"`` (the served graph won), ``"changed"`` (the user exported the model into the
+    repository meanwhile: nothing swapped), ``"failed"`` or ``"stopped"``.
+
+    What the repository holds is stamped when the search is made (:func:`swap.stamp`, once the server serves
+    it): a swap replaces only what was served then, never an export the user made while the search ran."""
 
     def __init__(self, choice: ModelChoice, repository: Path, name: str, server, threads: dict[str, str] | None = None):
         super().__init__(name="nexus-sli-search", daemon=True)
@@ -97,6 +128,7 @@ class BackgroundSearch(threading.Thread):
         self.choice, self.repository, self.model_name, self.server = choice, Path(repository).resolve(), name, server
         self.out = self.repository.parent / f".{self.repository.name}-search-{os.getpid()}"
         self.outcome: str | None = None
+        self.served_stamp = stamp(self.repository)
         self._process: subprocess.Popen | None = None
         self._stopping = threading.Event()
 
@@ -127,6 +159,12 @@ class BackgroundSearch(threading.Thread):
             log.error("the background search exited with code %d; serving the first export", code)
             return "failed"
         found = _served(self.out / f"{self.model_name}_encoder")
+        changed = self._changed()
+        if changed:
+            log.warning("not swapping in the search's winner (%s): %s changed in %s since the search started (a "
+                        "re-export?), and the swap would delete it; the server serves what it loaded until serve "
+                        "is started again", " ".join(found), ", ".join(changed), self.repository)
+            return "changed"
         if found == self._served():
             log.info("the search kept the graph served (%s): nothing to swap", " ".join(found))
             return "kept"
@@ -137,6 +175,11 @@ class BackgroundSearch(threading.Thread):
 
     def _served(self) -> tuple[str, str, str]:
         return _served(self.repository / f"{self.model_name}_encoder")
+
+    def _changed(self) -> list[str]:
+        """The folders the swap would replace that differ from what the repository held when the search began."""
+        now = stamp(self.repository)
+        return [name for name in models_in(self.out) if now.get(name) != self.served_stamp.get(name)]
 
     def stop(self, grace: float = 30.0) -> None:
         """Stop the search (what it wrote goes; the first export stays served)."""

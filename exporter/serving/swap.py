@@ -10,11 +10,16 @@ again (its precision and backend).  While both are loaded the server holds the o
 Where ``nexus-sli serve`` joins each ensemble's steps in one process, the joined model's shadow entries are
 written again for the new steps (:func:`joined_steps.refresh`) before it is loaded.  A model that fails to
 load puts the old folders back and loads those again: what was served stays served.
+
+A caller that made the new set while the repository served (the search of :mod:`search`) first compares
+:func:`stamp` of the folders with the one it took when it began: a changed stamp means the user exported
+those names meanwhile, and swapping would delete that export.
 """
 
 from __future__ import annotations
 
 import compileall
+import hashlib
 import logging
 import os
 import shutil
@@ -31,6 +36,30 @@ log = logging.getLogger(__name__)
 def models_in(repository: Path) -> list[str]:
     """The model folders of ``repository`` (those with a config)."""
     return sorted(p.name for p in repository.iterdir() if (p / "config.pbtxt").is_file())
+
+
+#: the files of a model folder whose content a re-export changes (the encoder's report among them)
+STAMPED_FILES = ("config.pbtxt", "validation.json")
+
+
+def stamp(repository: Path) -> dict[str, tuple]:
+    """What ``repository`` holds now, per model folder: the folder's identity (an export renames a new folder
+    into place) and the digests of its :data:`STAMPED_FILES`.  Two stamps differ where a model was exported,
+    removed or added between them."""
+    stamps = {}
+    for name in models_in(repository):
+        try:
+            stamps[name] = _folder_stamp(repository / name)
+        except FileNotFoundError:  # moved away since it was listed (an export replacing it): absent now
+            continue
+    return stamps
+
+
+def _folder_stamp(folder: Path) -> tuple:
+    identity = folder.stat().st_ino
+    digests = [hashlib.sha256(folder.joinpath(f).read_bytes()).hexdigest() if folder.joinpath(f).is_file() else None
+               for f in STAMPED_FILES]
+    return (identity, *digests)
 
 
 def _newest_version(folder: Path) -> int:

@@ -19,8 +19,11 @@ whole on S3):
    configs one model at a time, so a server starting during a publish may read
    the ensemble before the switch and a step after it, and must find the
    version the ensemble pins either way;
-3. the files beside config.pbtxt (validation data, not read by Triton), then
-   the lock is released.
+3. the files beside config.pbtxt (validation data, not read by Triton); those the
+   store holds beside a published model's config and the repository does not
+   (an older export's) are deleted; with ``prune``, so are the version folders
+   no config serves any more (:attr:`PublishPlan.unserved`, which a dry run
+   lists); then the lock is released.
 
 A step's config is shared by every version it serves, so a step whose config
 changed cannot keep serving the previous version: that publish is refused
@@ -110,6 +113,8 @@ LOCK = ".nexus-sli-publish.lock"
 class RemoteModel:
     versions: set[int] = field(default_factory=set)
     config: pb.ModelConfig | None = None
+    #: the files beside config.pbtxt on the store (names)
+    extras: set[str] = field(default_factory=set)
 
     @property
     def served(self) -> list[int]:
@@ -148,8 +153,16 @@ class PublishPlan:
     #: version folders on the store that no config serves (left by an interrupted publish, or older)
     unreferenced: dict[str, list[int]]
     local: dict[str, LocalModel] = field(repr=False, default_factory=dict)
+    #: version folders no config serves once this publish has switched: what ``prune`` deletes
+    unserved: dict[str, list[int]] = field(default_factory=dict)
+    #: keys of files beside a published model's config.pbtxt that the repository lacks: deleted after the switch
+    stale: list[str] = field(default_factory=list)
+    #: whether the publish deletes :attr:`unserved` (``--prune``)
+    prune: bool = False
     #: version folders deleted after the switch (``--prune``): none a config serves
     pruned: dict[str, list[int]] = field(default_factory=dict)
+    #: whether this is what a publish did (else what it would do: a dry run)
+    published: bool = False
 
     def describe(self) -> list[str]:
         lines = []
@@ -164,13 +177,17 @@ class PublishPlan:
                              + (f" (was {group.previous[model]})" if group.previous.get(model) else ""))
             lines += [f"  ~ {key} (after the switch)" for _, key, _ in group.extras]
         lines += [f"{name}: unchanged (serving version {', '.join(map(str, v))})" for name, v in self.unchanged.items()]
-        if self.pruned:
-            lines += [f"{name}: version folders {', '.join(map(str, v))} deleted (served by no config)"
-                      for name, v in sorted(self.pruned.items())]
-        else:
-            for name, versions in sorted(self.unreferenced.items()):
-                lines.append(f"{name}: version folders {', '.join(map(str, versions))} are on the store but not "
-                             "served (kept; --prune deletes them)")
+        lines += [f"  - {key} ({'deleted' if self.published else 'would delete'}: not in the repository)"
+                  for key in self.stale]
+        for name, versions in sorted(self.unserved.items()):
+            folders = ", ".join(map(str, versions))
+            if not self.prune:
+                lines.append(f"{name}: version folders {folders} are on the store but not served (kept; --prune "
+                             "deletes them)")
+            elif self.published:
+                lines.append(f"{name}: version folders {folders} deleted (served by no config)")
+            else:
+                lines.append(f"{name}: would delete version folders {folders} (served by no config after the switch)")
         return lines or ["nothing to publish"]
 
 
@@ -359,6 +376,8 @@ def read_remote(store: Store, names: list[str]) -> dict[str, RemoteModel]:
             remote[parts[0]].versions.add(int(parts[1]))
         elif parts[-1] == CONFIG and len(parts) == 2 and parts[0] in remote:
             remote[parts[0]].config = text_format.Parse(store.get(key).decode(), pb.ModelConfig())
+        elif len(parts) == 2 and parts[0] in remote and parts[1]:
+            remote[parts[0]].extras.add(parts[1])
     return remote
 
 
@@ -379,8 +398,10 @@ def _changed(store: Store, local: LocalModel, remote: RemoteModel) -> str | None
     return None
 
 
-def plan_publish(repository: Path, destination: Destination, store: Store | None = None) -> PublishPlan:
-    """What publishing ``repository`` to ``destination`` would upload and switch (nothing is written)."""
+def plan_publish(repository: Path, destination: Destination, store: Store | None = None,
+                 prune: bool = False) -> PublishPlan:
+    """What publishing ``repository`` to ``destination`` would upload, switch and delete (nothing is written);
+    ``prune``: as :func:`publish` takes it."""
     store = store or Store(destination)
     local = read_local(repository)
     remote = read_remote(store, list(local))
@@ -416,7 +437,17 @@ def plan_publish(repository: Path, destination: Destination, store: Store | None
         groups.append(PublishGroup(names, ensembles, version, {n: remote[n].served for n in names},
                                 "; ".join(changed), uploads, serves, extras))
     unreferenced = {n: sorted(r.versions - set(r.served)) for n, r in remote.items() if r.versions - set(r.served)}
-    return PublishPlan(destination, groups, unchanged, unreferenced, local)
+    stale = [destination.key(n, f) for n in local for f in sorted(remote[n].extras - set(local[n].extras))]
+    return PublishPlan(destination, groups, unchanged, unreferenced, local, _unserved(remote, groups, unchanged),
+                       stale, prune)
+
+
+def _unserved(remote: dict[str, RemoteModel], groups: list[PublishGroup],
+              unchanged: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Per model, the version folders on the store that no config serves once the groups have switched."""
+    serves = {**unchanged, **{name: group.serves[name] for group in groups for name in group.models}}
+    left = {name: sorted(remote[name].versions - set(versions)) for name, versions in serves.items()}
+    return {name: versions for name, versions in left.items() if versions}
 
 
 def _published_ensembles(ensembles: list[str], remote: dict[str, RemoteModel]) -> list[pb.ModelConfig]:
@@ -454,9 +485,13 @@ def publish(repository: Path, destination: Destination, store: Store | None = No
     created only if absent (:class:`ConcurrentPublishError` otherwise) and deleted at the end, also
     after an error; a publish killed outright leaves it, to be deleted by hand once no publish runs.
 
+    After the switch, the files beside a model's config.pbtxt on the store that the repository lacks
+    (:attr:`PublishPlan.stale`, an older export's) are deleted.
+
     ``prune``: after the switch, delete the version folders of the repository's models that no
-    config serves any more (servers copy a model's whole folder, every version in it, when they
-    load it).  The versions the configs serve, the previous one included, stay."""
+    config serves any more (:attr:`PublishPlan.unserved`, as the plan, and so a dry run, lists them;
+    servers copy a model's whole folder, every version in it, when they load it).  The versions the
+    configs serve, the previous one included, stay."""
     store = store or Store(destination)
     lock = destination.key(LOCK)
     body = f"nexus-sli publish: host {platform.node()}, pid {os.getpid()}, since {time.time():.0f}\n".encode()
@@ -467,32 +502,31 @@ def publish(repository: Path, destination: Destination, store: Store | None = No
             f"s3://{destination.bucket}/{lock} exists: another publish to {destination} is running. If none "
             "is (one was killed), delete that object and publish again") from None
     try:
-        result = plan_publish(repository, destination, store)
+        result = plan_publish(repository, destination, store, prune)
         for group in result.groups:
             _upload(store, group.uploads, group, after_upload, create=True)
             _switch(store, group, result.local, after_upload)
             _upload(store, group.extras, group, after_upload)
+        for key in result.stale:
+            store.delete(key)
+            log.info("deleted %s (not in the repository)", key)
         if prune:
-            result.pruned = _prune(store, list(result.local))
+            result.pruned = _prune(store, result.unserved)
+        result.published = True
     finally:
         store.delete(lock)
     return result
 
 
-def _prune(store: Store, names: list[str]) -> dict[str, list[int]]:
-    """Delete the version folders of ``names`` that no published config serves; what was deleted."""
-    pruned = {}
-    for name, remote in read_remote(store, names).items():
-        if remote.config is None:
-            continue
-        stale = sorted(remote.versions - set(remote.served))
-        for version in stale:
+def _prune(store: Store, unserved: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Delete the version folders ``unserved`` names (the plan's: served by no config after the switch);
+    what was deleted."""
+    for name, versions in unserved.items():
+        for version in versions:
             for key in store.keys(store.destination.key(name, str(version)) + "/"):
                 store.delete(key)
-        if stale:
-            pruned[name] = stale
-            log.info("%s: deleted version folders %s (served by no config)", name, ", ".join(map(str, stale)))
-    return pruned
+        log.info("%s: deleted version folders %s (served by no config)", name, ", ".join(map(str, versions)))
+    return dict(unserved)
 
 
 def _upload(store: Store, uploads: list, group: PublishGroup, after_upload: UploadHook | None,

@@ -181,7 +181,9 @@ def classification_head(x: dict, params: dict) -> dict:
 
 
 def rerank_head(x: dict, params: dict) -> dict:
-    return {"SCORES": sigmoid(x["logits"].astype(np.float64)[:, 0]).astype(np.float32)}
+    """The cross-encoder's logit through its activation (a repository written before the parameter: a sigmoid)."""
+    function = SCORE_FUNCTION.read(params, None) or "sigmoid"
+    return {"SCORES": class_scores(x["logits"].astype(np.float64)[:, 0], function).astype(np.float32)}
 
 
 def token_classification_head(x: dict, params: dict) -> dict:
