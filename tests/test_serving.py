@@ -168,14 +168,15 @@ def test_a_calls_chunks_are_sent_at_once_and_answer_in_order(server, protocol, m
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_a_failed_chunk_raises_its_error_the_first_in_order(server, protocol, monkeypatch):
-    monkeypatch.setattr(fan_out, "IN_FLIGHT", 8)  # the client's default sends them one after another
     """minilm_strict refuses texts past its 256 tokens.  Two requests of one call fail: the second (302 tokens
-    at its row 63) and the fourth (502 tokens, alone in it: it fails first); the call raises the second's, as
-    one sending them in turn would, with its type, and the client serves the next call."""
+    at its row 63, the caller's texts[127]) and the fourth (502 tokens, alone in it: it fails first); the call
+    raises the second's, as one sending them in turn would, with its type and the text's place in the caller's
+    list, and the client serves the next call."""
+    monkeypatch.setattr(fan_out, "IN_FLIGHT", 8)  # the client's default sends them one after another
     short = [t for t in validation_texts() if len(t) < 400]
     texts = [*short[:64], *short[:63], "word " * 300, *short[:64], "word " * 500]
     with EncoderClient(server[protocol], protocol=protocol, model="minilm_strict") as client:
-        with pytest.raises(InvalidInputError, match="text 63 has 302 tokens"):
+        with pytest.raises(InvalidInputError, match=r"texts\[127\] has 302 tokens"):
             client.embed(texts)
         assert client.embed(short[:130]).shape == (130, 384)
 
