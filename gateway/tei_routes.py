@@ -26,7 +26,7 @@ from . import tei_info, tei_tokens
 from .discovery import MISS_REFRESH_S, Tasks, named, serving
 from .embeddings import check_dimensions, check_input_type, check_prompt
 from .errors import GatewayError
-from .limits import check_texts, flag, read_json, text_list
+from .limits import check_count, check_texts, flag, read_json, text_list
 from .tei_tokens import model_of_any_task
 from .tei_truncation import check_direction, check_truncate
 
@@ -156,7 +156,7 @@ async def rerank(request: Request) -> JSONResponse:
     query = body.get("query")
     if not isinstance(query, str):
         raise GatewayError("invalid", "query is required: a string", param="query")
-    if "texts" not in body:
+    if not isinstance(body.get("texts"), list):  # TEI's texts is a list: a lone string is refused, as TEI does
         raise GatewayError("invalid", "texts is required: a list of strings", param="texts")
     texts = check_texts(text_list(body["texts"], "texts", "a list of strings"), state.config, "texts")
     check_texts([query], state.config, "query")
@@ -231,14 +231,17 @@ async def similarity(request: Request) -> JSONResponse:
     state = request.app.state
     body = await read_json(request, state.config.max_body_bytes)
     source, sentences = _similarity_inputs(body.get("inputs"))
-    texts = check_texts([source, *sentences], state.config, "inputs")
+    texts = check_count([source, *sentences], state.config, "inputs")  # the source counts against the limit
+    check_texts([source], state.config, "inputs.source_sentence")
+    check_texts(sentences, state.config, "inputs.sentences")
     parameters = body.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise GatewayError("invalid", "parameters must be an object", param="parameters")
     check_direction(parameters)
     model = await _model(request, body, "embedding")  # one that does not embed: TEI's 424
     prompt_name = check_prompt(parameters.get("prompt_name"), model)
-    await check_truncate(state.backend, parameters, model, texts, "inputs", prompt_name)
+    names = ["inputs.source_sentence", *(f"inputs.sentences[{i}]" for i in range(len(sentences)))]
+    await check_truncate(state.backend, parameters, model, texts, "inputs", prompt_name, names)
     vectors = unit_rows(await state.backend.embed(model, texts, prompt_name))
     state.metrics.texts.labels(request.url.path).inc(len(texts))
     return JSONResponse((vectors[1:] @ vectors[0]).astype(np.float32).tolist())

@@ -34,8 +34,9 @@ def check_direction(options: dict) -> None:
 
 
 async def check_truncate(backend, options: dict, model: ModelInfo, texts: list[str], param: str,
-                         prompt_name: str | None = None) -> None:
-    """Refuse ``truncate: false`` where the export would cut one of ``texts`` (TEI's 422 for such a text)."""
+                         prompt_name: str | None = None, names: list[str] | None = None) -> None:
+    """Refuse ``truncate: false`` where the export would cut one of ``texts`` (TEI's 422 for such a text), named
+    ``param[i]``, or as ``names`` names each text."""
     step = model.tokenizer_step
     truncates = step is None or step.truncate  # unknown: as /info reports it, truncating
     if flag(options, "truncate", True) or not truncates:
@@ -48,7 +49,8 @@ async def check_truncate(backend, options: dict, model: ModelInfo, texts: list[s
     found = await backend.tokenize(model, texts, prompt_name, True)
     for index, tokens in enumerate(found):
         if len(tokens["ids"]) > step.max_length:
-            raise GatewayError("invalid", f"{param}[{index}] has {len(tokens['ids'])} tokens, more than model "
+            named = names[index] if names else f"{param}[{index}]"
+            raise GatewayError("invalid", f"{named} has {len(tokens['ids'])} tokens, more than model "
                                f"{model.name!r} takes ({step.max_length}), and truncate is false: shorten it, or "
                                "send truncate=true to have it cut", param=param, code="input_too_long")
 

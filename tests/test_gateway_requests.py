@@ -273,7 +273,7 @@ def test_truncate_false_on_a_truncating_export_refuses_only_a_text_it_would_cut(
     _tei(gateway.post("/predict", json={"inputs": LONG, "model": "cls", "truncate": False}), 422, "Validation",
          "truncate is false")
     body = {"inputs": {"source_sentence": "a", "sentences": [LONG]}, "parameters": {"truncate": False}, "model": "emb"}
-    _tei(gateway.post("/similarity", json=body), 422, "Validation", "inputs[1] has")
+    _tei(gateway.post("/similarity", json=body), 422, "Validation", "inputs.sentences[0] has")
     for truncate in (True, None):  # as the export does, or its choice: nothing to check, nothing counted
         backend.sent.clear()
         assert gateway.post("/embed", json={"inputs": LONG, "model": "emb", "truncate": truncate}).status_code == 200
@@ -362,3 +362,20 @@ def test_tei_rerank_scores_are_teis_whatever_the_cross_encoders_activation(model
                                                 "raw_scores": raw_scores})
     assert response.status_code == 200, response.json()
     assert [r["score"] for r in response.json()] == pytest.approx([score, score], abs=1e-7)
+
+
+def test_similarity_names_a_too_long_sentence_by_its_own_list():
+    """The source sentence counts against the inputs limit, but an error names each text in its own field."""
+    long = "x" * 101
+    gateway = _gateway()
+    _tei(gateway.post("/similarity", json={"inputs": {"source_sentence": "a", "sentences": ["b", long]}}), 422,
+         "Validation", "inputs.sentences[1] has 101 characters")
+    _tei(gateway.post("/similarity", json={"inputs": {"source_sentence": long, "sentences": ["b"]}}), 422,
+         "Validation", "inputs.source_sentence[0] has 101 characters")  # check_texts numbers a list of one
+    _tei(gateway.post("/similarity", json={"inputs": {"source_sentence": "a", "sentences": ["b", "c", "d", "e"]}}),
+         422, "Validation", "inputs has 5 items; this gateway takes at most 4")
+
+
+def test_rerank_texts_must_be_a_list_as_in_tei():
+    _tei(_gateway().post("/rerank", json={"query": "q", "texts": "one document"}), 422, "Validation",
+         "texts is required: a list of strings")
