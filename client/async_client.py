@@ -41,7 +41,7 @@ class AsyncEncoderClient:
     ``max_batch_size`` is sent as several requests, with the synchronous client's bound, order and error
     (:func:`~nexus_sli.client.fan_out.in_tasks`)."""
 
-    def __init__(self, url: str | Sequence[str] | None = None, protocol: str = "grpc", model: str | None = None,
+    def __init__(self, url: str | Sequence[str] | None = None, protocol: str = "grpc", *, model: str | None = None,
                  attempts: int | None = None, timeout_s: float | None = 60.0, retry_s: float = RETRY_S,
                  resolve: Resolve | None = None, refresh_s: float = REFRESH_S):
         self.protocol = protocol

@@ -89,7 +89,7 @@ class EncoderClient:
     >>> EncoderClient("dns:///triton-headless.default.svc.cluster.local:8001", model="all_minilm_l6_v2")
     """
 
-    def __init__(self, url: str | Sequence[str] | None = None, protocol: str = "grpc", timeout_s: float = 60.0,
+    def __init__(self, url: str | Sequence[str] | None = None, protocol: str = "grpc", *, timeout_s: float = 60.0,
                  model: str | None = None, attempts: int | None = None, retry_s: float = RETRY_S,
                  resolve: Resolve | None = None, refresh_s: float = REFRESH_S):
         self.protocol = protocol

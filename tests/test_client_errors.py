@@ -307,3 +307,17 @@ def test_the_async_http_client_without_a_timeout_has_no_bound():
                 found.append(client.fleet.clients["127.0.0.1:1"]._stub.timeout.total)
         return found
     assert asyncio.run(session_timeouts()) == [None, 5.0]
+
+
+@pytest.mark.parametrize("client", ["EncoderClient", "AsyncEncoderClient"])
+def test_both_clients_take_only_the_url_and_protocol_by_position(client):
+    """The two clients' other arguments differ in order: by position, a timeout would silently become a model."""
+    import inspect
+
+    import nexus_sli.client as package
+
+    parameters = inspect.signature(getattr(package, client)).parameters.values()
+    positional = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional == ["url", "protocol"]
+    with pytest.raises(TypeError, match="positional argument"):
+        getattr(package, client)("127.0.0.1:8001", "grpc", 30.0)
