@@ -16,8 +16,8 @@ def add_parser(commands) -> None:
     export.add_argument("--task", default="auto",
                         help=f"{', '.join(TASKS)} (default: inferred from the config's architectures)")
     export.add_argument("--backend", default=AUTO, choices=[AUTO, *TARGETS],
-                        help="the runtime target that serves the encoder; auto (default): the first configuration "
-                             "that suits this CPU and passes validation (docs/export.md)")
+                        help="the runtime target that serves the encoder; auto (default): every configuration "
+                             "this CPU runs, validated and timed, the fastest that passes kept (docs/export.md)")
     export.add_argument("--precision", default=AUTO, choices=[AUTO, *precisions()],
                         help="bf16 only with openvino (fp32 where the CPU has no bf16), fp16 on gpu; "
                              "auto (default): see --backend")

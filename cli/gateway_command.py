@@ -39,6 +39,9 @@ def add_parser(commands) -> None:
     gateway.add_argument("--triton-retry", type=float, default=defaults.triton_retry_s,
                          help="seconds one request keeps retrying Triton's retryable failures (a worker restarting, "
                               "a model reloading) before the answer is a 503 (default %(default)s; 0: none)")
+    gateway.add_argument("--discovery-ttl", type=float, default=defaults.discovery_ttl_s,
+                         help="seconds the list of served models is kept before it is read from Triton again (a "
+                              "model swapped or added is seen within it; default %(default)s)")
     gateway.set_defaults(run=run)
 
 
@@ -68,7 +71,8 @@ def config_from(args: argparse.Namespace):
                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, tei_model=args.tei_model,
                          max_inputs=args.max_inputs, max_input_chars=args.max_input_chars,
                          max_body_bytes=args.max_body_bytes, triton_timeout_s=args.triton_timeout,
-                         triton_retry_s=args.triton_retry, max_concurrent_requests=args.max_concurrent_requests)
+                         triton_retry_s=args.triton_retry, max_concurrent_requests=args.max_concurrent_requests,
+                         discovery_ttl_s=args.discovery_ttl)
 
 
 def run(args: argparse.Namespace) -> int:

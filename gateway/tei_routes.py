@@ -67,7 +67,8 @@ def _no_raw_scores(body: dict) -> None:
     """/predict: a softmax cannot be undone (its logits are known only up to a constant)."""
     if flag(body, "raw_scores", False):
         raise GatewayError("invalid", "raw_scores is not available on /predict: the served classifiers return "
-                           "softmax probabilities, from which the logits cannot be recovered", param="raw_scores")
+                           "their scores (softmax, sigmoid, or a regression's raw values: function_to_apply), "
+                           "and a softmax's logits cannot be recovered", param="raw_scores")
 
 
 #: The tasks /rerank takes: a cross-encoder, or a late-interaction model ranking by its own score.

@@ -805,3 +805,10 @@ def test_the_cli_needs_no_asgi_stack_until_the_gateway_runs():
     code = "import sys, nexus_sli.cli.main; print(*(m in sys.modules for m in ('starlette', 'uvicorn', 'openai')))"
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert found == ["False", "False", "False"]
+
+
+def test_the_discovery_ttl_is_the_gateways_option():
+    from nexus_sli.cli.gateway_command import config_from
+
+    assert config_from(build_parser().parse_args(["gateway"])).discovery_ttl_s == GatewayConfig().discovery_ttl_s
+    assert config_from(build_parser().parse_args(["gateway", "--discovery-ttl", "2.5"])).discovery_ttl_s == 2.5

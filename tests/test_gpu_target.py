@@ -69,6 +69,19 @@ def test_the_gpu_tokenizer_pads_to_buckets_not_to_one_width(minilm):
     assert padded_length(300, [512], 512) == 512 and padded_length(10, [512], 512) == 512  # the CPU's one width
 
 
+def test_a_long_context_models_buckets_double_up_to_its_length():
+    """A graph that cuts no padding: a 600-token text of an 8192-token model pads its batch to 1024, not 8192;
+    a CPU repository keeps its one width, whose padding the graph cuts."""
+    from nexus_sli.exporter.targets.onnxruntime_gpu import PAD_BUCKETS
+
+    gpu = tc.EncoderServing(device="KIND_GPU", pad_widths=PAD_BUCKETS)
+    widths = gpu.widths(8192)
+    assert widths == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert padded_length(600, widths, 8192) == 1024 and padded_length(5000, widths, 8192) == 8192
+    assert gpu.widths(600) == [16, 32, 64, 128, 256, 512, 600] and gpu.widths(256) == [16, 32, 64, 128, 256]
+    assert tc.EncoderServing().widths(8192) == [512]
+
+
 def test_the_fp16_graph_keeps_normalisation_and_softmax_in_fp32(minilm):
     out, _, _ = minilm
     graph = out / "minilm_encoder" / "1" / "model.onnx"

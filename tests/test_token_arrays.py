@@ -67,3 +67,17 @@ def test_only_the_inputs_asked_for_are_built_and_an_unknown_one_is_named():
     assert list(to_arrays(encodings, ["attention_mask", "input_ids"], 0, 8)) == ["attention_mask", "input_ids"]
     with pytest.raises(KeyError, match="pixel_values"):
         to_arrays(encodings, ["pixel_values"], 0, 8)
+
+
+def test_a_text_of_no_tokens_has_no_spans_to_copy():
+    """A tokenizer without a template (no [CLS], [SEP]) makes no token of an empty text: its row is padding."""
+    tokenizer = load_tokenizer(str(packaged_tokenizer()), 32)
+    tokenizer.post_processor = None
+    encodings = tokenizer.encode_batch(["", "two words"])
+    assert len(encodings[0].ids) == 0
+    arrays = to_arrays(encodings, ["input_ids", "attention_mask", "offsets", "special_tokens_mask"], PAD, 4)
+    assert arrays["attention_mask"][0].sum() == 0 and not arrays["offsets"][0].any()
+    for name in ("input_ids", "attention_mask", "offsets", "special_tokens_mask"):
+        np.testing.assert_array_equal(arrays[name][1], _expected_row(encodings[1], name, 4))
+    pair = tokenizer.encode_batch([("a question", "")])
+    assert not to_arrays(pair, ["word_spans"], PAD, 4)["word_spans"].any()

@@ -66,3 +66,18 @@ def test_a_call_that_fails_is_retried_request_by_request(strict_step, monkeypatc
     good, bad = step.execute([TextRequest(["fine", "also fine"]), TextRequest(["fine", "panic here"])])
     assert good.error is None and [row[0] for row in _rows(good)] == [101, 101]  # [CLS] first
     assert "could not be tokenized" in bad.error and "a Rust panic" in bad.error
+
+
+def test_a_request_whose_arrays_cannot_be_built_fails_alone(strict_step, monkeypatch):
+    step, _ = strict_step
+    tensors = step._tensors
+
+    def failing(encodings, side, length):
+        if any(len(encoding.ids) > 5 for encoding in encodings):  # the longer text's: 6 tokens
+            raise ValueError("this request's arrays")
+        return tensors(encodings, side, length)
+
+    monkeypatch.setattr(step, "_tensors", failing)
+    good, bad = step.execute([TextRequest(["a text"]), TextRequest(["a text a little longer"])])
+    assert good.error is None and _rows(good)
+    assert bad.error is not None and "this request's arrays" in bad.error

@@ -125,8 +125,16 @@ class EncoderServing:
         return GPU_INSTANCES if self.device == "KIND_GPU" else 1
 
     def widths(self, max_length: int) -> list[int]:
-        """The tokenizer's pad widths for a model that takes ``max_length`` tokens."""
-        return sorted({min(w, max_length) for w in self.pad_widths or (PAD_WIDTH,)})
+        """The tokenizer's pad widths for a model that takes ``max_length`` tokens.  Buckets (a graph that cuts no
+        padding) go on doubling past the largest up to ``max_length``: a 600-token text of an 8192-token model
+        pads its batch to 1024 positions, not 8192."""
+        widths = {min(w, max_length) for w in self.pad_widths or (PAD_WIDTH,)}
+        if self.pad_widths:
+            width = max(widths)
+            while width < max_length:
+                width = min(2 * width, max_length)
+                widths.add(width)
+        return sorted(widths)
 
 
 @dataclass(frozen=True)

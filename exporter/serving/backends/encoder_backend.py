@@ -63,6 +63,7 @@ class EncoderBackend(ABC):
         self.inputs = [i["name"] for i in config["input"]]
         # Outputs whose first non-batch dim is variable follow the sequence length.
         self.outputs = {o["name"]: o["dims"][0] == -1 for o in config["output"]}
+        self.dims = {o["name"]: [max(int(d), 0) for d in o["dims"]] for o in config["output"]}
         # a GPU runs a batch's rows side by side: only much longer rows are worth a run of their own
         self.run_cost_tokens = GPU_RUN_COST_TOKENS if instance_kind(config) == "KIND_GPU" else RUN_COST_TOKENS
 
@@ -95,6 +96,8 @@ class EncoderBackend(ABC):
     def _run(self, per_request, wanted):
         """All requests' rows, run in length groups, computing the outputs in ``wanted`` (one list per
         request): each request's own outputs, in order."""
+        if not any(len(feeds[self.inputs[0]]) for feeds in per_request):  # no row to run: empty answers
+            return [{name: np.zeros((0, *self.dims[name]), np.float32) for name in asked} for asked in wanted]
         names = [name for name in self.outputs if any(name in w for w in wanted)]
         width = max(feeds[self.inputs[0]].shape[1] for feeds in per_request)
         batch = {name: _joined([_widened(feeds[name], width) for feeds in per_request]) for name in self.inputs}

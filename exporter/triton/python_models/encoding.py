@@ -112,7 +112,8 @@ def _row_values(name: str, ids: list, encodings):
 def _offsets(encodings, length: int) -> np.ndarray:
     offsets = np.zeros((len(encodings), length, 2), dtype=np.int64)
     for row, encoding in enumerate(encodings):
-        offsets[row, :len(encoding.ids)] = encoding.offsets
+        # reshaped: a text of no tokens (a tokenizer without a template, an empty text) has offsets []
+        offsets[row, :len(encoding.ids)] = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
         offsets[row, [i for i, sid in enumerate(encoding.sequence_ids) if sid is None]] = 0
     return offsets
 
@@ -129,7 +130,7 @@ def _word_spans(encodings, length: int) -> np.ndarray:
             if sequence == 1 and word is not None and word not in words:
                 words[word] = encoding.word_to_chars(word, 1)
             found.append((0, 0) if sequence != 1 else words.get(word) or own)
-        spans[row, :len(found)] = found
+        spans[row, :len(found)] = np.asarray(found, dtype=np.int64).reshape(-1, 2)
     return spans
 
 

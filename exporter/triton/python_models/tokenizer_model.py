@@ -338,8 +338,8 @@ class TritonPythonModel:
         longest = max((self._width(e, side) for encs, side in encoded.values() for e in encs), default=1)
         length = padded_length(longest, self.pad_widths, self.max_length)
         answers = {number: _answer(None, error) for number, error in errors.items()}
-        for number, (encodings, side) in encoded.items():
-            answers[number] = _answer(self._tensors(encodings, side, length), None)
+        for number, (encodings, side) in encoded.items():  # a request whose arrays fail fails alone
+            answers[number] = _answer(*_guarded(lambda _: self._tensors(encodings, side, length), None))
         return answers
 
     def _tensors(self, encodings, side, length):
