@@ -697,7 +697,9 @@ def test_killed_worker_without_retries_gives_clear_retryable_errors(served, ense
     for error in errors:
         assert isinstance(error, RetryableError) and "retry" in str(error), repr(error)
     later = [r for t, r in results if t > recovered_at + 1.0]
-    assert later and all(not isinstance(r, Exception) and np.allclose(r, reference, atol=1e-5) for r in later)
+    assert later and not [r for r in later if isinstance(r, Exception)]
+    differences = [float(np.abs(r - reference).max()) for r in later]
+    assert all(np.allclose(r, reference, atol=1e-5) for r in later), f"largest differences: {sorted(differences)[-3:]}"
     print(f"{model}: killed, served again after {recovered_at - killed_at:.1f} s; {len(errors)} retryable "
           f"errors, {len(results) - len(errors)} answers")
     process = _process(served)
