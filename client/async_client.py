@@ -78,16 +78,20 @@ class AsyncEncoderClient:
             # the pass's replicas and their connections at once: a refresh meanwhile may retire some
             order = self.fleet.turn(self.attempts)
             tried = [] if order else unresolved(self.fleet)
-            for url, connection in order:
-                started = time.monotonic()
-                try:
-                    result = await send(connection)
-                except Exception as exc:
-                    late = p.past_deadline(started, self.timeout_s)
-                    tried.append((url, retryable(exc, model, self.replicas, url, late)))
-                    continue
-                self.replicas.succeeded(url)
-                return result
+            try:
+                for url, connection in order:
+                    started = time.monotonic()
+                    try:
+                        result = await send(connection)
+                    except Exception as exc:
+                        late = p.past_deadline(started, self.timeout_s)
+                        tried.append((url, retryable(exc, model, self.replicas, url, late)))
+                        continue
+                    self.replicas.succeeded(url)
+                    return result
+            finally:
+                for gone in self.fleet.done(order):
+                    await gone.close()
         raise gave_up(tried) from None
 
     async def info(self, model: str) -> ModelInfo:

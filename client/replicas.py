@@ -235,9 +235,10 @@ def gave_up(tried: list[tuple[str, RetryableError]]) -> RetryableError:
 
 class Fleet:
     """A client's replicas and one connection (``connect(url)``) to each: the URLs given, or the
-    addresses of one ``dns:///HOST:PORT`` name, kept current by :meth:`refresh`.  Connections to
-    addresses that are gone are kept until :meth:`connections` is closed with the client: a call
-    in flight may still be using one."""
+    addresses of one ``dns:///HOST:PORT`` name, kept current by :meth:`refresh`.  A connection to an
+    address that is gone is kept while a pass that took it (:meth:`turn`) is in flight, and handed back
+    for closing by the last such pass's :meth:`done`: a long-lived client under a name whose pods come and
+    go would otherwise keep a channel to every address it ever saw."""
 
     def __init__(self, url: str | Sequence[str] | None, default: str, connect: Callable[[str], object],
                  resolve: Resolve | None = None, refresh_s: float = REFRESH_S):
@@ -250,7 +251,10 @@ class Fleet:
         self.replicas = Replicas([] if names else urls)
         self._connect = connect
         self.clients = {u: connect(u) for u in self.replicas.urls}
-        self._retired: list = []
+        #: connections to addresses that are gone, by id: kept while a pass holds them
+        self._retired: dict[int, object] = {}
+        #: how many passes in flight hold each connection, by id
+        self._held: Counter = Counter()
         #: why the last resolution found no server (None after one that did)
         self.error: RetryableError | None = None
         #: one resolution at a time
@@ -277,19 +281,38 @@ class Fleet:
             with self._swap:
                 _, gone = self.replicas.update(urls)
                 self.clients.update(connected)
-                self._retired += [self.clients.pop(url) for url in gone]
+                for url in gone:
+                    connection = self.clients.pop(url)
+                    self._retired[id(connection)] = connection
 
     def turn(self, attempts: int | None = None) -> list[tuple[str, object]]:
         """The replicas one pass of a request tries, in order (:meth:`Replicas.order`, the first ``attempts``),
         each with its connection, taken together.  A refresh during the pass may retire some of them: the pass
-        keeps their connections (open until the client closes) rather than looking them up again."""
+        keeps their connections rather than looking them up again, and gives them back with :meth:`done`."""
         with self._swap:
-            return [(url, self.clients[url]) for url in self.replicas.order()[:attempts]]
+            order = [(url, self.clients[url]) for url in self.replicas.order()[:attempts]]
+            self._held.update(id(connection) for _, connection in order)
+            return order
+
+    def done(self, order: list[tuple[str, object]]) -> list:
+        """A pass of :meth:`turn` is over: the retired connections that no pass holds any more (this pass's,
+        and any retired while no pass held them), taken out of the fleet for the caller to close: an asyncio
+        client's ``close`` is awaited, so the fleet closes nothing itself."""
+        with self._swap:
+            self._held.subtract(id(connection) for _, connection in order)
+            return self._unheld()
+
+    def _unheld(self) -> list:
+        """Under ``_swap``: retired connections no pass holds, removed from the fleet."""
+        unheld = [key for key in self._retired if self._held[key] <= 0]
+        for key in unheld:
+            del self._held[key]
+        return [self._retired.pop(key) for key in unheld]
 
     def connections(self) -> list:
-        """Every connection made, for closing."""
+        """Every connection still open, for closing with the client."""
         with self._swap:
-            return [*self.clients.values(), *self._retired]
+            return [*self.clients.values(), *self._retired.values()]
 
 
 def unresolved(fleet: Fleet) -> list[tuple[str, RetryableError]]:

@@ -58,11 +58,16 @@ class AnyReplica:
             self._fleet.refresh()
             failure: Exception = ServerUnavailableError(f"{self._fleet.resolved and self._fleet.resolved.name} "
                                                         "has no server to ask")
-            for _, connection in self._fleet.turn():  # with their connections: a refresh meanwhile may retire some
-                try:
-                    return await getattr(connection, method)(*args, **kwargs)
-                except Exception as exc:  # noqa: BLE001 - the next replica may answer; the last error is raised
-                    failure = exc
+            order = self._fleet.turn()  # with their connections: a refresh meanwhile may retire some
+            try:
+                for _, connection in order:
+                    try:
+                        return await getattr(connection, method)(*args, **kwargs)
+                    except Exception as exc:  # noqa: BLE001 - the next replica may answer; the last error is raised
+                        failure = exc
+            finally:
+                for gone in self._fleet.done(order):
+                    await gone.close()
             raise failure
         return call
 

@@ -1,6 +1,8 @@
 """A pass over a ``dns:///`` name's replicas keeps the connections it started with: a resolution during the
 pass that retires a replica it has yet to try (a pod scaled away, resolved again by another call) leaves it
-failing over to the rest, not looking the retired one up.  Stand-in servers and a stand-in resolver here;
+failing over to the rest, not looking the retired one up, and closes the retired one's connection when it is
+done with it (not before: another pass may hold it), so a long-lived client keeps no channel to every pod it
+ever saw.  Stand-in servers and a stand-in resolver here;
 tests/test_fleet.py runs real replicas."""
 
 from __future__ import annotations
@@ -46,13 +48,14 @@ class _Pod:
     starting) without ``SCALED_AWAY``, which then refuses connections; ``LAST`` answers ``[text, 1]``."""
 
     def __init__(self, url: str, fleet: dict):
-        self.url, self.fleet, self.tried = url, fleet, 0
+        self.url, self.fleet, self.tried, self.closed = url, fleet, 0, 0
 
     def _answer(self, inputs):
         self.tried += 1
         if self.url == FIRST:
             self.fleet["dns"].addresses = ["10.0.0.1", "10.0.0.3"]
             self.fleet["client"].fleet.refresh()
+        assert not self.closed, f"{self.url} used after its connection was closed"
         if self.url != LAST:
             raise InferenceServerException(msg="failed to connect to all addresses", status="StatusCode.UNAVAILABLE")
         texts = deserialize_bytes_tensor(inputs[0]._get_content())
@@ -64,7 +67,7 @@ class _Pod:
         return self._answer(inputs)
 
     def close(self):
-        pass
+        self.closed += 1
 
 
 class _AsyncPod(_Pod):
@@ -74,7 +77,7 @@ class _AsyncPod(_Pod):
         return self._answer(inputs)
 
     async def close(self):
-        pass
+        self.closed += 1
 
 
 def _fleet(client_class, pod_class) -> dict:
@@ -92,10 +95,33 @@ def _check(fleet: dict, vectors: np.ndarray) -> None:
     assert fleet["client"].fleet.replicas.urls == [FIRST, LAST] and dict(fleet["client"].replicas.served) == {LAST: 1}
 
 
+def _closed(fleet: dict) -> dict:
+    return {url: pod.closed for url, pod in fleet["pods"].items()}
+
+
 def test_a_replica_retired_during_a_pass_is_still_tried_from_the_pass_and_the_call_fails_over():
     fleet = _fleet(EncoderClient, _Pod)
     with fleet["client"] as client:
         _check(fleet, client.embed("7"))
+        assert _closed(fleet) == {FIRST: 0, SCALED_AWAY: 1, LAST: 0}  # closed once the pass was done with it
+        assert SCALED_AWAY not in client.fleet.clients and len(client.fleet.connections()) == 2
+    assert _closed(fleet) == {FIRST: 1, SCALED_AWAY: 1, LAST: 1}  # each closed once in all
+
+
+def test_a_retired_connection_stays_open_while_another_pass_holds_it():
+    fleet = _fleet(EncoderClient, _Pod)
+    client = fleet["client"]
+    client.fleet.refresh()
+    first, second = client.fleet.turn(), client.fleet.turn()
+    assert [url for url, _ in first] == [FIRST, SCALED_AWAY, LAST]
+    fleet["dns"].addresses = ["10.0.0.1", "10.0.0.3"]
+    time.sleep(2 * REFRESH_S)
+    client.fleet.refresh()
+    assert client.fleet.done(first) == []  # the second pass still holds the retired replica
+    assert client.fleet.done(second) == [fleet["pods"][SCALED_AWAY]]
+    assert client.fleet.done(client.fleet.turn()) == []  # handed back once
+    client.close()
+    assert _closed(fleet) == {FIRST: 1, SCALED_AWAY: 0, LAST: 1}  # the fleet left closing it to the caller
 
 
 def test_the_async_client_fails_over_past_a_replica_retired_during_its_pass():
@@ -103,5 +129,8 @@ def test_the_async_client_fails_over_past_a_replica_retired_during_its_pass():
 
     async def call():
         async with fleet["client"] as client:
-            return await client.embed("7")
+            vectors = await client.embed("7")
+            assert _closed(fleet) == {FIRST: 0, SCALED_AWAY: 1, LAST: 0}
+            return vectors
     _check(fleet, asyncio.run(call()))
+    assert _closed(fleet) == {FIRST: 1, SCALED_AWAY: 1, LAST: 1}
