@@ -72,3 +72,32 @@ def test_a_request_of_no_rows_is_answered_empty_alone_and_merged(encoder):
     merged_empty, merged_rows = encoder.execute([empty, rows])
     assert merged_empty.error is None and merged_empty.tensors["EMB"].shape[0] == 0
     assert merged_rows.tensors["EMB"][:, 0].tolist() == [7.0, 5.0]
+
+
+def test_rows_without_tokens_are_refused_as_invalid_input_and_the_others_answered(encoder):
+    tokenless = _Request(np.zeros((2, 0), np.int64))
+    rows = _Request(np.array([[3, 4, 0], [5, 0, 0]], np.int64))
+    refused, answered = encoder.execute([tokenless, rows])
+    assert refused.error.startswith("[nexus:invalid_input]") and "at least one token" in refused.error
+    assert answered.error is None and answered.tensors["EMB"][:, 0].tolist() == [7.0, 5.0]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_merged_requests_of_mixed_rows_and_widths_each_get_their_own_rows_in_order(encoder, seed):
+    """Rows regrouped by length across requests come back to their request, in its order, as each would
+    alone; a per-token output is zero past a row's real tokens."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(5):
+        ids = np.zeros((int(rng.integers(0, 5)), int(rng.integers(1, 40))), np.int64)
+        for row in ids:
+            real = int(rng.integers(1, len(row) + 1))
+            row[:real] = rng.integers(1, 100, real)
+        requests.append(_Request(ids))
+    for request, answer in zip(requests, encoder.execute(requests)):
+        ids = request.tensors["input_ids"]
+        assert answer.error is None and answer.tensors["EMB"][:, 0].tolist() == ids.sum(1).tolist()
+        tokens = answer.tensors["TOK"][..., 0]
+        shared = min(tokens.shape[1], ids.shape[1])
+        assert tokens.shape[0] == len(ids) and (tokens[:, :shared] == ids[:, :shared]).all()
+        assert not ids[:, shared:].any() and not tokens[:, shared:].any()

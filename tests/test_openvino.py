@@ -209,11 +209,33 @@ def test_openvino_backend_warms_one_query_of_each_length_at_load(openvino_shim, 
     assert [next(iter(feeds.values())) for feeds in ran] == [(1, n) for n in range(1, lengths + 1)]
     # warmed or not, a query gives what a fresh session gives
     feeds = _feeds([7], 7)
-    got = model.infer({name: feeds[name] for name in inputs}, list(model.ports))
+    outputs = [output.name for output in triton_config.read(exported / "ov_encoder" / "config.pbtxt").output]
+    got = model.infer({name: feeds[name] for name in inputs}, outputs)
     want = OpenVINOSession(exported / "ov_encoder" / "1" / "model.onnx", {}).run(
-        list(model.ports), {name: feeds[name] for name in inputs})
-    for name, value in zip(model.ports, want):
+        outputs, {name: feeds[name] for name in inputs})
+    assert len(want) == len(outputs)
+    for name, value in zip(outputs, want):
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5)
+
+
+def test_openvino_backend_finds_an_output_by_its_graph_name_among_the_names_openvino_merged(openvino_shim, tmp_path):
+    """An ONNX output behind an Identity node also bears its producer's tensor name in OpenVINO, and
+    ``get_any_name()`` answers the first in sorted order: the shim must still answer the config's name."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Cast", ["input_ids"], ["/encoder/cast_output_0"], to=TensorProto.FLOAT),
+             helper.make_node("Relu", ["/encoder/cast_output_0"], ["/encoder/Relu_output_0"]),
+             helper.make_node("Identity", ["/encoder/Relu_output_0"], ["logits"])]
+    graph = helper.make_graph(nodes, "identity_output",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence"])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "model.onnx")
+    model = openvino_shim.TritonPythonModel()
+    model.load(tmp_path / "model.onnx", {"WARMUP_QUERY_TOKENS": "0"})
+    assert model.compiled.outputs[0].get_any_name() != "logits"  # the case this test is about
+    ids = np.array([[3, 0, 7]], dtype=np.int64)
+    np.testing.assert_array_equal(model.infer({"input_ids": ids}, ["logits"])["logits"], ids.astype(np.float32))
 
 
 def test_calibration_texts_are_not_validation_texts():

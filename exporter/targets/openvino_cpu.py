@@ -79,7 +79,8 @@ class OpenVINOSession:
         results = self.request.infer(feeds)
         ports = self.compiled.outputs
         if output_names is not None:
-            ports = [port for name in output_names for port in ports if port.get_any_name() == name]
+            # by any of a port's names, as the served backend finds them: OpenVINO merges folded tensors' names
+            ports = [port for name in output_names for port in ports if name in port.get_names()]
         return [results[port].copy() for port in ports]
 
 

@@ -86,6 +86,9 @@ class EncoderBackend(ABC):
         shapes = {name: array.shape for name, array in feeds.items()}
         if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 2:
             raise ValueError(f"inputs must all have one shape [rows, length]; got {shapes}")
+        rows, length = next(iter(shapes.values()))
+        if rows and not length:  # a row runs at least one token (its real length counts from 1)
+            raise ValueError(f"inputs must hold at least one token per row; got {shapes}")
         return feeds
 
     def _wanted(self, request):

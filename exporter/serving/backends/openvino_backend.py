@@ -41,7 +41,10 @@ class TritonPythonModel(EncoderBackend):
         core = ov.Core()
         self.compiled = core.compile_model(core.read_model(str(path)), "CPU", compile_properties(params))
         self.request = self.compiled.create_infer_request()
-        self.ports = {output.get_any_name(): output for output in self.compiled.outputs}
+        # by every name of each output: OpenVINO merges the names of the tensors its transformations fold
+        # together (an ONNX output behind an Identity node also bears its producer's name), and its
+        # get_any_name() is the first of them in sorted order, not necessarily the graph output's name
+        self.ports = {name: output for output in self.compiled.outputs for name in output.get_names()}
         self.warm_up(WARMUP_PARAMETER.read(params, WARMUP_QUERY_TOKENS))
 
     def warm_up(self, tokens):
