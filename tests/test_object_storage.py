@@ -432,3 +432,82 @@ def test_the_kubernetes_command_line_serves_from_object_storage(s3, exports, tmp
         process.wait(30)
         if base.temporary_backend_dir:
             shutil.rmtree(base.backend_dir, ignore_errors=True)
+
+
+def _lose_first_response(store: pub.Store, key: str) -> list:
+    """The first PUT of ``key`` reaches the store, but its response is lost (a read timeout), so boto3's
+    retry sends it again: what a flaky network does.  Returns the responses that were lost."""
+    from botocore.exceptions import ReadTimeoutError
+
+    lost = []
+
+    def send_then_time_out(request, **_):
+        if request.url.endswith("/" + key) and not lost:
+            lost.append(store.client._endpoint.http_session.send(request))
+            raise ReadTimeoutError(endpoint_url=request.url)
+
+    store.client.meta.events.register("before-send.s3.PutObject", send_then_time_out)
+    return lost
+
+
+@pytest.mark.parametrize("lost", ["the lock", "a version folder's file"])
+def test_a_retried_put_whose_first_response_was_lost_does_not_stop_the_publish(s3, exports, lost):
+    # the retry's If-None-Match finds the first attempt's object: that is this publish's own, not another's
+    prefix = f"retried-{'lock' if lost == 'the lock' else 'file'}"
+    destination = _destination(s3, prefix)
+    store = pub.Store(destination)
+    key = destination.key(pub.LOCK) if lost == "the lock" else pub.plan_publish(
+        exports["a"]["repo"], destination, store).groups[0].uploads[0][1]
+    responses = _lose_first_response(store, key)
+    plan = pub.publish(exports["a"]["repo"], destination, store)
+    assert [r.status_code for r in responses] == [200]  # the first attempt did write
+    assert [g.version for g in plan.groups] == [1] and plan.published
+    assert f"{prefix}/{pub.LOCK}" not in _keys(s3, prefix)  # released, not left to block the next publish
+    assert pub.plan_publish(exports["a"]["repo"], destination).groups == []  # everything verified up there
+
+
+def test_a_publish_that_cannot_release_its_lock_reports_its_own_error(s3, exports, monkeypatch, caplog):
+    destination = _destination(s3, "unreleased")
+    store = pub.Store(destination)
+    lock = destination.key(pub.LOCK)
+
+    def store_gone(key: str) -> None:
+        raise pub.PublishError("deleting: Could not connect to the endpoint URL (injected)")
+
+    def fail(key: str) -> None:
+        monkeypatch.setattr(store, "delete", store_gone)
+        raise ConnectionError("network gone (injected)")
+
+    with pytest.raises(ConnectionError, match="network gone"):
+        pub.publish(exports["a"]["repo"], destination, store, after_upload=fail)
+    assert f"delete s3://{BUCKET}/{lock} once no publish runs" in caplog.text
+
+
+def _copy_as_kserve_does(s3, prefix: str, folder) -> None:
+    """The published prefix copied to ``folder`` as KServe's storage initializer copies a storageUri
+    (kserve_storage.Storage._download_s3): objects whose key ends in '/' or that are empty are skipped,
+    and a folder exists only as the parent of a file copied into it."""
+    pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    for item in (item for page in pages for item in page.get("Contents", [])):
+        if item["Key"].endswith("/") or item["Size"] == 0:
+            continue
+        target = folder / item["Key"][len(prefix):].lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        s3.client().download_file(BUCKET, item["Key"], str(target))
+
+
+def test_a_published_repository_copied_as_kserve_does_serves(s3, exports, tmp_path):
+    # an ensemble's version folder holds no file: on the store it must still hold one that such a copy keeps,
+    # or Triton finds no version of the ensemble to load
+    pub.publish(exports["a"]["repo"], _destination(s3, "kserve"))
+    copied = tmp_path / "mnt-models"
+    _copy_as_kserve_does(s3, "kserve", copied)
+    for model in MODELS:
+        assert (copied / model / "1").is_dir(), model
+    http, grpc, metrics = object_store.free_ports(3)
+    with open(tmp_path / "server.log", "wb") as log:  # the folder as it is, as KServe's Triton runtime loads it
+        process = serve.start(copied, http, grpc, metrics, separate_steps=True, stdout=log, stderr=log)
+    try:
+        assert np.allclose(_embed(f"127.0.0.1:{grpc}"), exports["a"]["reference"], atol=1e-4)
+    finally:
+        end_now(process)

@@ -40,6 +40,7 @@ import hashlib
 import logging
 import os
 import platform
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,12 @@ class LocalModel:
 #: Beside the models, under the prefix: present while a publish runs (created only if absent).
 LOCK = ".nexus-sli-publish.lock"
 
+#: A file in each published version folder that would otherwise be empty (an ensemble's): Triton
+#: loads a version only from a folder that exists, and copiers that recreate folders only from the
+#: files in them (KServe's storage initializer skips folder markers and empty objects) would drop it.
+KEEP = ".nexus-sli-keep"
+KEEP_BODY = b"Triton loads a model version only from a folder that exists; this file keeps this one.\n"
+
 
 @dataclass
 class RemoteModel:
@@ -135,7 +142,7 @@ class PublishGroup:
     version: int
     previous: dict[str, list[int]]
     reason: str
-    uploads: list[tuple[Path, str, str]]  # (local file, key, sha256): the new version folders
+    uploads: list[tuple[Path | bytes, str, str]]  # (local file or the bytes, key, sha256): the new version folders
     #: the versions each model's config serves after the switch (a step: previous and new)
     serves: dict[str, list[int]] = field(default_factory=dict)
     #: files beside config.pbtxt, uploaded after the switch (Triton does not read them)
@@ -325,7 +332,9 @@ class Store:
     def put(self, key: str, body: bytes, sha: str, create: bool = False) -> None:
         """One object.  ``sha`` goes with it as ``x-amz-checksum-sha256`` (a store that checks it, as AWS
         and SeaweedFS do, refuses a mismatch; ``verify`` does not rely on it).  ``create``: only if no
-        object has that key (``If-None-Match: *``), else :class:`ConcurrentPublishError`."""
+        object has that key (``If-None-Match: *``), else :class:`ConcurrentPublishError`, unless the
+        object there holds exactly ``body``: this PUT's own earlier attempt, which reached the store
+        although its response was lost, and which boto3 then retried."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
@@ -334,11 +343,20 @@ class Store:
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "")
             if create and code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                if self._holds(key, sha):
+                    return
                 raise ConcurrentPublishError(f"s3://{self.bucket}/{key} already exists: another publish is "
                                              "writing to this prefix (or was killed while it did)") from None
             raise self._failed(f"uploading {key}", exc) from None
         except BotoCoreError as exc:
             raise self._failed(f"uploading {key}", exc) from None
+
+    def _holds(self, key: str, sha: str) -> bool:
+        """Whether the object at ``key`` has the SHA-256 ``sha`` (False where it cannot be read: gone since)."""
+        try:
+            return self.verify(key) == sha
+        except PublishError:
+            return False
 
     def verify(self, key: str) -> str:
         """The SHA-256 of the object's bytes as downloaded now: what a server will read, whatever
@@ -389,7 +407,7 @@ def _changed(store: Store, local: LocalModel, remote: RemoteModel) -> str | None
         return "config changed"
     version = remote.served[-1]
     prefix = store.destination.key(local.name, str(version)) + "/"
-    stored = {k[len(prefix):] for k in store.keys(prefix) if not k.endswith("/")}
+    stored = {k[len(prefix):] for k in store.keys(prefix) if not k.endswith("/")} - {KEEP}
     if stored != set(local.files):
         return f"files differ from version {version}"
     for name, sha in local.files.items():
@@ -430,8 +448,11 @@ def plan_publish(repository: Path, destination: Destination, store: Store | None
             model = local[name]
             uploads += [(model.version_dir / rel, destination.key(name, str(version), rel), sha)
                         for rel, sha in model.files.items()]
-            if not model.files:  # an ensemble's empty version folder: S3 needs an object to hold it
-                uploads.append((None, destination.key(name, str(version)) + "/", sha256_b64(b"")))
+            # an ensemble's empty version folder: S3 has no folders, so a marker object and a file (KEEP)
+            if not model.files:
+                folder = destination.key(name, str(version))
+                uploads += [(b"", folder + "/", sha256_b64(b"")),
+                            (KEEP_BODY, f"{folder}/{KEEP}", sha256_b64(KEEP_BODY))]
             extras += [(model.folder / rel, destination.key(name, rel), sha) for rel, sha in model.extras.items()]
         serves = {n: sorted(set(keep.get(n, [])) | {version}) for n in names}
         groups.append(PublishGroup(names, ensembles, version, {n: remote[n].served for n in names},
@@ -494,7 +515,9 @@ def publish(repository: Path, destination: Destination, store: Store | None = No
     configs serve, the previous one included, stay."""
     store = store or Store(destination)
     lock = destination.key(LOCK)
-    body = f"nexus-sli publish: host {platform.node()}, pid {os.getpid()}, since {time.time():.0f}\n".encode()
+    # unique to this publish: an existing lock with these bytes is its own (Store.put)
+    body = (f"nexus-sli publish: host {platform.node()}, pid {os.getpid()}, since {time.time():.0f}, "
+            f"token {secrets.token_hex(16)}\n").encode()
     try:
         store.put(lock, body, sha256_b64(body), create=True)
     except ConcurrentPublishError:
@@ -513,9 +536,20 @@ def publish(repository: Path, destination: Destination, store: Store | None = No
         if prune:
             result.pruned = _prune(store, result.unserved)
         result.published = True
-    finally:
-        store.delete(lock)
+    except BaseException:
+        _release_after_error(store, lock)
+        raise
+    store.delete(lock)
     return result
+
+
+def _release_after_error(store: Store, lock: str) -> None:
+    """Delete the lock after a failed publish; if that fails too (the store unreachable, say), the
+    publish's own error is the one to report, and the lock left behind is logged."""
+    try:
+        store.delete(lock)
+    except PublishError as exc:
+        log.error("%s; the lock stays: delete s3://%s/%s once no publish runs", exc, store.bucket, lock)
 
 
 def _prune(store: Store, unserved: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -532,7 +566,7 @@ def _prune(store: Store, unserved: dict[str, list[int]]) -> dict[str, list[int]]
 def _upload(store: Store, uploads: list, group: PublishGroup, after_upload: UploadHook | None,
             create: bool = False) -> None:
     for path, key, sha in uploads:
-        store.put(key, path.read_bytes() if path is not None else b"", sha, create=create)
+        store.put(key, path if isinstance(path, bytes) else path.read_bytes(), sha, create=create)
         if after_upload is not None:
             after_upload(key)
     for _, key, sha in uploads:
