@@ -85,8 +85,9 @@ def test_every_path_and_mode_was_measured(quick):
     references = [(r["mode"], r["seq_len"]) for r in rows if r["baseline"]]
     assert len(references) == len(set(references))
     assert {m for m, _ in references} == {"batch32", "latency1", "seq_len", "short32"}
-    short = [r for r in rows if r["mode"] == "short32"]
-    assert short and all(r["cosine_min"] > 0.9 for r in short if r["precision"] == "fp32")
+    # fp32 is the PyTorch model's arithmetic: its vectors are the baseline's to float rounding
+    fp32_short = [r for r in rows if r["mode"] == "short32" and r["precision"] == "fp32"]
+    assert fp32_short and all(r["cosine_min"] >= 0.9999 for r in fp32_short), fp32_short
     assert all(r["ratio_vs_baseline"] == 1.0 for r in rows if r["baseline"])
     assert sorted({r["seq_len"] for r in rows if r["mode"] == "seq_len"}) == results["settings"]["seq_lens"]
     # the HTTP gateway in front of the default (OpenAI's API through the openai SDK in every mode, TEI's /embed
