@@ -76,6 +76,21 @@ def test_openvino_bf16_falls_back_to_fp32_parity_without_cpu_bf16(exported):
     assert report.validation.thresholds == {"max_abs_diff": 1e-4} and report.validation.max_abs_diff <= 1e-4
 
 
+def test_openvino_bf16_asked_of_an_avx2_cpu_exports_fp32_at_parity_on_any_machine(monkeypatch, tiny_checkpoint,
+                                                                                   tmp_path):
+    """The fallback an AVX2-only CPU takes, exported here whatever this CPU has (the test above runs only on such
+    a CPU): the configuration follows the flags, and the compiled model is held to fp32 parity, which holds
+    because the served properties force f32 where the CPU plugin would pick bf16 by itself."""
+    monkeypatch.setattr("nexus_sli.exporter.targets.registry.cpu_flags", lambda: AVX2)
+    out = tmp_path / "repo"
+    run_export(ExportOptions(model=str(tiny_checkpoint("bert")), task="embedding", name="ov", out=out,
+                             backend="openvino", precision="bf16"))
+    config = triton_config.read(out / "ov_encoder" / "config.pbtxt")
+    report = export_report.read(out / "ov_encoder")
+    assert config.parameters["HINT_BF16"].string_value == "NO" and report.validation.precision == "fp32"
+    assert report.validation.thresholds == {"max_abs_diff": 1e-4} and report.validation.max_abs_diff <= 1e-4
+
+
 def test_openvino_session_matches_onnxruntime_at_fp32(exported):
     """The OpenVINO graph pools in the graph (the default); the ONNX Runtime one answers token states,
     pooled here as its post-processing step does (the tiny model has no sentence-transformers files: mean)."""
