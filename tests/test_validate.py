@@ -322,3 +322,14 @@ def test_the_score_floor_divides_by_each_texts_scale_known_from_pytorch(monkeypa
         unscaled = compare(Shifted(reference, 2, shift), reference, "int8", embedder, embedding, limits=limits,
                            stop_early=True)
         assert not unscaled.passed and unscaled.texts > texts
+
+
+def test_a_figure_that_is_nan_misses_its_bar():
+    """Finite outputs so large that the python pooling's float32 sum overflows give a NaN cosine; NaN compares
+    false with every bar, so the bars are read as "not within": NaN fails."""
+    hidden = np.random.default_rng(0).normal(size=(4, 3, 8))
+    loud = hidden.copy()
+    loud[1, :, 0] = 3e38  # finite in float32; three of them sum past its range
+    report = embedding_report(loud, hidden, "int8")
+    assert np.isnan(report.cosine_mean)
+    assert not report.passed and {type(f) for f in report.failures} == {FidelityShortfall}

@@ -360,9 +360,10 @@ def sided_text_batches(tokenizer_path, sides: Sides, input_names: list[str],
 
 
 def _masked_max_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None) -> float:
-    diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
-    if mask is not None and diff.ndim >= 2 and diff.shape[:2] == mask.shape:
-        diff = diff[mask.astype(bool)]  # padded positions carry no meaning
+    """The largest difference over the compared positions (padded ones carry no meaning), of the finite ones:
+    a NaN or infinity is a failure of its own (:func:`_non_finite`), and validation.json keeps plain numbers."""
+    diff = _masked(np.abs(a.astype(np.float64) - b.astype(np.float64)), mask)
+    diff = diff[np.isfinite(diff)]
     return float(diff.max()) if diff.size else 0.0
 
 
@@ -603,8 +604,35 @@ def _compare_outputs(names: list[str], got, expected, masks: list[np.ndarray | N
             inputs = f"mask shape {mask.shape}" if mask is not None else "the batch's inputs"
             failures.append(ShapeMismatch(f"{name}: shape {g.shape} != {e.shape} for {inputs}"))
             continue
+        failures.extend(_non_finite(name, g, e, mask))
         measures.max_abs_diff = max(measures.max_abs_diff, _masked_max_diff(g, e, mask))
     return failures
+
+
+def _non_finite(name: str, got: np.ndarray, expected: np.ndarray, mask: np.ndarray | None) -> list[Failure]:
+    """NaN or infinity where PyTorch's output is finite, at any position: a NaN is no number any bar can compare
+    (every comparison with it is false), and one on a padded position still reaches users (the python pooling
+    multiplies padding by zero, and NaN times zero is NaN).  Also PyTorch's own non-finite values where they are
+    compared: a reference that holds none to compare with validates nothing."""
+    failures: list[Failure] = []
+    graph = ~np.isfinite(got) & np.isfinite(expected)
+    if graph.any():
+        real = _masked(graph, mask)
+        where = "" if real is graph else f", {int(real.sum())} of them compared" if real.any() else ", all on padding"
+        failures.append(ValueMismatch(f"{name}: {int(graph.sum())} NaN or infinite values where PyTorch's are "
+                                      f"finite{where}"))
+    reference = _masked(~np.isfinite(expected), mask)
+    if reference.any():
+        failures.append(ValueMismatch(f"{name}: PyTorch's own output has {int(reference.sum())} NaN or infinite "
+                                      "values where it is compared"))
+    return failures
+
+
+def _masked(values: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """``values`` at the positions a per-token output is compared on (``mask``), else all of them."""
+    if mask is not None and values.ndim >= 2 and values.shape[:2] == mask.shape:
+        return values[mask.astype(bool)]
+    return values
 
 
 def _measure_fidelity(got, expected, mask: np.ndarray, embedder: Embedder | None, task: TaskSpec | None,
@@ -650,9 +678,10 @@ def _threshold_failures(report: ValidationReport, score_floor: tuple[float, str]
                                  f"(PyTorch's own scores within {TIE_MARGIN:g})"))
         elif value is None:
             failures.append(kind(f"{metric} could not be measured"))
-        elif metric in UPPER_BARS and value > limit:
+        # negated, so that a NaN figure (every comparison with it false) misses its bar
+        elif metric in UPPER_BARS and not value <= limit:
             failures.append(kind(f"{metric} {value:.3g} > {limit:g}{_worst_output(report, metric)}"))
-        elif metric not in UPPER_BARS and value < limit:
+        elif metric not in UPPER_BARS and not value >= limit:
             failures.append(kind(f"{metric} {value:.5f} < {limit:g}{_worst_output(report, metric)}"))
     return failures
 
