@@ -193,6 +193,7 @@ def walk(config: Any, checkpoint: Checkpoint, task: TaskSpec, handler: BERTFamil
     config = prepare_config(config)
     handler = (handler or BERTFamilyHandler()).bind(config, checkpoint.keys())
     family = handler.family
+    family.adapt_config(config)
     with torch.device("cpu"):
         model = family.build_model(task, config)
     model.eval()

@@ -142,6 +142,10 @@ class EncoderFamily:
             return self.layer_path(config, layer_idx)[:-1]
         return self.module_template.format(i=layer_idx)
 
+    def adapt_config(self, config: Any) -> None:
+        """Make ``config`` (the walk's private copy) say what the layer classes read, where the checkpoint's
+        config spells it otherwise (Nomic's original keys); refuse what they cannot compute."""
+
     def convert_layer_tensors(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Published per-layer tensor names -> the transformers layer's names."""
         return tensors

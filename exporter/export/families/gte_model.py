@@ -69,10 +69,7 @@ class GteSettings:
             if value != published:
                 raise UnsupportedModelError(f"GTE (model_type new) with {key}={value!r} is not supported "
                                             f"(published checkpoints: {published!r})")
-        scaling = config_value(config, ("rope_scaling",)) or {}
-        kind = scaling.get("type", scaling.get("rope_type"))
-        if scaling and kind != "ntk":
-            raise UnsupportedModelError(f"GTE rope_scaling type {kind!r} is not supported (published: 'ntk')")
+        theta, scaling = _rope(config)
         settings = cls(
             hidden_size=int(config_value(config, ("hidden_size",), 768)),
             num_heads=int(config_value(config, ("num_attention_heads",), 12)),
@@ -82,7 +79,7 @@ class GteSettings:
             type_vocab_size=int(config_value(config, ("type_vocab_size",), 1)),
             layer_norm_eps=float(config_value(config, ("layer_norm_eps",), 1e-12)),
             hidden_act=str(config_value(config, ("hidden_act",), "gelu")),
-            rope_theta=float(config_value(config, ("rope_theta",), 10000.0)),
+            rope_theta=theta,
             ntk_factor=float(scaling.get("factor", 1.0)),
             mixed_b=scaling.get("mixed_b"),
             num_labels=int(config_value(config, ("num_labels",), 2)),
@@ -104,6 +101,20 @@ class GteSettings:
             return 1.0 / ((self.rope_theta * self.ntk_factor) ** exponents) / self.ntk_factor ** (2 / dim)
         a = torch.tensor(self.ntk_factor).log() / (dim / 2) ** self.mixed_b
         return 1.0 / (self.rope_theta ** exponents) / (a * torch.arange(1, dim // 2 + 1).float() ** self.mixed_b).exp()
+
+
+def _rope(config: Any) -> tuple[float, dict]:
+    """(rotary base, NTK scaling or ``{}``).  new-impl configs keep ``rope_theta`` and ``rope_scaling`` apart;
+    transformers 5 keeps both in ``rope_parameters``, and its own ``model_type: gte`` config (which saves the
+    published weight names) has ``rope_type: default`` for no scaling and no ``rope_theta`` key beside it."""
+    parameters = dict(config_value(config, ("rope_parameters", "rope_scaling")) or {})
+    theta = parameters.pop("rope_theta", None) or config_value(config, ("rope_theta",), 10000.0)
+    kind = parameters.get("type", parameters.get("rope_type"))
+    if kind in (None, "default"):
+        return float(theta), {}
+    if kind != "ntk":
+        raise UnsupportedModelError(f"GTE rope_scaling type {kind!r} is not supported (published: 'ntk')")
+    return float(theta), parameters
 
 
 def rotary_tables(inv_freq: torch.Tensor, seq_len: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:

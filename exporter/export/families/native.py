@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from nexus_sli.exporter.errors import UnsupportedModelError
+
 from .base import EncoderFamily, config_value, register
 
 _TASK_SUFFIXES = ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
@@ -249,12 +251,46 @@ class NomicBertFamily(EncoderFamily):
         ("mlp.fc2.", "mlp.down_proj."), ("norm1.", "post_attention_layernorm."), ("norm2.", "post_mlp_layernorm."),
     )
     layer_class = "nomic_bert.modeling_nomic_bert:NomicBertLayer"
-    # Nomic's original remote-code configs use GPT-2 style keys.
-    hidden_size_keys = ("hidden_size", "n_embd")
-    num_layers_keys = ("num_hidden_layers", "n_layer")
+    # Nomic's original remote-code configs use GPT-2 style keys, which transformers' NomicBertConfig does
+    # not read: loaded, such a config keeps them beside the class defaults it shows under the standard names
+    # (hidden 768, rotary base 1000), so where an original key is there it is the checkpoint's value.
+    hidden_size_keys = ("n_embd", "hidden_size")
+    num_layers_keys = ("n_layer", "num_hidden_layers")
+    num_heads_keys = ("n_head", "num_attention_heads")
     max_positions_keys = ("max_position_embeddings", "n_positions")
+    #: original key -> the NomicBertConfig attribute holding the same quantity
+    _ORIGINAL_KEYS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("n_embd", "hidden_size"), ("n_layer", "num_hidden_layers"), ("n_head", "num_attention_heads"),
+        ("n_inner", "intermediate_size"), ("layer_norm_epsilon", "layer_norm_eps"),
+    )
+    #: original switches, with the one value transformers' layers compute (None: unset is that value too)
+    _ORIGINAL_LAYOUT: ClassVar[dict[str, Any]] = {
+        "activation_function": "swiglu", "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False,
+        "rotary_scaling_factor": None, "prenorm": False, "parallel_block": False, "use_rms_norm": False,
+        "causal": False, "qkv_proj_bias": False, "mlp_fc1_bias": False, "mlp_fc2_bias": False,
+    }
     optional_prefixes = ()
     pretraining_head_prefixes = ("lm_head.", "cls.")
+
+    def ffn_width(self, config: Any) -> int | None:
+        width = config_value(config, ("n_inner", "intermediate_size"))
+        return int(width) if width else None
+
+    def adapt_config(self, config: Any) -> None:
+        for key, published in self._ORIGINAL_LAYOUT.items():
+            value = config_value(config, (key,), published)
+            if value != published:
+                raise UnsupportedModelError(f"nomic_bert with {key}={value!r} is not supported: transformers' "
+                                            f"NomicBertLayer computes {key}={published!r} only")
+        original = [(key, attribute) for key, attribute in self._ORIGINAL_KEYS
+                    if config_value(config, (key,)) is not None]
+        for key, attribute in original:
+            setattr(config, attribute, config_value(config, (key,)))
+        base = config_value(config, ("rotary_emb_base",))
+        if base is not None:
+            config.rope_parameters = {**(config.rope_parameters or {}), "rope_theta": float(base)}
+        if original:  # NomicBertConfig derived it from the defaults when it was loaded
+            config.head_dim = config.hidden_size // config.num_attention_heads
 
     def convert_layer_tensors(self, tensors: dict[str, Any]) -> dict[str, Any]:
         converted = {}

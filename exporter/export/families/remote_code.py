@@ -123,7 +123,8 @@ class NeoBertFamily(ProjectCodeFamily):
 
 @register
 class GteFamily(ProjectCodeFamily):
-    """GTE v1.5 and mGTE (Alibaba-NLP's ``new-impl``; configs say ``model_type: new``): post-norm layers,
+    """GTE v1.5 and mGTE (Alibaba-NLP's ``new-impl``; configs say ``model_type: new``, or ``gte`` where
+    transformers 5 saved them, with the same weight names): post-norm layers,
     rotary positions (NTK-scaled), a gated feed-forward.  Published weight names:
     ``embeddings.{word_embeddings,token_type_embeddings,LayerNorm}``,
     ``encoder.layer.{i}.{attention.qkv_proj,attention.o_proj,mlp.up_gate_proj,mlp.down_proj,attn_ln,mlp_ln}``,
