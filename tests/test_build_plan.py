@@ -110,6 +110,12 @@ def test_every_op_the_fp16_graph_keeps_in_fp32_is_pinned_in_tensorrt(repo):
     pooling = [n.name for n in onnx.load(str(repo / "gpu_encoder" / "1" / "model.onnx")).graph.node
                if n.name.startswith(POOLING_PREFIX)]
     assert pooling and all(trt_plan.wants_fp32("REDUCE", "SUM", name) for name in pooling)
+    # a rotary table's nodes (fp16.rotary_nodes): by the node's name, with or without the parser's prefix
+    rotary = frozenset({"/model/rotary_emb/Mul", "/model/rotary_emb/Cos"})
+    assert trt_plan.wants_fp32("ELEMENTWISE", "PROD", "/model/rotary_emb/Mul", rotary)
+    assert trt_plan.wants_fp32("UNARY", "COS", "node_of_/model/rotary_emb/Cos", rotary)
+    assert not trt_plan.wants_fp32("ELEMENTWISE", "PROD", "/model/rotary_emb/Mul_1", rotary)
+    assert not trt_plan.wants_fp32("ELEMENTWISE", "PROD", "/model/rotary_emb/Mul")  # none named: none pinned
 
 
 def test_an_engine_whose_tensors_differ_from_the_config_is_caught(repo):

@@ -7,7 +7,10 @@ Triton reads, and the tokenizer's buckets.
 
 from __future__ import annotations
 
+import numpy as np
+import onnx
 import pytest
+import torch
 from onnx import TensorProto
 
 from nexus_sli.exporter.export import fp16
@@ -16,7 +19,7 @@ from nexus_sli.exporter.export.revalidate import revalidate
 from nexus_sli.exporter.targets import configurations_for
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton.python_models.encoding import padded_length
-from helpers.tiny_models import TINY_CONFIGS
+from helpers.tiny_models import COMMON, TINY_CONFIGS, plain_graph, quiet_session
 from helpers.tiny_remote_models import REMOTE_TINY, build_tiny_remote
 
 
@@ -138,3 +141,46 @@ def test_max_batch_size_asked_for_sets_every_step_and_the_tensorrt_profile(tiny_
     assert max_shapes == ",".join(f"{n}:96x{report.max_length}" for n in report.inputs)
     assert {tc.read(folder / "config.pbtxt").max_batch_size for folder in tmp_path.iterdir()
             if (folder / "config.pbtxt").exists()} == {96}
+
+
+#: The tiny families whose layers take rotary position tables (cos and sin of position x frequency)
+ROTARY = ("eurobert", "modernbert", "nomic_bert")
+
+
+def _with_output(path, out, node_name: str) -> str:
+    """``path`` with the first output of node ``node_name`` a graph output too, saved at ``out``: its name."""
+    model = onnx.load(str(path))
+    name = next(node.output[0] for node in model.graph.node if node.name == node_name)
+    model.graph.output.append(onnx.helper.make_value_info(name, onnx.TypeProto()))
+    onnx.save(model, str(out))
+    return name
+
+
+@pytest.mark.parametrize("model_type", ROTARY)
+def test_the_fp16_graph_computes_rotary_tables_in_fp32(model_type, tmp_path):
+    """The rotary tables as transformers computes them under fp16 weights: angles in fp32, so the cos and sin
+    of a position past 2048 (where fp16 no longer holds every integer, let alone its product with a frequency)
+    are the fp32 graph's exactly, before the one cast to fp16 the layers read."""
+    from transformers import CONFIG_MAPPING
+
+    from nexus_sli.tasks import get_task
+
+    architecture, overrides = TINY_CONFIGS[model_type]
+    torch.manual_seed(0)
+    task = get_task("embedding")
+    model = task.build(CONFIG_MAPPING[model_type](**{**COMMON, **overrides, "max_position_embeddings": 4096}))
+    graph = plain_graph(model.eval(), task, tmp_path, (2100,), 2100, seed=1)
+    half = fp16.convert_fp16(graph["path"], tmp_path / "half.onnx")
+    rotary = set(fp16.rotary_nodes(graph["path"]))
+    plain = onnx.load(str(graph["path"])).graph
+    kinds = {node.op_type for node in plain.node if node.name in rotary}
+    assert {"Cos", "Sin", "Mul"} <= kinds and not kinds & set(fp16.SHAPE_OPS)
+    weights = {initializer.name for initializer in plain.initializer}
+    assert not {name for node in plain.node if node.name in rotary for name in node.input} & weights
+    assert fp16.op_input_types(half, ("Cos", "Sin")) == {"Cos": {TensorProto.FLOAT}, "Sin": {TensorProto.FLOAT}}
+    for kind in ("Cos", "Sin"):
+        node = next(node.name for node in plain.node if node.op_type == kind)
+        tables = [quiet_session(with_table).run([name], graph["feeds"])[0]
+                  for source, with_table in ((graph["path"], tmp_path / "a.onnx"), (half, tmp_path / "b.onnx"))
+                  for name in (_with_output(source, with_table, node),)]
+        assert tables[0].dtype == tables[1].dtype == np.float32 and np.array_equal(*tables), kind

@@ -4,9 +4,10 @@ Weights and most arithmetic become fp16; the graph's inputs and outputs stay
 as they were (``keep_io_types``), so the tokenizer and post-processing models
 see the same tensors as on the CPU.  Normalisation and softmax stay in fp32
 (:data:`FP32_OPS`): their sums of squares and of exponentials overflow or lose
-their precision in fp16.  Constants are clamped into fp16's finite range, so
-the attention mask's additive value (fp32's lowest number in the PyTorch
-graph) becomes -65504, not -inf.
+their precision in fp16.  So do rotary position tables (:func:`rotary_nodes`),
+as transformers computes them under fp16 too.  Constants are clamped into fp16's
+finite range, so the attention mask's additive value (fp32's lowest number in
+the PyTorch graph) becomes -65504, not -inf.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ FP32_OPS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNorm
             "SkipSimplifiedLayerNormalization", "Softmax", "ReduceMean", "Pow", "Sqrt")
 #: fp16's largest finite value.
 FP16_MAX = 65504.0
+#: Ops whose output is their input's shape, not its values: the walk back from a rotary table stops there
+SHAPE_OPS = ("Shape", "Size")
 
 
 def convert_fp16(source: Path, target: Path, keep_fp32: tuple[str, ...] | None = FP32_OPS) -> Path:
@@ -32,12 +35,59 @@ def convert_fp16(source: Path, target: Path, keep_fp32: tuple[str, ...] | None =
     fused operators)."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
+    rotary = rotary_nodes(source)
     # by path: the converter's shape inference then runs on the file, which works past 2 GB
     model = convert_float_to_float16(str(source), keep_io_types=True,
                                      op_block_list=None if keep_fp32 is None else list(keep_fp32),
-                                     max_finite_val=FP16_MAX)
+                                     node_block_list=rotary, max_finite_val=FP16_MAX)
+    _fp32_between(model.graph, set(rotary))
     # half the bytes: a large model's fp16 graph may fit one file again (:mod:`onnx_files` decides)
     return onnx_files.save(model, target)
+
+
+def rotary_nodes(path: Path) -> list[str]:
+    """The nodes that make a graph's rotary position tables: each ``Cos`` and ``Sin`` and the nodes it depends
+    on, back to the positions (a tensor's shape, a range).  A position's angle (position x frequency) needs
+    more than fp16's 11 significant bits once positions reach the hundreds: transformers' rotary embeddings
+    compute it in fp32 under fp16 weights too, and cast only the cos and sin."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    producer = {output: node for node in graph.node for output in node.output}
+    found: dict[str, onnx.NodeProto] = {}
+    waiting = [node.output[0] for node in graph.node if node.op_type in ("Cos", "Sin")]
+    while waiting:
+        node = producer.get(waiting.pop())
+        # a shape is no value to keep (blocking it would cast a whole fp16 tensor to fp32 to read its shape)
+        if node is None or node.name in found or node.op_type in SHAPE_OPS:
+            continue
+        found[node.name] = node
+        waiting.extend(name for name in node.input if name)
+    return [name for name in found if name]
+
+
+def _fp32_between(graph: onnx.GraphProto, kept: set[str]) -> None:
+    """Between two nodes of ``kept``, the fp32 tensor itself: the converter casts every blocked node's inputs
+    from fp16 and its outputs to fp16, so a chain of them (the rotary tables' angles) still went through fp16
+    at each step.  The casts left unused are removed."""
+    producer = {output: node for node in graph.node for output in node.output}
+
+    def cast_to(node, element_type: int) -> bool:
+        return node is not None and node.op_type == "Cast" and node.attribute[0].i == element_type
+
+    for node in graph.node:
+        if node.name not in kept:
+            continue
+        for index, name in enumerate(node.input):
+            widened = producer.get(name)
+            narrowed = producer.get(widened.input[0]) if cast_to(widened, TensorProto.FLOAT) else None
+            if cast_to(narrowed, TensorProto.FLOAT16) and getattr(producer.get(narrowed.input[0]), "name", None) in kept:
+                node.input[index] = narrowed.input[0]
+    while True:
+        used = {name for node in graph.node for name in node.input} | {output.name for output in graph.output}
+        unused = [node for node in graph.node if node.op_type == "Cast" and not used & set(node.output)]
+        if not unused:
+            return
+        for node in unused:
+            graph.node.remove(node)
 
 
 def lowest_constant(path: Path) -> float:

@@ -6,7 +6,7 @@ version, so it cannot be made at export time on a machine without them:
 build-plan`` (:mod:`nexus_sli.exporter.export.build_plan`) compiles it where
 it will be served.  This module holds what needs TensorRT itself: the build
 (optimization profile over batch and sequence, FP16 with the normalisation
-layers constrained to fp32), the engine runner that validation and ``nexus-sli
+layers and rotary tables constrained to fp32), the engine runner that validation and ``nexus-sli
 validate`` use, and the GPU's name and compute capability.
 
 Nothing here that imports ``tensorrt`` or the CUDA runtime is exercised by the
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from nexus_sli.exporter.errors import GPURuntimeUnavailableError, NexusError, PlanBuildError
-from nexus_sli.exporter.export.fp16 import FP32_OPS
+from nexus_sli.exporter.export.fp16 import FP32_OPS, rotary_nodes
 from nexus_sli.exporter.export.pooling import PREFIX as POOLING_PREFIX
 from nexus_sli.exporter.triton.config import EncoderServing
 
@@ -59,13 +59,14 @@ TRITON_TYPES = {"FLOAT": "TYPE_FP32", "HALF": "TYPE_FP16", "INT32": "TYPE_INT32"
                 "INT8": "TYPE_INT8", "BOOL": "TYPE_BOOL", "BF16": "TYPE_BF16", "UINT8": "TYPE_UINT8"}
 
 
-def wants_fp32(layer_type: str, operation: str | None, name: str = "") -> bool:
+def wants_fp32(layer_type: str, operation: str | None, name: str = "", nodes: frozenset[str] = frozenset()) -> bool:
     """Whether a TensorRT layer (type, operation and layer name) computes one of :data:`FP32_OPS`, or
-    belongs to an embedding graph's pooling (:mod:`export.pooling`), which the fp16 graph keeps in fp32
-    too.  TensorRT's ONNX parser names a layer after the node it came from, with or without a prefix of
-    its own (``node_of_...``), so the pooling's node prefix is looked for anywhere in the name; not
-    exercised by the tests (module docstring)."""
-    if POOLING_PREFIX in name:
+    belongs to an embedding graph's pooling (:mod:`export.pooling`) or to ``nodes`` (the rotary tables':
+    :func:`fp16.rotary_nodes`), which the fp16 graph keeps in fp32 too.  TensorRT's ONNX parser names a
+    layer after the node it came from, with or without a prefix of its own (``node_of_...``), so the
+    pooling's node prefix is looked for anywhere in the name and a node's name at its end; not exercised
+    by the tests (module docstring)."""
+    if POOLING_PREFIX in name or any(name.endswith(node) for node in nodes):
         return True
     return any(layer_type == kind and (op is None or op == operation) for kind, op in FP32_LAYERS.values())
 
@@ -176,16 +177,17 @@ def _layer_operation(trt, layer) -> str | None:
     return layer.op.name
 
 
-def constrain_fp32(trt, network) -> int:
-    """Pin every layer that computes one of :data:`FP32_OPS` to fp32 (precision and outputs);
-    the builder obeys it under ``OBEY_PRECISION_CONSTRAINTS``.  Returns how many were pinned."""
+def constrain_fp32(trt, network, nodes: frozenset[str] = frozenset()) -> int:
+    """Pin every layer that computes one of :data:`FP32_OPS`, or comes from one of ``nodes``, to fp32
+    (precision and outputs); the builder obeys it under ``OBEY_PRECISION_CONSTRAINTS``.  Returns how many
+    were pinned."""
     pinned = 0
     floating = (trt.float32, trt.float16)
     for index in range(network.num_layers):
         layer = network.get_layer(index)
         # integer arithmetic on shapes (a Pow of sizes) has no precision to keep
         computes_floats = layer.num_outputs and layer.get_output(0).dtype in floating
-        if computes_floats and wants_fp32(layer.type.name, _layer_operation(trt, layer), layer.name):
+        if computes_floats and wants_fp32(layer.type.name, _layer_operation(trt, layer), layer.name, nodes):
             layer.precision = trt.float32
             for output in range(layer.num_outputs):
                 layer.set_output_type(output, trt.float32)
@@ -215,7 +217,7 @@ def build_engine(trt, onnx_path: Path, input_names: list[str], dims: dict[str, t
     for name in input_names:
         profile.set_shape(name, dims["min"], dims["opt"], dims["max"])
     config.add_optimization_profile(profile)
-    pinned = constrain_fp32(trt, network)
+    pinned = constrain_fp32(trt, network, frozenset(rotary_nodes(onnx_path)))
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise PlanBuildError(f"TensorRT could not build an engine from {onnx_path} (its log above says why)")
