@@ -7,12 +7,17 @@ bench/results/classes/ are real data from full `make bench` runs; the rest is bu
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from nexus_sli.bench import cpu_classes
 from nexus_sli.bench import targets as bench_targets
 from helpers.bench_rows import DEFAULT, LIMIT, by_comparison, run_rows
+
+#: the repository's root: the kept runs and the page are read from there, whatever the working directory
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
 
 AVX2 = {"avx2": True, "avx512f": False, "avx512_vnni": False, "avx512_bf16": False,
         "amx_tile": False, "amx_int8": False, "amx_bf16": False}
@@ -70,7 +75,7 @@ def test_a_missed_target_shows_its_status_and_classes_without_runs_say_so(tmp_pa
 
 
 def test_the_kept_avx512_bf16_run_is_rejudged_by_the_current_rules():
-    kept = json.loads((cpu_classes.classes_dir(cpu_classes.Path("bench/results")) / "avx512-vnni-bf16.json")
+    kept = json.loads((cpu_classes.classes_dir(RESULTS) / "avx512-vnni-bf16.json")
                       .read_text())
     row = cpu_classes.summary(kept)
     assert row["class"] == "avx512-vnni-bf16" and row["default"] == "openvino int8"
@@ -93,18 +98,18 @@ def test_share_of_peak_needs_the_estimate_and_reports_its_gap():
     assert share["gap"] == "10% measured, >= 35% needed"
 
 
-def test_the_committed_page_is_what_its_run_renders():
+def test_the_committed_page_is_what_its_run_renders(monkeypatch):
     """BENCHMARKS.md is rendered from bench/results (never edited by hand), and the latest full run is
     its CPU class's kept run."""
-    from pathlib import Path
-
     from nexus_sli.bench.report import benchmarks_page
 
-    results = json.loads(Path("bench/results/latest.json").read_text())
-    page = benchmarks_page(results, Path("bench/results/latest.md").read_text())
-    assert Path("BENCHMARKS.md").read_text() == page
+    # the run records its folders relative to the repository's root, where `make bench` renders the page
+    monkeypatch.chdir(ROOT)
+    results = json.loads((RESULTS / "latest.json").read_text())
+    page = benchmarks_page(results, (RESULTS / "latest.md").read_text())
+    assert (ROOT / "BENCHMARKS.md").read_text() == page
     # a cell holds one sentence at most: the reasons are notes below the table
     cells = [cell for line in page.splitlines() if line.startswith("| ") for cell in line.strip("| ").split(" | ")]
     assert not [cell for cell in cells if ". " in cell]
-    kept = cpu_classes.classes_dir(Path("bench/results")) / f"{cpu_classes.cpu_class(results['machine']['flags'])}.json"
+    kept = cpu_classes.classes_dir(RESULTS) / f"{cpu_classes.cpu_class(results['machine']['flags'])}.json"
     assert json.loads(kept.read_text()) == results

@@ -157,11 +157,16 @@ def test_a_name_resolves_through_the_system_resolver_by_default():
         empty.embed("text")
 
 
+def _alive(fleet) -> list[str]:
+    """The addresses of the replicas that run now (a test before this one may have killed one)."""
+    return [address for address, process in fleet["servers"].items() if process.poll() is None]
+
+
 def _spread_over_the_fleet(fleet, embed, grow_to: str | None = None):
     """Load through ``embed``: every replica serves a share; one killed costs nothing; a new one joins."""
     http = fleet["ports"][0]
     servers, dns = fleet["servers"], fleet["dns"]
-    alive = [a for a, p in servers.items() if p.poll() is None]
+    alive = _alive(fleet)
     before = {a: _successes(a, http) for a in alive}
     with Load(embed, fleet["reference"]) as load:
         load.wait_for(lambda: all(_successes(a, http) - before[a] >= 20 for a in alive),
@@ -184,8 +189,9 @@ def _spread_over_the_fleet(fleet, embed, grow_to: str | None = None):
 
 
 def test_clients_spread_over_every_replica_lose_nothing_when_one_dies_and_find_a_new_one(fleet):
-    fleet["dns"] = Dns(["127.0.0.1", "127.0.0.2", "127.0.0.3"])
-    fleet["reference"] = EncoderClient(f"127.0.0.2:{fleet['ports'][1]}", model=MODEL).embed(TEXTS)
+    alive = _alive(fleet)
+    fleet = {**fleet, "dns": Dns(alive)}
+    fleet["reference"] = EncoderClient(f"{alive[-1]}:{fleet['ports'][1]}", model=MODEL).embed(TEXTS)
     clients = [EncoderClient(f"dns:///{NAME}:{fleet['ports'][1]}", model=MODEL, resolve=fleet["dns"],
                              refresh_s=REFRESH_S) for _ in range(CLIENTS)]
     joined_after, victim = _spread_over_the_fleet(fleet, lambda n, texts: clients[n].embed(texts),
@@ -200,9 +206,11 @@ def test_clients_spread_over_every_replica_lose_nothing_when_one_dies_and_find_a
 
 def test_the_gateway_spreads_over_every_replica_and_loses_nothing(fleet):
     """The gateway given ``dns:///NAME:PORT``, in process (the resolver hook is an argument of create_app),
-    called by 16 threads: the same checks over what is left of the fleet after the client test."""
-    if "dns" not in fleet:
-        pytest.skip("runs after the client test, on the replicas it left")
+    called by 16 threads: the same checks over the replicas that run (in any order of the tests)."""
+    alive = _alive(fleet)
+    # the API's unit vectors, as one replica answers them
+    reference = EncoderClient(f"{alive[-1]}:{fleet['ports'][1]}", model=MODEL).embed(TEXTS)
+    fleet = {**fleet, "dns": Dns(alive), "reference": reference / np.linalg.norm(reference, axis=1, keepdims=True)}
     config = GatewayConfig(triton=f"dns:///{NAME}:{fleet['ports'][1]}")
     with TestClient(create_app(config, resolve=fleet["dns"])) as gateway:
         def embed(_, texts):
@@ -210,8 +218,6 @@ def test_the_gateway_spreads_over_every_replica_and_loses_nothing(fleet):
             assert response.status_code == 200, response.text
             return np.array([d["embedding"] for d in response.json()["data"]], dtype=np.float32)
 
-        reference = fleet["reference"]
-        fleet["reference"] = reference / np.linalg.norm(reference, axis=1, keepdims=True)  # the API's unit vectors
         _spread_over_the_fleet(fleet, embed)
 
 
