@@ -21,7 +21,8 @@ def strict_step(exports, tmp_path, monkeypatch):
                      triton_json(tc.read(folder / "config.pbtxt")), folder)
     calls = []
     encode = step._encode
-    monkeypatch.setattr(step, "_encode", lambda tokenizer, texts: calls.append(len(texts)) or encode(tokenizer, texts))
+    monkeypatch.setattr(step, "_encode",
+                        lambda tokenizer, texts, limit: calls.append(len(texts)) or encode(tokenizer, texts, limit))
     yield step, calls
     unload()
 
@@ -57,10 +58,10 @@ def test_a_call_that_fails_is_retried_request_by_request(strict_step, monkeypatc
     step, calls = strict_step
     encode = step._encode
 
-    def failing(tokenizer, texts):
+    def failing(tokenizer, texts, limit):
         if any("panic" in text for text in texts):
             raise BaseException("a Rust panic")  # noqa: TRY002 - what pyo3's PanicException derives from
-        return encode(tokenizer, texts)
+        return encode(tokenizer, texts, limit)
 
     monkeypatch.setattr(step, "_encode", failing)
     good, bad = step.execute([TextRequest(["fine", "also fine"]), TextRequest(["fine", "panic here"])])

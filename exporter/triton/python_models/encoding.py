@@ -6,6 +6,7 @@ validation: one implementation of tokenising, padding and pooling.
 
 from __future__ import annotations
 
+import json
 from itertools import chain
 
 import numpy as np
@@ -48,6 +49,90 @@ def load_tokenizer(path: str, max_length: int, truncate: bool = True, stride: in
     else:
         tokenizer.no_truncation()
     return tokenizer
+
+
+#: Pre-tokenizers that split a text at every space, whatever surrounds it, so that a word's tokens never depend
+#: on anything after the next space (ByteLevel: with its regex; Metaspace: where it splits at all)
+_SPLIT_AT_SPACES = ("BertPreTokenizer", "Whitespace", "WhitespaceSplit", "ByteLevel", "Metaspace")
+#: Pre-tokenizers that only split further, within the pieces before them, after one of those
+_SPLIT_FURTHER = ("BertPreTokenizer", "Whitespace", "WhitespaceSplit", "Punctuation", "Digits", "UnicodeScripts")
+#: Normalizers that change a character (or a grapheme: Precompiled) on its own, or only a text's ends
+_LOCAL_NORMALIZERS = ("BertNormalizer", "NFC", "NFD", "NFKC", "NFKD", "Lowercase", "StripAccents", "Strip",
+                      "Prepend", "Precompiled", "Nmt")
+#: The characters a text is first cut to, per token the model takes: enough for nearly every text of words
+#: (a token of a word-piece or BPE vocabulary averages well under this), the rare rest cut again, longer
+CUT_CHARS_PER_TOKEN = 8
+
+
+def _splits_at_spaces(pre: dict | None) -> bool:
+    kind = (pre or {}).get("type")
+    if kind == "Sequence":
+        first, *rest = pre["pretokenizers"] or [None]
+        return _splits_at_spaces(first) and all(p.get("type") in _SPLIT_FURTHER for p in rest)
+    if kind == "ByteLevel":
+        return pre.get("use_regex", True)
+    if kind == "Metaspace":
+        return pre.get("split", True)
+    return kind in _SPLIT_AT_SPACES
+
+
+def _local(normalizer: dict | None) -> bool:
+    kind = (normalizer or {}).get("type")
+    if normalizer is None:
+        return True
+    if kind == "Sequence":
+        return all(_local(n) for n in normalizer["normalizers"])
+    if kind == "Replace":  # a literal without a space cannot match across the space a text is cut before
+        literal = normalizer.get("pattern", {}).get("String")
+        return literal is not None and " " not in literal
+    return kind in _LOCAL_NORMALIZERS
+
+
+def cuts_safely(tokenizer: Tokenizer) -> bool:
+    """Whether a text cut before a space (a non-space before it) tokenizes to a prefix of the whole text's
+    tokens, so that a text far longer than the model takes may be tokenized only as far as truncation keeps
+    (:func:`encode_cut`): its normalizer changes characters on their own, its pre-tokenizer splits at every
+    space, and no added token holds a space (added tokens are matched in the raw text, across words)."""
+    described = json.loads(tokenizer.to_str())
+    return (_local(described.get("normalizer")) and _splits_at_spaces(described.get("pre_tokenizer"))
+            and not any(" " in token["content"] for token in described.get("added_tokens") or []))
+
+
+def _cut(text: str, chars: int) -> str | None:
+    """``text`` up to the last space at or before ``chars`` that follows a non-space, else up to the first
+    such space after it; None where it is no longer than ``chars`` or has no such space."""
+    if len(text) <= chars:
+        return None
+    at = text.rfind(" ", 0, chars + 1)
+    while at > 0 and text[at - 1].isspace():
+        at = text.rfind(" ", 0, at)
+    if at <= 0:
+        at = text.find(" ", chars)
+        while at > 0 and text[at - 1].isspace():
+            at = text.find(" ", at + 1)
+    return text[:at] if at > 0 else None
+
+
+def encode_cut(encode, texts: list[str], max_length: int) -> list:
+    """``encode(texts)`` (a truncating tokenizer's ``encode_batch``) for a tokenizer that
+    :func:`cuts_safely`, tokenizing each long text only as far as truncation keeps: cut before a space past
+    :data:`CUT_CHARS_PER_TOKEN` characters a token, a cut whose tokens did not overflow ``max_length`` cut
+    again four times as long, up to the whole text.  A cut's tokens are the whole text's first ones, so
+    once they overflow, truncation keeps the same tokens (and offsets) as from the whole text; a megabyte
+    of text then costs what its first few thousand characters do."""
+    found: list = [None] * len(texts)
+    waiting, chars = list(range(len(texts))), CUT_CHARS_PER_TOKEN * max_length
+    while waiting:
+        cuts = [_cut(texts[index], chars) for index in waiting]
+        encodings = encode([texts[index] if cut is None else cut for index, cut in zip(waiting, cuts)])
+        again = []
+        for index, cut, encoding in zip(waiting, cuts, encodings):
+            if cut is None or encoding.overflowing:
+                found[index] = encoding
+            else:
+                again.append(index)
+        waiting, chars = again, chars * 4
+    return found
 
 
 def windows(tokenizer: Tokenizer, question: str, context: str) -> list:

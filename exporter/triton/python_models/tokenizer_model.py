@@ -58,7 +58,17 @@ from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from encoding import TOKENIZER_MODES, TextTooLongError, check_lengths, load_tokenizer, padded_length, to_arrays, windows
+from encoding import (
+    TOKENIZER_MODES,
+    TextTooLongError,
+    check_lengths,
+    cuts_safely,
+    encode_cut,
+    load_tokenizer,
+    padded_length,
+    to_arrays,
+    windows,
+)
 from error_codes import (
     ADD_SPECIAL_TOKENS_PARAMETER,
     DECODED_OUTPUT,
@@ -168,6 +178,8 @@ class TritonPythonModel:
         # the same ids, less work (bench/data/tried.md, "The tokenizer step's own work"); tokenizers before
         # 0.20 have no encode_batch_fast
         self.rows_only = not set(SPAN_ARRAYS) & set(self.output_names)
+        # a long text tokenized only as far as truncation keeps, where that is exact (encoding.encode_cut)
+        self.cut = self.truncate and cuts_safely(self.tokenizer)
         self.prompts = params.prompts.named
         self.default_prompt = params.prompts.default
         if self.mode == "sided":
@@ -269,7 +281,7 @@ class TritonPythonModel:
             tokenizer, limit = ((self.tokenizer, self.max_length) if side is None else
                                 (self.side_tokenizers[side], self.sides.side(side).max_length))
             several = {number for number in numbers if len(texts[number][0]) > 1}
-            joined, _ = (_guarded(lambda t: self._encode(tokenizer, t),
+            joined, _ = (_guarded(lambda t: self._encode(tokenizer, t, limit),
                                   [t for n in numbers if n in several for t in texts[n][0]]) if several else ([], None))
             start = 0
             for number in numbers:
@@ -278,7 +290,7 @@ class TritonPythonModel:
                     mine, error = joined[start:start + len(own)], None
                     start += len(own)
                 else:  # one text, or the one call failed: each request's texts alone say which one fails
-                    mine, error = _guarded(lambda t: self._encode(tokenizer, t), own)
+                    mine, error = _guarded(lambda t: self._encode(tokenizer, t, limit), own)
                 if error is None and not self.truncate:
                     _, error = _guarded(lambda e: check_lengths(e, limit), mine)
                 if error is None:
@@ -291,10 +303,12 @@ class TritonPythonModel:
         """The width a row needs: its tokens, or on a side with an expansion, at least the expansion's."""
         return len(encoding.ids) if side is None else row_width(len(encoding.ids), self.sides.side(side))
 
-    def _encode(self, tokenizer, texts):
-        """``texts``' encodings for the encoder's rows: without character offsets where no output needs them."""
+    def _encode(self, tokenizer, texts, limit):
+        """``texts``' encodings for the encoder's rows (truncated at ``limit`` tokens): without character offsets
+        where no output needs them, and a long text's only as far as truncation keeps where that is exact."""
         fast = getattr(tokenizer, "encode_batch_fast", None) if self.rows_only else None
-        return (fast or tokenizer.encode_batch)(texts)
+        encode = fast or tokenizer.encode_batch
+        return encode_cut(encode, texts, limit) if self.cut else encode(texts)
 
     def _tokens(self, request):
         prompt = self._prompt(request)
