@@ -596,11 +596,7 @@ def test_a_burst_past_the_limit_is_refused_at_once_and_what_was_admitted_is_answ
         # a gateway that waited for a place instead would answer none of these while the admitted are held
         with ThreadPoolExecutor(len(burst)) as pool:
             refused = list(pool.map(lambda request: call(f"{admitting.url}{request[0]}", request[1]), burst))
-        answers = []
-        for connection, rest in held:
-            connection.send(rest)
-            response = connection.getresponse()
-            answers.append((response.status, json.loads(response.read())))
+        answers = _finished(held)
     finally:
         for connection, _ in held:
             connection.close()
@@ -621,6 +617,16 @@ def test_a_burst_past_the_limit_is_refused_at_once_and_what_was_admitted_is_answ
     assert step_counts(served["http"], "minilm", "tokenizer")[0] - tokenized == ADMITTED * BURST_TEXTS
     status, _, _ = call(f"{admitting.url}/v1/embeddings", {"model": "minilm", "input": "next"})
     assert status == 200  # the places freed: a query right after the burst is admitted
+
+
+def _finished(held: list[tuple[http.client.HTTPConnection, bytes]]) -> list[tuple[int, object]]:
+    """Each held request (:func:`_held_request`) sent whole: its status and JSON body."""
+    answers = []
+    for connection, rest in held:
+        connection.send(rest)
+        response = connection.getresponse()
+        answers.append((response.status, json.loads(response.read())))
+    return answers
 
 
 def _held_request(gateway: Gateway, route: str, body: dict) -> tuple[http.client.HTTPConnection, bytes]:
@@ -651,11 +657,7 @@ def test_requests_in_flight_hold_their_places_and_the_sdk_reads_a_refusal_as_rat
         assert call(f"{admitting.url}/v1/models")[0] == 200 and call(f"{admitting.url}/health")[0] == 200
         got, _, info = call(f"{admitting.url}/info")
         assert got == 200 and info["max_concurrent_requests"] == ADMITTED
-        answers = []
-        for connection, rest in held:
-            connection.send(rest)
-            response = connection.getresponse()
-            answers.append((response.status, json.loads(response.read())))
+        answers = _finished(held)
     finally:
         for connection, _ in held:
             connection.close()
