@@ -75,6 +75,9 @@ def test_destinations_parse_as_triton_names_them():
                                                                                       "http://10.0.0.5:9000")
     assert pub.Destination.parse("s3://https://store:443/bucket") == pub.Destination("bucket", "", "https://store:443")
     assert pub.Destination.parse("s3://b/p", "http://x:1").endpoint_url == "http://x:1"
+    assert pub.Destination.parse("s3://x:1/b/p", "http://x:1/").endpoint_url == "http://x:1"  # the same store twice
+    with pytest.raises(pub.PublishError, match="names the store http://x:1 and --endpoint-url http://y:2"):
+        pub.Destination.parse("s3://x:1/b/p", "http://y:2")
     for bad in ("/local/folder", "s3://", "gs://bucket/p"):
         with pytest.raises(pub.PublishError):
             pub.Destination.parse(bad)

@@ -81,7 +81,11 @@ class Destination:
                 scheme, rest = given[:-3], rest[len(given):]
         parts = [p for p in rest.split("/") if p]
         if parts and ":" in parts[0]:  # s3://HOST:PORT/bucket/prefix, as Triton names a non-AWS store
-            endpoint_url = endpoint_url or f"{scheme}://{parts.pop(0)}"
+            named = f"{scheme}://{parts.pop(0)}"
+            if endpoint_url and endpoint_url.rstrip("/") != named:  # which store is meant is not ours to guess
+                raise PublishError(f"--to names the store {named} and --endpoint-url {endpoint_url}: "
+                                   "give one of them, or the same store in both")
+            endpoint_url = named
         if not parts:
             raise PublishError(f"{url!r} names no bucket (s3://bucket/prefix)")
         return cls(parts[0], "/".join(parts[1:]), endpoint_url)
