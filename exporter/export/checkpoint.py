@@ -113,6 +113,9 @@ class Checkpoint:
         index = self.directory / "pytorch_model.bin.index.json"
         if index.is_file():
             files = sorted({self.directory / n for n in json.loads(index.read_text())["weight_map"].values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise CheckpointError(f"{index.name} lists shards that are missing: {', '.join(missing)}")
         else:
             files = [self.directory / "pytorch_model.bin"]
         if not all(f.is_file() for f in files):

@@ -11,6 +11,7 @@ are L2-normalised, the sequence length the model was trained for), which
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,9 @@ from nexus_sli.exporter.triton.folders import check_name  # noqa: F401 - the exp
 
 from . import packaged
 from .families import EncoderFamily
-from .st_folder import trained_length
+from .st_folder import lowercases, trained_length
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 # Files an export needs; weights as safetensors unless pickle was allowed.
@@ -111,7 +114,31 @@ def max_sequence_length(path: Path, family: EncoderFamily, config: Any) -> int:
 
 
 def tokenizer_file(path: Path, staging: Path) -> Path:
-    """``tokenizer.json`` of the model; converted from slow-tokenizer files when absent."""
+    """``tokenizer.json`` of the model (converted from slow-tokenizer files when absent), lowercasing the texts
+    first where sentence-transformers does (:func:`lowercased`)."""
+    found = _tokenizer_json(path, staging)
+    return lowercased(found, staging) if lowercases(path) else found
+
+
+def lowercased(file: Path, staging: Path) -> Path:
+    """The tokenizer at ``file`` with a ``Lowercase`` normalizer in front, saved into ``staging``, as
+    sentence-transformers' ``do_lower_case`` sets it up (``file`` itself where its normalizer lowercases
+    already); a tokenizer that cases its texts would otherwise serve other tokens than the model reads."""
+    from tokenizers import Tokenizer, normalizers
+
+    tokenizer = Tokenizer.from_file(str(file))
+    current = tokenizer.normalizer
+    steps = list(current) if isinstance(current, normalizers.Sequence) else [current] if current else []
+    if any(isinstance(step, normalizers.Lowercase) for step in steps):
+        return file
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Lowercase(), *steps])
+    served = staging / "lowercased-tokenizer.json"
+    tokenizer.save(str(served))
+    log.info("the model lowercases its texts (do_lower_case): the served tokenizer does too")
+    return served
+
+
+def _tokenizer_json(path: Path, staging: Path) -> Path:
     found = path / "tokenizer.json"
     if found.is_file():
         return found

@@ -35,6 +35,14 @@ log = logging.getLogger(__name__)
 #: The model's own settings, and the Transformer module's (the trained length).
 ST_CONFIG = "config_sentence_transformers.json"
 SENTENCE_BERT_CONFIG = "sentence_bert_config.json"
+#: The names the Transformer module's settings are saved under, the first one found read, as sentence-transformers
+#: reads them (older releases named the file after the model type).
+TRANSFORMER_CONFIGS = (SENTENCE_BERT_CONFIG, "sentence_roberta_config.json", "sentence_distilbert_config.json",
+                       "sentence_camembert_config.json", "sentence_albert_config.json",
+                       "sentence_xlm-roberta_config.json", "sentence_xlnet_config.json")
+#: The package whose modules the export reproduces: a module of another package (a model's own code, loaded
+#: with trust_remote_code) may compute anything under a familiar class name.
+ST_PACKAGE = "sentence_transformers."
 #: The tokenizer's configs that name its special tokens; the later names win where both do.
 TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP = "tokenizer_config.json", "special_tokens_map.json"
 #: torch.nn.LayerNorm's epsilon, which sentence-transformers' LayerNorm module keeps (it saves no other)
@@ -93,11 +101,53 @@ _SERVED_PIPELINE_TEXT = "Transformer -> [Dense ...] -> Pooling -> [Dense ...] ->
 
 def check_pipeline(path: Path) -> None:
     """Refuse a sentence-transformers pipeline with modules the export would leave out (one it does not
-    know, a LayerNorm before the normalisation): served vectors would silently differ."""
-    kinds = tuple(module.kind for module in modules(path))
+    know, a LayerNorm before the normalisation) or reproduce otherwise than it runs (a module of another
+    package, a Transformer that answers another output, a Normalize of another feature): served vectors
+    would silently differ."""
+    found = modules(path)
+    kinds = tuple(module.kind for module in found)
     if kinds and not _SERVED_PIPELINE.fullmatch(" ".join(kinds)):
         raise NexusError(f"{path / 'modules.json'} lists the modules {', '.join(kinds)}; the export reproduces "
                          f"{_SERVED_PIPELINE_TEXT} and would leave the others out")
+    foreign = [module.type for module in found if not module.type.startswith(ST_PACKAGE)]
+    if foreign:
+        raise NexusError(f"{path / 'modules.json'} lists {', '.join(foreign)}: not sentence-transformers' own "
+                         "modules, so the export cannot know what they compute")
+    if found:
+        _check_transformer(path, transformer_config(path))
+    for module in found:
+        if module.kind == "Normalize":
+            _check_feature(module.config, module.path / "config.json", "Normalize")
+
+
+def _check_transformer(path: Path, settings: dict) -> None:
+    """Refuse a Transformer module whose saved settings make sentence-transformers read other token states than
+    the encoder's last hidden states, or tokenize otherwise than the served tokenizer (its ``processing_kwargs``
+    override the truncation length, the special tokens ... at every call)."""
+    task = settings.get("transformer_task")
+    if task not in (None, "feature-extraction"):
+        raise NexusError(f"{path}: the Transformer module runs the task {task!r}; the export pools the encoder's "
+                         "token states (feature-extraction)")
+    output = ((settings.get("modality_config") or {}).get("text") or {}).get("method_output_name")
+    if output not in (None, "last_hidden_state"):
+        raise NexusError(f"{path}: the Transformer module reads the model's {output!r}; the export pools its "
+                         "last_hidden_state")
+    overrides = {key: value for key, value in (settings.get("processing_kwargs") or {}).items()
+                 if key in ("text", "common") and value}
+    if overrides:
+        raise NexusError(f"{path}: the Transformer module's processing_kwargs {overrides} change how "
+                         "sentence-transformers tokenizes each text; the export tokenizes as the model's "
+                         "tokenizer.json and max_seq_length say")
+
+
+def _check_feature(config: dict, file: Path, kind: str) -> None:
+    """Refuse a module that reads or writes another feature than the pooled vector (a Normalize of the token
+    states would leave the sentence embedding as it is)."""
+    source = config.get("module_input_name") or dense.SENTENCE
+    target = config.get("module_output_name") or source
+    if (source, target) != (dense.SENTENCE, dense.SENTENCE):
+        raise NexusError(f"{file}: the {kind} module reads {source!r} and writes {target!r}; the export applies it "
+                         f"to the pooled {dense.SENTENCE!r} only")
 
 
 def dense_modules(path: Path, allow_pickle: bool = False) -> tuple[list[Dense], list[Dense]]:
@@ -168,19 +218,32 @@ def pooling_mode(path: Path) -> str:
     if folder is None:
         log.warning("%s has no sentence-transformers pooling config; using mean pooling", path)
         return "mean"
-    config = read_json(folder / "config.json")
-    if "pooling_mode" in config:
-        modes = [config["pooling_mode"]]
-    else:
-        modes = [k[len("pooling_mode_"):] for k, v in config.items() if k.startswith("pooling_mode_") and v]
-    aliases = {"cls_token": "cls", "mean_tokens": "mean", "max_tokens": "max"}
-    modes = [aliases.get(m, m) for m in modes]
+    modes = _pooling_modes(read_json(folder / "config.json"))
     if len(modes) != 1 or modes[0] not in POOLING_MODES:
+        # several modes: sentence-transformers concatenates their vectors, which the served pooling does not
         raise NexusError(
-            f"unsupported pooling {modes or 'none'} in {folder / 'config.json'}; "
-            f"known modes: {', '.join(POOLING_MODES)}"
+            f"unsupported pooling {' + '.join(map(str, modes)) or 'none'} in {folder / 'config.json'}; "
+            f"the export pools with one of the modes {', '.join(POOLING_MODES)}"
         )
     return modes[0]
+
+
+#: sentence-transformers' older Pooling configs: a flag per mode (its mode names since the ``pooling_mode`` key)
+_MODE_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
+               "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+               "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+
+
+def _pooling_modes(config: dict) -> list:
+    """The modes a Pooling config turns on: its ``pooling_mode`` (one mode, or a list of them), which wins over
+    the older flags as in sentence-transformers, else the flags that are set (in the order sentence-transformers
+    concatenates their vectors)."""
+    if "pooling_mode" in config:
+        mode = config["pooling_mode"]
+        return list(mode) if isinstance(mode, list) else [mode]
+    unknown = [key.removeprefix("pooling_mode_") for key, value in config.items()
+               if key.startswith("pooling_mode_") and key not in _MODE_FLAGS and value]
+    return [mode for key, mode in _MODE_FLAGS.items() if config.get(key)] + unknown
 
 
 def layer_norm(path: Path) -> LayerNormRecord | None:
@@ -272,7 +335,7 @@ def matryoshka_dims(path: Path, hidden_size: int) -> list[int]:
 def trained_length(path: Path, limit: int) -> int:
     """The sequence length the folder says the model was trained for (sentence-transformers'
     ``max_seq_length``, else the tokenizer's ``model_max_length``), never past ``limit`` positions."""
-    trained = read_json(path / SENTENCE_BERT_CONFIG).get("max_seq_length")
+    trained = transformer_config(path).get("max_seq_length")
     if trained is None:
         trained = read_json(path / TOKENIZER_CONFIG).get("model_max_length")
     if isinstance(trained, (int, float)) and 0 < trained < limit:
@@ -281,10 +344,16 @@ def trained_length(path: Path, limit: int) -> int:
 
 
 def transformer_config(path: Path) -> dict:
-    """The Transformer module's own saved settings (its ``sentence_bert_config.json``; the model's folder
-    where ``modules.json`` lists no Transformer)."""
+    """The Transformer module's own saved settings (its ``sentence_bert_config.json``, or an older release's
+    name for it: :data:`TRANSFORMER_CONFIGS`; the model's folder where ``modules.json`` lists no Transformer)."""
     folder = next((module.path for module in modules(path) if module.kind == "Transformer"), path)
-    return read_json(folder / SENTENCE_BERT_CONFIG)
+    return next((config for config in (read_json(folder / name) for name in TRANSFORMER_CONFIGS) if config), {})
+
+
+def lowercases(path: Path) -> bool:
+    """Whether sentence-transformers lowercases the texts before its tokenizer reads them (the Transformer
+    module's ``do_lower_case``)."""
+    return bool(transformer_config(path).get("do_lower_case", False))
 
 
 def special_tokens(file: Path) -> dict[str, str]:
