@@ -139,10 +139,14 @@ def lowercased(file: Path, staging: Path) -> Path:
 
 
 def _tokenizer_json(path: Path, staging: Path) -> Path:
+    """The tokenizer transformers loads from the folder (``AutoTokenizer``'s fast tokenizer), saved as one
+    file: what sentence-transformers and transformers' pipelines tokenize with.  That is not always the folder's
+    ``tokenizer.json`` as it is: for a BERT tokenizer transformers builds the normalizer from
+    ``tokenizer_config.json`` (``do_lower_case``, ``strip_accents``), whatever ``tokenizer.json`` says.  The
+    folder's ``tokenizer.json`` where transformers cannot load it (a tokenizer of the model's own code), or
+    builds another vocabulary from it (:func:`_same_vocabulary`)."""
     found = path / "tokenizer.json"
-    if found.is_file():
-        return found
-    if not any(next(path.glob(pattern), None) for pattern in _SLOW_TOKENIZER_FILES):
+    if not found.is_file() and not any(next(path.glob(pattern), None) for pattern in _SLOW_TOKENIZER_FILES):
         # transformers would build a tokenizer of its special tokens alone, which reads every text as [UNK]s:
         # the reference would be tokenized the same way, and validation could not tell
         raise ModelSourceError(f"{path} has no tokenizer: neither tokenizer.json nor the files a tokenizer is "
@@ -151,11 +155,27 @@ def _tokenizer_json(path: Path, staging: Path) -> Path:
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path), use_fast=True, trust_remote_code=False)
-        converted = staging / "tokenizer.json"
-        tokenizer.backend_tokenizer.save(str(converted))
-        return converted
+        backend = AutoTokenizer.from_pretrained(str(path), use_fast=True, trust_remote_code=False).backend_tokenizer
     except Exception as exc:
+        if found.is_file():
+            log.warning("transformers could not load the tokenizer of %s (%s): serving its tokenizer.json as it is",
+                        path, exc)
+            return found
         raise ModelSourceError(
             f"{path} has no tokenizer.json and its tokenizer files could not be converted ({exc})"
         ) from exc
+    if found.is_file() and not _same_vocabulary(backend, found):
+        log.warning("transformers builds another vocabulary from %s's tokenizer files than its tokenizer.json "
+                    "holds (files of different tokenizers?): serving tokenizer.json as it is", path)
+        return found
+    loaded = staging / "tokenizer.json"
+    backend.save(str(loaded))
+    return loaded
+
+
+def _same_vocabulary(backend, file: Path) -> bool:
+    """Whether transformers' tokenizer has the vocabulary, and the added tokens, of ``file``: it then reads the
+    folder's tokenizer with other settings at most; otherwise the folder holds files of different tokenizers,
+    which transformers joins into one that neither describes."""
+    ours, theirs = json.loads(file.read_text()), json.loads(backend.to_str())
+    return all(ours.get(key) == theirs.get(key) for key in ("model", "added_tokens"))
