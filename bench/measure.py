@@ -105,8 +105,15 @@ class Measurement:
         pooled = [x for s in self.samples for x in s.latencies_ms]
         return float(np.percentile(pooled, q)) if pooled else None
 
+    def reached(self) -> np.ndarray:
+        """Which of ``texts`` some repetition ran: a time-boxed run stops before the end of its list."""
+        mask = np.zeros(len(self.texts), dtype=bool)
+        for sample in self.samples:
+            mask[sample.indices] = True
+        return mask
+
     def embeddings(self) -> np.ndarray:
-        """``[len(texts), hidden]``; NaN rows for texts no repetition reached (time-boxed runs)."""
+        """``[len(texts), hidden]``; NaN rows for texts no repetition reached (:meth:`reached`)."""
         first = self.samples[0].embeddings
         vectors = np.full((len(self.texts), first.shape[1]), np.nan, dtype=np.float64)
         for sample in reversed(self.samples):
@@ -115,12 +122,14 @@ class Measurement:
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise cosine over the rows both have (NaN rows: texts a time-boxed run did not reach)."""
-    keep = ~np.isnan(a).any(axis=1) & ~np.isnan(b).any(axis=1)
-    a, b = a[keep].astype(np.float64), b[keep].astype(np.float64)
-    a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
-    b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
-    return np.sum(a * b, axis=1)
+    """Row-wise cosine of every row.  A vector that is not finite (a runtime's NaN or overflow) gives NaN,
+    never a row left out: fidelity figures must not read a broken output as a missing one.  Callers that
+    compare time-boxed runs pass only the rows both reached (:meth:`Measurement.reached`)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    with np.errstate(invalid="ignore"):  # an infinite vector's NaN is the answer, not a warning
+        a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+        b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
+        return np.sum(a * b, axis=1)
 
 
 def timed(function: Callable[[list[str]], np.ndarray]) -> Callable[[list[str]], Sample]:

@@ -9,7 +9,8 @@ from .measure import CONCURRENT16, LATENCY1, Measurement, cosines
 
 
 def _row(m: Measurement, reference: Measurement, baseline_batch: Measurement) -> dict:
-    cos = cosines(m.embeddings(), reference.embeddings())
+    both = m.reached() & reference.reached()  # time-boxed runs: the texts both timed
+    cos = cosines(m.embeddings()[both], reference.embeddings()[both])
     p50, p99 = m.percentile_ms(50), m.percentile_ms(99)
     if m.mode == LATENCY1:
         ratio = reference.percentile_ms(50) / p50 if p50 else None  # speed-up: > 1 is faster

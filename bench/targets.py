@@ -72,6 +72,18 @@ class Bound:
         return f"{self._fmt(median)} measured, {self.text()} allowed: {median / self.value - 1:.0%} over"
 
 
+# --- fidelity --------------------------------------------------------------------------------------
+
+def _nan_first(value: float) -> tuple[bool, float]:
+    return (value == value, value)  # NaN != NaN: (False, nan) sorts before every number
+
+
+def lowest_cosine(cosines) -> float:
+    """The lowest of ``cosines``, NaN (a path's output that was not finite) before any number: Python's
+    ``min`` keeps or skips a NaN depending on where it stands."""
+    return min(cosines, key=_nan_first)
+
+
 # --- paired arithmetic -----------------------------------------------------------------------------
 
 def paired_ratios(values: list[float | None], reference: list[float | None]) -> list[float]:
@@ -184,7 +196,8 @@ class Rows:
         measured = [r for r in (self.served(m, p) for m in (BATCH32, CONCURRENT16) for p in self.protocols()) if r]
         if not measured:
             return "the default configuration's fidelity was not measured"
-        mean, low = min(r["cosine_mean"] for r in measured), min(r["cosine_min"] for r in measured)
+        mean = lowest_cosine(r["cosine_mean"] for r in measured)
+        low = lowest_cosine(r["cosine_min"] for r in measured)
         if mean >= QUALIFYING["cosine_mean"] and low >= QUALIFYING["cosine_min"]:
             return ""
         return (f"does not qualify: cosine mean {mean:.4f} (>= {QUALIFYING['cosine_mean']} needed), "
@@ -364,7 +377,7 @@ def _fp32_fidelity(rows: list[dict]) -> list[dict]:
     fp32 = [r for r in rows if r["path"] == SERVED and r["precision"] == "fp32" and r["cosine_min"] is not None]
     if not fp32:
         return []
-    worst = min(fp32, key=lambda r: r["cosine_min"])
+    worst = min(fp32, key=lambda r: _nan_first(r["cosine_min"]))
     met = worst["cosine_min"] >= FP32_SERVED_COSINE_MIN
     return [{"target": "fp32 served fidelity", "comparison": "min cosine to the reference's embeddings",
              "required": f">= {FP32_SERVED_COSINE_MIN}", "median": worst["cosine_min"], "spread": None,
