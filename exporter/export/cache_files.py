@@ -54,12 +54,15 @@ def tick() -> int:
 
 
 def touch(path: Path) -> None:
-    """Mark ``path`` as just used."""
+    """Mark ``path`` as just used, where this process may: recency only orders evictions, so an entry it cannot
+    mark (another user's in a shared cache, a read-only mount) is still a hit."""
     now = tick()
     try:
         os.utime(path, ns=(now, now))
     except FileNotFoundError:  # evicted by another process meanwhile: nothing to mark
         pass
+    except OSError as exc:
+        log.debug("cannot mark %s as used (%s)", path.name, exc)
 
 
 def unlink(path: Path) -> None:
@@ -67,6 +70,14 @@ def unlink(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+
+
+def discard(path: Path, what: str) -> None:
+    """Delete a damaged entry where this process may; one it cannot delete stays a miss for it."""
+    try:
+        unlink(path)
+    except OSError as exc:
+        log.warning("%s: cannot delete %s (%s); it stays, and is a miss", what, path.name, exc)
 
 
 def _fsync_directory(directory: Path) -> None:

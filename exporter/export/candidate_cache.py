@@ -28,7 +28,8 @@ The key is a SHA-256 over what the graph depends on:
   int8 settings, and the name the graph is written under (an ONNX graph names
   its data file);
 - the versions of the libraries that write graphs (NNCF, OpenVINO, ONNX
-  Runtime, ONNX) and the source of the modules that call them.
+  Runtime, ONNX; whichever distribution provides each module, such as
+  ``onnxruntime-gpu``) and the source of the modules that call them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import logging
 import os
 import re
 import tarfile
+import time
 from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
@@ -64,6 +66,8 @@ LIBRARIES = ("nncf", "openvino", "onnxruntime", "onnx")
 #: the modules (of this package) that call them: a change to their source is a new key
 MAKERS = ("static_int8.py", "quantize.py", "onnx_files.py")
 _CHUNK = 16 << 20
+#: how long ago a file must have changed for its stat to stand for its content (FAT's mtime ticks are 2 s)
+_SETTLED_NS = 2_000_000_000
 
 
 def graph_files(path: Path) -> list[Path]:
@@ -93,14 +97,13 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _versions() -> dict[str, str | None]:
-    found = {}
-    for name in LIBRARIES:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
+def _versions() -> dict[str, list[str]]:
+    """Each library's installed distributions as ``name==version``, found by the module they provide: the
+    ``onnxruntime`` module may come from ``onnxruntime-gpu`` (or another build), where a lookup by the module's
+    name finds no version at all and an upgrade would leave the key as it was."""
+    providers = metadata.packages_distributions()
+    return {name: sorted(f"{dist}=={metadata.version(dist)}" for dist in set(providers.get(name, [])))
+            for name in LIBRARIES}
 
 
 def _code_digest() -> str:
@@ -116,7 +119,8 @@ class CandidateCache:
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_cache_size_gb * _GIB
-        #: (path, size, mtime, inode) -> SHA-256: one export digests its plain graph once for every step
+        #: (path, size, mtime, ctime, inode) -> SHA-256: one export digests its plain graph once for every step
+        #: (ctime: a rewrite that puts the old mtime back still changes it)
         self._digests: dict[tuple, str] = {}
         self._fixed = {"format": _FORMAT, "libraries": _versions(), "code": _code_digest()}
         cache_files.remove_dead_temps(self.cache_dir, _ENTRY_SUFFIX, _WHAT)
@@ -181,7 +185,7 @@ class CandidateCache:
                 problem = f"unreadable ({type(exc).__name__}: {exc})"
         if problem:
             log.warning("candidate cache entry %s is damaged: %s; deleting it", path.name, problem)
-            cache_files.unlink(path)
+            cache_files.discard(path, _WHAT)
             return False
         cache_files.touch(path)
         return True
@@ -192,10 +196,15 @@ class CandidateCache:
 
     def _digest(self, path: Path) -> str:
         stat = path.stat()
-        memo = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
-        if memo not in self._digests:
-            self._digests[memo] = _file_digest(path)
-        return self._digests[memo]
+        memo = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
+        if memo in self._digests:
+            return self._digests[memo]
+        digest = _file_digest(path)
+        # File timestamps advance in clock ticks (coarse on many kernels and file systems): a file changed
+        # within one may change again under the same stat, so only a settled file's digest is remembered.
+        if time.time_ns() - max(stat.st_mtime_ns, stat.st_ctime_ns) > _SETTLED_NS:
+            self._digests[memo] = digest
+        return digest
 
 
 def _write_tar(handle: BinaryIO, manifest: dict, files: list[Path]) -> None:

@@ -367,6 +367,9 @@ class LayerCache:
             data = path.read_bytes()  # one read: a concurrent replace or unlink cannot tear it
         except FileNotFoundError:
             return None
+        except OSError as exc:  # another user's entry, a failing disk: the checkpoint still has the layer
+            log.warning("layer cache entry %s cannot be read (%s); a miss", path.name, exc)
+            return None
         try:
             metadata = _read_metadata(data)
             stored = load_safetensors(data)
@@ -376,7 +379,7 @@ class LayerCache:
             problem = f"unreadable ({type(exc).__name__}: {exc})"
         if problem:
             log.warning("layer cache entry %s is damaged: %s; deleting it", path.name, problem)
-            _unlink(path)
+            cache_files.discard(path, _WHAT)
             return None
         return metadata, stored
 
