@@ -19,7 +19,7 @@ from nexus_sli.exporter.export.revalidate import revalidate
 from nexus_sli.exporter.targets import configurations_for
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton.python_models.encoding import padded_length
-from helpers.tiny_models import COMMON, TINY_CONFIGS, plain_graph, quiet_session
+from helpers.tiny_models import COMMON, TINY_CONFIGS, build_tiny, plain_graph, quiet_session
 from helpers.tiny_remote_models import REMOTE_TINY, build_tiny_remote
 
 
@@ -184,3 +184,24 @@ def test_the_fp16_graph_computes_rotary_tables_in_fp32(model_type, tmp_path):
                   for source, with_table in ((graph["path"], tmp_path / "a.onnx"), (half, tmp_path / "b.onnx"))
                   for name in (_with_output(source, with_table, node),)]
         assert tables[0].dtype == tables[1].dtype == np.float32 and np.array_equal(*tables), kind
+
+
+def _engine_cache(repository, name: str) -> str:
+    (accelerator,) = tc.read(repository / f"{name}_encoder" / "config.pbtxt").optimization.execution_accelerators \
+        .gpu_execution_accelerator
+    return dict(accelerator.parameters)["trt_engine_cache_path"]
+
+
+def test_each_graph_has_its_own_tensorrt_engine_cache(tiny_tokenizer, tmp_path):
+    """ONNX Runtime names a cached engine after the graph's structure and names, not its weights: two models of one
+    architecture, or a re-export of new weights, must not share a folder, or one would serve the other's engine.
+    The same graph exported again keeps its folder, so a restart reuses the engines it built."""
+    from nexus_sli.exporter.targets.onnxruntime_gpu import ENGINE_CACHE
+
+    caches = {}
+    for name, seed in (("first", 0), ("again", 0), ("other", 1)):
+        checkpoint = build_tiny("bert", tmp_path / f"ckpt-{name}", tiny_tokenizer, seed=seed)
+        _gpu_export(str(checkpoint), tmp_path / "repo", name, task="embedding")
+        caches[name] = _engine_cache(tmp_path / "repo", name)
+    assert all(cache.startswith(ENGINE_CACHE + "/") for cache in caches.values()), caches
+    assert caches["first"] == caches["again"] != caches["other"]

@@ -78,6 +78,14 @@ def graph_files(path: Path) -> list[Path]:
     return onnx_files.files(path)
 
 
+def graph_digest(path: Path) -> str:
+    """SHA-256 over the bytes of a graph's files (:func:`graph_files`): its weights as well as its structure."""
+    digest = hashlib.sha256()
+    for file in graph_files(path):
+        digest.update(_file_digest(file).encode())
+    return digest.hexdigest()
+
+
 def feeds_digest(feeds: list[Mapping[str, np.ndarray]]) -> str:
     """SHA-256 over every batch's arrays (name, dtype, shape, bytes): what a calibration reads."""
     digest = hashlib.sha256()

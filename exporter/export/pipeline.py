@@ -506,7 +506,8 @@ def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: 
     ``rows``: the repository's ``max_batch_size`` (None: the target's device decides)."""
     task, config, embedder = prepared.task, prepared.config, prepared.embedder
     configuration = attempt.configuration
-    serving = replace(configuration.target.serving(configuration.precision), rows=rows)
+    serving = configuration.target.serving_graph(
+        replace(configuration.target.serving(configuration.precision), rows=rows), chosen.path)
     facts = ServingFacts(prepared.graph.served_inputs, prepared.family.hidden_size(config),
                          int(getattr(config, "num_labels", 0) or 0), prepared.graph.max_length, prepared.graph.pad_id,
                          report.truncate, task.post_params(config, embedder), serving, f"model{chosen.path.suffix}",

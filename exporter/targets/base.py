@@ -202,3 +202,7 @@ class Target(ABC):
     @abstractmethod
     def serving(self, precision: str) -> EncoderServing:
         """The encoder config's platform or backend, parameters and device."""
+
+    def serving_graph(self, serving: EncoderServing, graph: Path) -> EncoderServing:
+        """``serving`` (:meth:`serving`) for the one graph the encoder serves, where a setting depends on it."""
+        return serving

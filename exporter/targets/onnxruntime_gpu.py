@@ -22,8 +22,10 @@ the GPU host (:mod:`targets.tensorrt_plan`).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
+from nexus_sli.exporter.export.candidate_cache import graph_digest
 from nexus_sli.exporter.export.fp16 import convert_fp16
 from nexus_sli.exporter.serving.backends.onnxruntime_providers import choose_providers, load_gpu_libraries
 from nexus_sli.exporter.triton.config import Accelerator, EncoderServing
@@ -34,8 +36,13 @@ log = logging.getLogger(__name__)
 
 #: Token widths a GPU batch is padded to (the smallest that fits; capped at the model's limit).
 PAD_BUCKETS = (16, 32, 64, 128, 256, 512)
-#: Where ONNX Runtime keeps the TensorRT engines it builds on the serving host (so a restart reuses them).
+#: Where ONNX Runtime keeps the TensorRT engines it builds on the serving host (so a restart reuses them), a
+#: folder per graph below it (:meth:`OnnxRuntimeGPU.serving_graph`)
 ENGINE_CACHE = "/tmp/nexus-sli-trt-cache"
+#: The accelerator parameter that names it
+ENGINE_CACHE_PATH = "trt_engine_cache_path"
+#: The hex digits of a graph's digest its engine folder is named by
+ENGINE_FOLDER_DIGITS = 16
 
 
 class OnnxRuntimeGPU(Target):
@@ -63,10 +70,10 @@ class OnnxRuntimeGPU(Target):
         engine cache path) are the ones validated; without it, the config this target writes."""
         import onnxruntime as ort
 
-        if config is None:
+        if config is None:  # the graph's own engine folder, as its config will name it
+            (accelerator,) = self.serving_graph(self.serving(self.precisions[0]), path).accelerators
             config = {"instance_group": [{"kind": "KIND_GPU"}], "optimization": {"execution_accelerators": {
-                "gpu_execution_accelerator": [{"name": self.accelerator.name,
-                                               "parameters": dict(self.accelerator.parameters)}]}}}
+                "gpu_execution_accelerator": [{"name": accelerator.name, "parameters": dict(accelerator.parameters)}]}}}
         notes = load_gpu_libraries(ort)
         providers, chosen = choose_providers(config, ort.get_available_providers())
         log.info("%s on this machine: %s", self.name, "; ".join([*notes, *chosen]))
@@ -78,12 +85,22 @@ class OnnxRuntimeGPU(Target):
         return EncoderServing(platform="onnxruntime_onnx", device="KIND_GPU", accelerators=(self.accelerator,),
                               pad_widths=PAD_BUCKETS)
 
+    def serving_graph(self, serving: EncoderServing, graph: Path) -> EncoderServing:
+        """The engine cache in a folder of this graph's own, named by a digest of its files: ONNX Runtime names
+        a cached engine after the graph's structure and names, not its weights, so two exports of one
+        architecture on a server, or a re-export of new weights, would otherwise load each other's engines and
+        answer with the other model's weights."""
+        folder = graph_digest(graph)[:ENGINE_FOLDER_DIGITS]
+        return replace(serving, accelerators=tuple(
+            replace(a, parameters={**a.parameters, ENGINE_CACHE_PATH: f"{a.parameters[ENGINE_CACHE_PATH]}/{folder}"})
+            if ENGINE_CACHE_PATH in a.parameters else a for a in serving.accelerators))
+
 
 class OnnxRuntimeTensorRT(OnnxRuntimeGPU):
     name = "onnxruntime-tensorrt"
     accelerator = Accelerator("tensorrt", {
         "precision_mode": "FP16", "max_workspace_size_bytes": str(1 << 30),
-        "trt_engine_cache_enable": "1", "trt_engine_cache_path": ENGINE_CACHE,
+        "trt_engine_cache_enable": "1", ENGINE_CACHE_PATH: ENGINE_CACHE,
         # TensorRT's own LayerNorm in fp32 too, as the graph keeps it (fp16.FP32_OPS)
         "trt_layer_norm_fp32_fallback": "1",
     })
