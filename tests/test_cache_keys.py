@@ -254,3 +254,19 @@ def test_a_settled_source_is_digested_once_per_export(tmp_path, monkeypatch):
     for recipe in ({"keep": []}, {"keep": ["a"]}):
         cache.key(tmp_path / "q.onnx", [source], recipe)
     assert digested == [source]
+
+
+def test_a_change_to_the_code_that_converts_a_families_tensors_misses(bert, monkeypatch):
+    """The layers' weights are what the walk's and the family's code made of the checkpoint's tensors: a cache
+    filled by other code (an upgrade that fixed a conversion) is a miss, not its weights served and validated
+    against themselves."""
+    from nexus_sli.exporter.export import walk as walking
+    from nexus_sli.exporter.export.families.native import NomicBertFamily
+    from nexus_sli.exporter.export.families.remote_code import GteFamily
+
+    directory, cache = bert
+    # the digest reads the family's own module: families of other modules have other digests
+    assert walking._conversion_digest(NomicBertFamily()) != walking._conversion_digest(GteFamily())
+    assert _walk(directory, cache)[1] == LAYERS
+    monkeypatch.setattr(walking, "_conversion_digest", lambda family: "another conversion")
+    assert _walk(directory, cache)[1] == 0

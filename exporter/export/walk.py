@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import json
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +44,17 @@ log = logging.getLogger(__name__)
 
 # Part of every cache key: bump it when the walk changes what a layer's weights
 # are for the same checkpoint tensors (convert_layer_tensors, dtype handling).
+# The source of the walk and of the family's classes is in the key too
+# (:func:`_conversion_digest`), so a change there is a miss even without a bump.
 _CACHE_KEY_VERSION = 1
+
+
+def _conversion_digest(family: Any) -> str:
+    """SHA-256 of the code that turns a checkpoint's tensors into a layer's weights: this module and the
+    modules of the family's class and of every class it derives from (``convert_layer_tensors``)."""
+    files = {Path(__file__)} | {Path(inspect.getsourcefile(kind)) for kind in type(family).__mro__
+                                if kind is not object and inspect.getsourcefile(kind)}
+    return hashlib.sha256(b"".join(file.read_bytes() for file in sorted(files))).hexdigest()
 
 
 @dataclass
@@ -125,10 +137,12 @@ class _CachedLayers:
     validation could not notice.
     """
 
-    def __init__(self, cache: LayerCache, checkpoint: Checkpoint, model_type: str):
+    def __init__(self, cache: LayerCache, checkpoint: Checkpoint, model_type: str, code: str = ""):
         self.cache = cache
         self.checkpoint = checkpoint
         self.model_type = model_type
+        #: :func:`_conversion_digest` of the family walked
+        self.code = code
         self.model_id = str(checkpoint.directory.resolve())
         self.store_failed = False
 
@@ -140,6 +154,7 @@ class _CachedLayers:
         layer_type = type(layer)
         payload = {
             "version": _CACHE_KEY_VERSION,
+            "code": self.code,
             "family": self.model_type,
             "layer": f"{layer_type.__module__}.{layer_type.__qualname__}",
             "expects": {name: [str(t.dtype), list(t.shape)] for name, t in layer.state_dict().items()},
@@ -199,7 +214,8 @@ def walk(config: Any, checkpoint: Checkpoint, task: TaskSpec, handler: BERTFamil
     model.eval()
     target_base = "" if model.base_model is model else model.base_model_prefix + "."
     report = WalkReport()
-    cached = _CachedLayers(cache, checkpoint, family.model_type) if cache is not None else None
+    cached = _CachedLayers(cache, checkpoint, family.model_type, _conversion_digest(family)) if cache is not None \
+        else None
     slots = list(family.weight_slots(config))
     consumed = _walk_layers(model.base_model, config, checkpoint, handler, slots, cached, report)
     layer_paths = [family.module_path(config, idx) + "." for idx, _ in slots]
