@@ -287,9 +287,8 @@ def test_do_lower_case_is_served_as_sentence_transformers_tokenizes(tmp_path, pl
 
 
 @pytest.mark.parametrize("cased_file", ["tokenizer.json", "tokenizer_config.json"])
-def test_the_served_tokenizer_is_the_one_transformers_loads_where_the_folders_files_disagree(tmp_path, plain,
-                                                                                              cased_file):
-    """transformers builds a BERT tokenizer's normalizer from tokenizer_config.json, whatever tokenizer.json says:
+def test_a_bert_normalizer_is_served_as_tokenizer_config_states_it(tmp_path, plain, cased_file):
+    """transformers sets a BERT tokenizer's normalizer from tokenizer_config.json, whatever tokenizer.json says:
     where the two disagree on lowercasing, the served tokens are transformers' (and sentence-transformers')."""
     from tokenizers import Tokenizer, normalizers
     from transformers import AutoTokenizer
@@ -311,22 +310,6 @@ def test_the_served_tokenizer_is_the_one_transformers_loads_where_the_folders_fi
     assert [encoding.ids for encoding in raw.encode_batch(texts)] != expected  # the case this test is about
     assert SentenceTransformer(str(folder), device="cpu").preprocess(texts)["input_ids"][:, 0].tolist() == [
         ids[0] for ids in expected]
-
-
-def test_a_tokenizer_transformers_cannot_load_is_served_from_tokenizer_json(tmp_path, plain, caplog):
-    folder = tmp_path / "model"
-    shutil.copytree(plain, folder)
-    (folder / "tokenizer_config.json").write_text("{ not JSON")  # transformers refuses the folder's tokenizer
-    assert tokenizer_file(folder, tmp_path) == folder / "tokenizer.json"
-    assert "serving its tokenizer.json as it is" in caplog.text
-
-
-def test_files_of_different_tokenizers_are_served_as_tokenizer_json_says(tiny_checkpoint, tmp_path, caplog):
-    # a RoBERTa config beside a WordPiece tokenizer.json: transformers builds a byte-level BPE of that vocabulary,
-    # which reads ids past it; the folder's own tokenizer is served, with a warning
-    folder = tiny_checkpoint("roberta")
-    assert tokenizer_file(folder, tmp_path) == folder / "tokenizer.json"
-    assert "builds another vocabulary" in caplog.text
 
 
 def test_a_tokenizer_that_lowercases_already_is_served_as_it_is(tmp_path):

@@ -22,7 +22,7 @@ from nexus_sli.exporter.triton.folders import check_name  # noqa: F401 - the exp
 
 from . import packaged
 from .families import EncoderFamily
-from .st_folder import lowercases, trained_length
+from .st_folder import lowercases, read_json, trained_length
 
 log = logging.getLogger(__name__)
 
@@ -139,14 +139,10 @@ def lowercased(file: Path, staging: Path) -> Path:
 
 
 def _tokenizer_json(path: Path, staging: Path) -> Path:
-    """The tokenizer transformers loads from the folder (``AutoTokenizer``'s fast tokenizer), saved as one
-    file: what sentence-transformers and transformers' pipelines tokenize with.  That is not always the folder's
-    ``tokenizer.json`` as it is: for a BERT tokenizer transformers builds the normalizer from
-    ``tokenizer_config.json`` (``do_lower_case``, ``strip_accents``), whatever ``tokenizer.json`` says.  The
-    folder's ``tokenizer.json`` where transformers cannot load it (a tokenizer of the model's own code), or
-    builds another vocabulary from it (:func:`_same_vocabulary`)."""
     found = path / "tokenizer.json"
-    if not found.is_file() and not any(next(path.glob(pattern), None) for pattern in _SLOW_TOKENIZER_FILES):
+    if found.is_file():
+        return _bert_normalizer_as_configured(found, path, staging)
+    if not any(next(path.glob(pattern), None) for pattern in _SLOW_TOKENIZER_FILES):
         # transformers would build a tokenizer of its special tokens alone, which reads every text as [UNK]s:
         # the reference would be tokenized the same way, and validation could not tell
         raise ModelSourceError(f"{path} has no tokenizer: neither tokenizer.json nor the files a tokenizer is "
@@ -155,27 +151,37 @@ def _tokenizer_json(path: Path, staging: Path) -> Path:
     try:
         from transformers import AutoTokenizer
 
-        backend = AutoTokenizer.from_pretrained(str(path), use_fast=True, trust_remote_code=False).backend_tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(path), use_fast=True, trust_remote_code=False)
+        converted = staging / "tokenizer.json"
+        tokenizer.backend_tokenizer.save(str(converted))
+        return converted
     except Exception as exc:
-        if found.is_file():
-            log.warning("transformers could not load the tokenizer of %s (%s): serving its tokenizer.json as it is",
-                        path, exc)
-            return found
         raise ModelSourceError(
             f"{path} has no tokenizer.json and its tokenizer files could not be converted ({exc})"
         ) from exc
-    if found.is_file() and not _same_vocabulary(backend, found):
-        log.warning("transformers builds another vocabulary from %s's tokenizer files than its tokenizer.json "
-                    "holds (files of different tokenizers?): serving tokenizer.json as it is", path)
-        return found
-    loaded = staging / "tokenizer.json"
-    backend.save(str(loaded))
-    return loaded
 
 
-def _same_vocabulary(backend, file: Path) -> bool:
-    """Whether transformers' tokenizer has the vocabulary, and the added tokens, of ``file``: it then reads the
-    folder's tokenizer with other settings at most; otherwise the folder holds files of different tokenizers,
-    which transformers joins into one that neither describes."""
-    ours, theirs = json.loads(file.read_text()), json.loads(backend.to_str())
-    return all(ours.get(key) == theirs.get(key) for key in ("model", "added_tokens"))
+#: tokenizer_config.json's keys -> the BertNormalizer settings transformers sets from them
+_BERT_NORMALIZER_KEYS = {"do_lower_case": "lowercase", "strip_accents": "strip_accents",
+                         "tokenize_chinese_chars": "handle_chinese_chars"}
+
+
+def _bert_normalizer_as_configured(file: Path, path: Path, staging: Path) -> Path:
+    """``file`` with its ``BertNormalizer`` set as the folder's ``tokenizer_config.json`` states it: transformers'
+    BERT-style tokenizers (BERT, DistilBERT, ELECTRA, MPNet ...) set the normalizer's lowercasing, accent
+    stripping and Chinese characters from those keys whatever ``tokenizer.json`` says, so where the two files
+    disagree the model was tokenized, and sentence-transformers tokenizes, as the config says.  Only the keys
+    the config states (not transformers' defaults for missing ones)."""
+    normalizer = json.loads(file.read_text()).get("normalizer") or {}
+    config = read_json(path / "tokenizer_config.json")
+    wanted = {setting: config[key] for key, setting in _BERT_NORMALIZER_KEYS.items() if key in config}
+    if normalizer.get("type") != "BertNormalizer" or all(normalizer.get(k) == v for k, v in wanted.items()):
+        return file
+    described = json.loads(file.read_text())
+    described["normalizer"].update(wanted)
+    served = staging / "configured-tokenizer.json"
+    served.write_text(json.dumps(described, ensure_ascii=False))
+    log.warning("%s's normalizer differs from tokenizer_config.json (%s): serving it as the config says, as "
+                "transformers tokenizes", file, ", ".join(f"{k}={v!r}" for k, v in wanted.items()))
+    return served
+
