@@ -49,6 +49,12 @@ def _metaspace_unigram() -> Tokenizer:  # sentencepiece's kind (XLM-RoBERTa, DeB
     return _template(tokenizer)
 
 
+def _split_then_metaspace() -> Tokenizer:  # a sentencepiece tokenizer as transformers 5 saves XLM-RoBERTa's
+    tokenizer = _metaspace_unigram()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace()])
+    return tokenizer
+
+
 def _word_level() -> Tokenizer:  # a sequence of pre-tokenizers: whitespace, then punctuation and digits apart
     tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
@@ -65,7 +71,7 @@ def _packaged() -> Tokenizer:  # all-MiniLM-L6-v2's WordPiece: BertNormalizer, B
 
 
 TOKENIZERS = {"wordpiece": _packaged, "byte-level-bpe": _byte_level_bpe, "metaspace-unigram": _metaspace_unigram,
-              "word-level": _word_level}
+              "split-then-metaspace": _split_then_metaspace, "word-level": _word_level}
 
 
 @pytest.fixture(scope="module", params=sorted(TOKENIZERS))
@@ -121,6 +127,7 @@ def test_a_long_text_is_tokenized_only_as_far_as_truncation_keeps(tokenizer):
     (lambda t: setattr(t, "pre_tokenizer", None), "no pre-tokenizer"),
     (lambda t: setattr(t, "normalizer", normalizers.Replace("a b", "ab")), "a replacement across a space"),
     (lambda t: t.add_tokens(["new york"]), "an added token across a space"),
+    (lambda t: t.add_tokens(["new\tyork"]), "an added token across a tab, a space once normalized"),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_a_tokenizer_whose_words_may_join_across_a_space_is_never_cut(change, why):
     tokenizer = _packaged()

@@ -54,8 +54,10 @@ def load_tokenizer(path: str, max_length: int, truncate: bool = True, stride: in
 #: Pre-tokenizers that split a text at every space, whatever surrounds it, so that a word's tokens never depend
 #: on anything after the next space (ByteLevel: with its regex; Metaspace: where it splits at all)
 _SPLIT_AT_SPACES = ("BertPreTokenizer", "Whitespace", "WhitespaceSplit", "ByteLevel", "Metaspace")
-#: Pre-tokenizers that only split further, within the pieces before them, after one of those
-_SPLIT_FURTHER = ("BertPreTokenizer", "Whitespace", "WhitespaceSplit", "Punctuation", "Digits", "UnicodeScripts")
+#: Pre-tokenizers that only split further, within the pieces before them, after one of those (a Metaspace
+#: after a split at spaces, as transformers 5 saves sentencepiece tokenizers, meets pieces without spaces)
+_SPLIT_FURTHER = ("BertPreTokenizer", "Whitespace", "WhitespaceSplit", "Punctuation", "Digits", "UnicodeScripts",
+                  "Metaspace")
 #: Normalizers that change a character (or a grapheme: Precompiled) on its own, or only a text's ends
 _LOCAL_NORMALIZERS = ("BertNormalizer", "NFC", "NFD", "NFKC", "NFKD", "Lowercase", "StripAccents", "Strip",
                       "Prepend", "Precompiled", "Nmt")
@@ -92,10 +94,12 @@ def cuts_safely(tokenizer: Tokenizer) -> bool:
     """Whether a text cut before a space (a non-space before it) tokenizes to a prefix of the whole text's
     tokens, so that a text far longer than the model takes may be tokenized only as far as truncation keeps
     (:func:`encode_cut`): its normalizer changes characters on their own, its pre-tokenizer splits at every
-    space, and no added token holds a space (added tokens are matched in the raw text, across words)."""
+    space, and no added token holds whitespace (added tokens are matched in the text, across words; a
+    normalizer may make a space of other whitespace)."""
     described = json.loads(tokenizer.to_str())
     return (_local(described.get("normalizer")) and _splits_at_spaces(described.get("pre_tokenizer"))
-            and not any(" " in token["content"] for token in described.get("added_tokens") or []))
+            and not any(character.isspace() for token in described.get("added_tokens") or []
+                        for character in token["content"]))
 
 
 def _cut(text: str, chars: int) -> str | None:
