@@ -205,3 +205,40 @@ def test_each_graph_has_its_own_tensorrt_engine_cache(tiny_tokenizer, tmp_path):
         caches[name] = _engine_cache(tmp_path / "repo", name)
     assert all(cache.startswith(ENGINE_CACHE + "/") for cache in caches.values()), caches
     assert caches["first"] == caches["again"] != caches["other"]
+
+
+def _tiny_graph(path, nodes, initializers=(), inputs=("x",)) -> None:
+    from onnx import helper, numpy_helper
+
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 4]) for name in inputs],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+                              [numpy_helper.from_array(array, name) for name, array in initializers])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+def test_a_cos_or_sin_of_the_hidden_states_is_no_rotary_table(tmp_path):
+    """An activation's Sin reads the model's weights upstream: keeping it in fp32 would keep the layers before it."""
+    from onnx import helper
+
+    weight = np.eye(4, dtype=np.float32)
+    _tiny_graph(tmp_path / "act.onnx", [helper.make_node("MatMul", ["x", "w"], ["h"], name="/layer/MatMul"),
+                                        helper.make_node("Sin", ["h"], ["s"], name="/act/Sin"),
+                                        helper.make_node("Add", ["h", "s"], ["y"], name="/act/Add")], [("w", weight)])
+    assert fp16.rotary_nodes(tmp_path / "act.onnx") == []
+
+
+def test_casts_read_inside_a_subgraph_are_kept(tmp_path):
+    """The fp16 graph's clean-up removes only the casts it bypassed, and sees what an If's branches read."""
+    from onnx import helper
+
+    branch = helper.make_graph([helper.make_node("Identity", ["x_half"], ["out"], name="/then/Identity")], "then", [],
+                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 4])])
+    _tiny_graph(tmp_path / "if.onnx", [
+        helper.make_node("Cast", ["x"], ["x_half"], name="/Cast", to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["x"], ["total"], name="/ReduceSum", keepdims=0),
+        helper.make_node("Greater", ["total", "zero"], ["positive"], name="/Greater"),
+        helper.make_node("If", ["positive"], ["y"], name="/If", then_branch=branch, else_branch=branch)],
+        [("zero", np.zeros((), np.float32))])
+    half = fp16.convert_fp16(tmp_path / "if.onnx", tmp_path / "if.fp16.onnx")
+    feeds = {"x": np.ones((2, 4), np.float32)}
+    np.testing.assert_array_equal(quiet_session(half).run(None, feeds)[0], feeds["x"])

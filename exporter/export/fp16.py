@@ -52,27 +52,41 @@ def rotary_nodes(path: Path) -> list[str]:
     compute it in fp32 under fp16 weights too, and cast only the cos and sin."""
     graph = onnx.load(str(path), load_external_data=False).graph
     producer = {output: node for node in graph.node for output in node.output}
+    weights = {initializer.name for initializer in graph.initializer}
+    found: list[str] = []
+    for trig in (node for node in graph.node if node.op_type in ("Cos", "Sin")):
+        table = _ancestors(trig, producer)
+        # a table of positions reads no weight (a Cos or Sin of the hidden states, an activation, is left as it
+        # is); a node without a name cannot be kept by name
+        if all(table) and not {name for node in table.values() for name in node.input} & weights:
+            found += [name for name in table if name not in found]
+    return found
+
+
+def _ancestors(node: onnx.NodeProto, producer: dict) -> dict[str, onnx.NodeProto]:
+    """``node`` and the nodes it depends on, back to shapes (:data:`SHAPE_OPS`: blocking one would cast a whole
+    fp16 tensor to fp32 to read its shape) and the graph's inputs, by name."""
     found: dict[str, onnx.NodeProto] = {}
-    waiting = [node.output[0] for node in graph.node if node.op_type in ("Cos", "Sin")]
+    waiting = [node.output[0]]
     while waiting:
         node = producer.get(waiting.pop())
-        # a shape is no value to keep (blocking it would cast a whole fp16 tensor to fp32 to read its shape)
-        if node is None or node.name in found or node.op_type in SHAPE_OPS:
+        if node is None or node.op_type in SHAPE_OPS or (node.name and node.name in found):
             continue
         found[node.name] = node
         waiting.extend(name for name in node.input if name)
-    return [name for name in found if name]
+    return found
 
 
 def _fp32_between(graph: onnx.GraphProto, kept: set[str]) -> None:
     """Between two nodes of ``kept``, the fp32 tensor itself: the converter casts every blocked node's inputs
     from fp16 and its outputs to fp16, so a chain of them (the rotary tables' angles) still went through fp16
-    at each step.  The casts left unused are removed."""
+    at each step.  The casts so bypassed are removed where nothing else reads them."""
     producer = {output: node for node in graph.node for output in node.output}
 
     def cast_to(node, element_type: int) -> bool:
         return node is not None and node.op_type == "Cast" and node.attribute[0].i == element_type
 
+    bypassed = []
     for node in graph.node:
         if node.name not in kept:
             continue
@@ -81,13 +95,22 @@ def _fp32_between(graph: onnx.GraphProto, kept: set[str]) -> None:
             narrowed = producer.get(widened.input[0]) if cast_to(widened, TensorProto.FLOAT) else None
             if cast_to(narrowed, TensorProto.FLOAT16) and getattr(producer.get(narrowed.input[0]), "name", None) in kept:
                 node.input[index] = narrowed.input[0]
-    while True:
-        used = {name for node in graph.node for name in node.input} | {output.name for output in graph.output}
-        unused = [node for node in graph.node if node.op_type == "Cast" and not used & set(node.output)]
-        if not unused:
-            return
-        for node in unused:
-            graph.node.remove(node)
+                bypassed += [widened, narrowed]
+    for cast in bypassed:  # the widening first: then its narrowing may be unread too
+        if cast in graph.node and not set(cast.output) & _read(graph):
+            graph.node.remove(cast)
+
+
+def _read(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor name the graph reads: its nodes' inputs, those of the subgraphs in their attributes (an
+    ``If``'s branches read the outer graph's tensors by name), and its outputs."""
+    names = {output.name for output in graph.output}
+    for node in graph.node:
+        names.update(node.input)
+        for attribute in node.attribute:
+            for subgraph in (*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs):
+                names |= _read(subgraph)
+    return names
 
 
 def lowest_constant(path: Path) -> float:
