@@ -255,6 +255,21 @@ def test_answers_over_windows_keep_each_spans_best_score():
     assert served[0]["score"] <= 1.0 < expected[0]["score"]
 
 
+def test_the_best_span_is_found_whatever_the_ranks_of_its_start_and_end():
+    """The pipeline scores every (start, end) pair: the best span is found even where its start is not among the
+    best starts (each of those has its best end far before it) nor its end among the best ends."""
+    context = " ".join(f"word{i}" for i in range(60))
+    marks = {(f"word{i}", "w"): (4.0, -5.0) for i in range(40, 60)}  # many strong starts, all after every end
+    marks.update({(f"word{i}", "w"): (-5.0, 4.0) for i in range(0, 20)})  # many strong ends, before every start
+    marks[("word25", "w")] = (3.0, -5.0)  # a weaker start and end a few words apart: the only valid strong pair
+    marks[("word27", "w")] = (-5.0, 3.0)
+    encodings, arrays, start, end, cls = _qa("which?", context, marks, max_length=256)
+    assert len(encodings) == 1
+    served = _answers(context, arrays, start, end, top_k=1)
+    assert served[0]["text"] == "word25 word26 word27"
+    _same_answers(served, pipeline_answers(encodings, context, start, end, cls, max_answer_len=MAX_ANSWER_TOKENS))
+
+
 # ------------------------------------------------------------------ rerank
 
 

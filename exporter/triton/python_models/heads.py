@@ -26,8 +26,8 @@ else:  # a file copied beside model.py in a Triton repository
 #: Longest answer span considered, in tokens: transformers' run_qa.py's default ``max_answer_length``
 #: (its QuestionAnsweringPipeline's ``max_answer_len`` defaults to 15).
 MAX_ANSWER_TOKENS = 30
-#: Best start/end candidates tried per window.
-SPAN_CANDIDATES = 20
+#: The best-scoring (start, end) pairs of a window kept as candidates, out of every pair the pipeline scores
+SPAN_CANDIDATES = 400
 #: Answers the server returns per question (clients keep their ``top_k``).
 TOP_ANSWERS = 20
 
@@ -128,18 +128,27 @@ def answer_spans(context: str, start_logits: np.ndarray, end_logits: np.ndarray,
             score = float(p_start[0] * p_end[0])
             null = score if null is None else min(null, score)
             p_start[0] = p_end[0] = 0.0
-        starts = np.argsort(p_start)[::-1][:SPAN_CANDIDATES]
-        ends = np.argsort(p_end)[::-1][:SPAN_CANDIDATES]
-        for s in starts:
-            for e in ends:
-                if not (in_context[s] and in_context[e]) or e < s or e - s + 1 > MAX_ANSWER_TOKENS:
-                    continue
-                span = (int(spans[window, s, 0]), int(spans[window, e, 1]))
-                best[span] = max(best.get(span, 0.0), float(p_start[s] * p_end[e]))
+        starts, ends = _answer_pairs(in_context)
+        scores = p_start[starts] * p_end[ends]
+        for pair in np.argsort(-scores, kind="stable")[:SPAN_CANDIDATES]:
+            span = (int(spans[window, starts[pair], 0]), int(spans[window, ends[pair], 1]))
+            best[span] = max(best.get(span, 0.0), float(scores[pair]))
     if impossible and null is not None:
         best[(0, 0)] = null
     ranked = sorted(best.items(), key=lambda item: -item[1])[:top_k]
     return [{"text": context[a:b], "start": a, "end": b, "score": score} for (a, b), score in ranked]
+
+
+def _answer_pairs(in_context: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every (start, end) of context tokens a span may have: the end not before the start, at most
+    MAX_ANSWER_TOKENS long (a band of the pipeline's start-by-end grid, which it scores whole)."""
+    tokens = np.flatnonzero(in_context)
+    starts = np.repeat(tokens, MAX_ANSWER_TOKENS)
+    ends = starts + np.tile(np.arange(MAX_ANSWER_TOKENS), len(tokens))
+    inside = ends < len(in_context)
+    starts, ends = starts[inside], ends[inside]
+    answerable = in_context[ends]
+    return starts[answerable], ends[answerable]
 
 
 def _json_strings(items) -> np.ndarray:
