@@ -70,7 +70,8 @@ def _ancestors(node: onnx.NodeProto, producer: dict) -> dict[str, onnx.NodeProto
     waiting = [node.output[0]]
     while waiting:
         node = producer.get(waiting.pop())
-        if node is None or node.op_type in SHAPE_OPS or (node.name and node.name in found):
+        # an unnamed node is "" here: the table it is part of is not kept (``all(table)``), so one is enough
+        if node is None or node.op_type in SHAPE_OPS or node.name in found:
             continue
         found[node.name] = node
         waiting.extend(name for name in node.input if name)
