@@ -216,3 +216,23 @@ def test_the_least_recently_used_entry_goes_first_past_the_bound(tmp_path):
     cache.made(tmp_path / "c.onnx", make, [source], {})
     assert paths["a.onnx"].exists() and not paths["b.onnx"].exists()
     assert cache.size_bytes() <= 2.5 * size
+
+
+def test_a_restore_that_cannot_write_beside_the_graph_keeps_the_entry(tmp_path, caplog):
+    """A failure on the target's side (here a folder where a restored file's temporary name goes; a full or
+    read-only disk alike) is a miss that leaves the sound entry for the next export."""
+    cache = CandidateCache(tmp_path / "cache")
+    source = _graph(tmp_path / "plain.onnx")
+    make, _ = _made(tmp_path, "q.onnx")
+    cache.made(tmp_path / "q.onnx", make, [source], {})
+    (entry,) = (tmp_path / "cache").iterdir()
+    target = tmp_path / "out" / "q.onnx"
+    (tmp_path / "out" / ".q.onnx.restoring").mkdir(parents=True)
+    key = cache.key(target, [source], {})
+    with caplog.at_level(logging.WARNING, logger=candidate_cache.__name__):
+        assert cache.restore(key, target) is False
+    assert "cannot write q.onnx's files" in caplog.text and "is damaged" not in caplog.text
+    assert entry.exists() and not target.exists()
+    (tmp_path / "out" / ".q.onnx.restoring").rmdir()
+    assert cache.restore(key, target) is True
+    assert filecmp.cmp(tmp_path / "q.onnx", target, shallow=False)

@@ -34,6 +34,7 @@ The key is a SHA-256 over what the graph depends on:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -189,6 +190,10 @@ class CandidateCache:
         with handle:
             try:
                 problem = _extract(handle, key, target)
+            except _TargetUnwritable as exc:  # the target's folder is full or not writable: the entry is sound
+                log.warning("candidate cache: cannot write %s's files beside it (%s); making the graph instead",
+                            target.name, exc.__cause__)
+                return False
             except (tarfile.TarError, OSError, ValueError, KeyError, EOFError) as exc:
                 problem = f"unreadable ({type(exc).__name__}: {exc})"
         if problem:
@@ -249,21 +254,37 @@ def _extract(handle: BinaryIO, key: str, target: Path) -> str | None:
                 if _copy_checked(tar.extractfile(member), partial[-1]) != entry["sha256"]:
                     return f"{entry['name']}: checksum mismatch"
             for entry, temp in zip(listed, partial):
-                os.replace(temp, target.parent / entry["name"])
+                _on_target(os.replace, temp, target.parent / entry["name"])
             partial = []
         finally:
             for temp in partial:
-                cache_files.unlink(temp)
+                with contextlib.suppress(OSError):  # a cleanup must not hide why the restore stopped
+                    cache_files.unlink(temp)
     return None
+
+
+class _TargetUnwritable(Exception):
+    """Restoring failed on the target's side, not the entry's (raised from the OSError)."""
+
+
+def _on_target(operation: Callable, *args):
+    """``operation(*args)``, a write beside the target: its OSError is a :class:`_TargetUnwritable`."""
+    try:
+        return operation(*args)
+    except OSError as exc:
+        raise _TargetUnwritable() from exc
 
 
 def _copy_checked(source: BinaryIO, path: Path) -> str:
     """Copy ``source`` to ``path``; the SHA-256 of what was copied."""
     digest = hashlib.sha256()
-    with open(path, "wb") as out:
+    out = _on_target(open, path, "wb")
+    try:
         while chunk := source.read(_CHUNK):
             digest.update(chunk)
-            out.write(chunk)
+            _on_target(out.write, chunk)
+    finally:
+        _on_target(out.close)
     return digest.hexdigest()
 
 
