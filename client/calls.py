@@ -103,6 +103,7 @@ def embed(texts, info: ModelInfo, prompt_name: str | None = None, dimensions: in
     its normalisation, and normalising is scale-free, so this equals cutting the model's unnormalised
     output and normalising that.  ``dimensions`` is checked before anything is sent where the model's config
     states its size."""
+    info.expect("embedding")  # first: a model of another task would refuse a size or prompt for it
     parse = get_task("embedding").parse
     if info.dimensions:
         info.check_dimensions(dimensions)
@@ -149,6 +150,7 @@ def embed_sparse(texts, info: ModelInfo, prompt_name: str | None = None, top_k: 
                  threshold: float = 0.0) -> Call:
     """A SPLADE model's ``[vocab]`` rows, or a BGE-M3 model's lexical weights, as each text's terms."""
     _check_top_k(top_k, "every active term")
+    info.expect("sparse-embedding")  # first: a model of another task would refuse a prompt for it
     if info.task == bge_m3.SPEC.name:
         return _texts_call("sparse-embedding", texts, info, lambda answers: [
             selected(*terms, top_k, threshold) for terms in _lexical(answers)], _prompt(prompt_name, info), M3_SPARSE)
@@ -209,6 +211,7 @@ def embed_multi_vector(texts, info: ModelInfo, input_type: str = DOCUMENT, promp
     """Each text's vectors ``[n_i, dim]``, one per token the model scores on that side (``input_type``:
     ``query`` or ``document``: its marker, length, query expansion and skiplist)."""
     spec = get_task("multi-vector")
+    info.expect(spec.name)  # first: a model of another task would refuse a side or prompt for it
     parameters = {INPUT_TYPE_PARAMETER: info.check_input_type(input_type), **_prompt(prompt_name, info)}
     return _texts_call(spec.name, texts, info, spec.parse, parameters, _names(spec.results))
 

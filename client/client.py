@@ -67,7 +67,7 @@ class EncoderClient:
     try (one URL, ``attempts=1``), the error itself is raised.
 
     ``timeout_s`` is each request's deadline: gRPC's, the HTTP connection's timeouts, and Triton's
-    queue timeout for it.  A request that outlives it raises
+    queue timeout for it (None: no bound).  A request that outlives it raises
     :class:`~nexus_sli.client.DeadlineExceededError` and is not sent again.
 
     A list larger than the model's ``max_batch_size`` is sent as several requests, up to
@@ -89,9 +89,9 @@ class EncoderClient:
     >>> EncoderClient("dns:///triton-headless.default.svc.cluster.local:8001", model="all_minilm_l6_v2")
     """
 
-    def __init__(self, url: str | Sequence[str] | None = None, protocol: str = "grpc", *, timeout_s: float = 60.0,
-                 model: str | None = None, attempts: int | None = None, retry_s: float = RETRY_S,
-                 resolve: Resolve | None = None, refresh_s: float = REFRESH_S):
+    def __init__(self, url: str | Sequence[str] | None = None, protocol: str = "grpc", *,
+                 timeout_s: float | None = 60.0, model: str | None = None, attempts: int | None = None,
+                 retry_s: float = RETRY_S, resolve: Resolve | None = None, refresh_s: float = REFRESH_S):
         self.protocol = protocol
         #: the model calls use when they name none
         self.model = model
@@ -104,10 +104,10 @@ class EncoderClient:
             # a connection for each request of a call in flight (tritonclient's default, one, would send a
             # call's chunks one after another all the same)
             options["concurrency"] = fan_out.IN_FLIGHT
-            if timeout_s is not None:
-                # tritonclient's HTTP calls take no deadline of their own: the connection's timeouts (60 s by
-                # default) bound the wait to connect and each wait for the server's answer
-                options.update(connection_timeout=timeout_s, network_timeout=timeout_s)
+            # tritonclient's HTTP calls take no deadline of their own: the connection's timeouts bound the wait to
+            # connect and each wait for the server's answer.  None is no bound, given explicitly, as over gRPC and
+            # in the asyncio client (tritonclient's default is 60 s)
+            options.update(connection_timeout=timeout_s, network_timeout=timeout_s)
         # gRPC: the threads that send a call's other chunks (started when first needed); HTTP sends them
         # as greenlets instead (fan_out says why)
         self._workers = (ThreadPoolExecutor(max(fan_out.IN_FLIGHT - 1, 1), thread_name_prefix="nexus-sli-chunks")

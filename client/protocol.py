@@ -7,8 +7,10 @@ A call is sent as a list of requests (chunks no larger than the server's
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import re
+import sys
 import time
 from collections.abc import Mapping
 
@@ -160,7 +162,8 @@ def _status(exc: Exception) -> str | None:
 def timed_out(exc: Exception) -> bool:
     """Whether ``exc`` is the transport's deadline passing (gRPC's ``DEADLINE_EXCEEDED``, a socket's or
     aiohttp's timeout): the server may still hold the request (queued, or running)."""
-    return isinstance(exc, TimeoutError) or _status(exc) == "StatusCode.DEADLINE_EXCEEDED"
+    # asyncio's TimeoutError is the builtin from Python 3.11, a class of its own before
+    return isinstance(exc, (TimeoutError, asyncio.TimeoutError)) or _status(exc) == "StatusCode.DEADLINE_EXCEEDED"
 
 
 def past_deadline(started: float, timeout_s: float | None) -> bool:
@@ -196,16 +199,25 @@ def translate(exc: Exception, model: str, deadline_passed: bool = False) -> Exce
         return ServerBusyError(f"model {model!r} is overloaded: the server's queue refused the request or dropped "
                                f"it unrun; retry after a pause. Server said: {text}")
     status = _status(exc)
-    # OSError: refused or reset; HTTPException: the HTTP connection closed mid-response (a server
-    # that died while answering: geventhttpclient's HTTPConnectionClosed), both retryable
-    transport = isinstance(exc, (OSError, http.client.HTTPException))
-    kind = ServerUnavailableError if transport else _BY_STATUS.get(str(status), InferenceError)
+    kind = ServerUnavailableError if _transport(exc) else _BY_STATUS.get(str(status), InferenceError)
     if kind is ServerUnavailableError:
         return kind(f"Triton server unreachable ({text.splitlines()[0] if text else type(exc).__name__}); "
                     "check that it runs and the URL is right, then retry")
     if kind is ModelNotFoundError:
         return kind(f"model {model!r} is not served or not ready: {text}")
     return kind(text)
+
+
+def _transport(exc: Exception) -> bool:
+    """Whether ``exc`` is the connection failing, not the server answering: retryable.  OSError: refused or
+    reset.  HTTPException: the synchronous HTTP client's connection closed mid-response (a server that died
+    while answering: geventhttpclient's HTTPConnectionClosed).  The asyncio HTTP client's aiohttp says the
+    same with errors that are no OSError: ServerDisconnectedError (closed before answering), and
+    ClientPayloadError (closed mid-body)."""
+    if isinstance(exc, (OSError, http.client.HTTPException)):
+        return True
+    aiohttp = sys.modules.get("aiohttp")  # not imported: the error cannot be one of its own
+    return aiohttp is not None and isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError))
 
 
 def not_ready(model: str) -> ModelUnavailableError:
