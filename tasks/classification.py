@@ -10,11 +10,13 @@ from .spec import LABELS, TaskSpec, Tensor, check_top_k, label_params, register,
 
 
 def parse(outputs: list[np.ndarray], id2label: dict[int, str], top_k: int | None) -> list[list[Label]]:
-    """The ``top_k`` labels of each text, best first (None: every label)."""
+    """The ``top_k`` labels of each text, best first (None: every label); labels of equal score in label order, as
+    transformers' TextClassificationPipeline sorts them."""
     check_top_k(top_k, "every label")
     result = []
     for scores in (row for out in outputs for row in out):
-        order = np.argsort(-scores)[:top_k]
+        # stable: numpy's default sort may reorder equal scores (sigmoids saturated at 1, softmaxes at 0)
+        order = np.argsort(-scores, kind="stable")[:top_k]
         result.append([Label(id2label.get(int(i), str(int(i))), float(scores[i])) for i in order])
     return result
 

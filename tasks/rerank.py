@@ -4,6 +4,9 @@ sentence-transformers' ``CrossEncoder.predict``'s: the logit through the activat
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 
 from .model_parameters import SCORE_FUNCTION, write
@@ -22,20 +25,47 @@ def parse(outputs: list[np.ndarray], documents: list[str], top_k: int | None) ->
     return ranked if top_k is None else ranked[:top_k]
 
 
+#: Where sentence-transformers from its v6 saves a CrossEncoder's activation (its ``activation_fn`` key), beside
+#: the checkpoint; it takes precedence over what ``config.json`` names.
+ST_CONFIG = "config_sentence_transformers.json"
+
+
 def score_function(config) -> str:
-    """The head's score function, as sentence-transformers' ``CrossEncoder.get_default_activation_fn`` chooses
-    the activation: the one the config names (``sentence_transformers.activation_fn``; before its v4,
-    ``sbert_ce_default_activation_function``), where it is torch's (another it would not import without
-    ``trust_remote_code``), else a sigmoid of the one logit."""
+    """The head's score function, as sentence-transformers' ``CrossEncoder`` chooses the activation: the one its
+    ``config_sentence_transformers.json`` names (from its v6), else the one ``config.json`` names
+    (``sentence_transformers.activation_fn``; before its v4, ``sbert_ce_default_activation_function``), each
+    only where it is torch's (another it would not import without ``trust_remote_code``), else a sigmoid of the
+    one logit."""
+    for path in (_saved_activation(config), _config_activation(config)):
+        if isinstance(path, str) and path.startswith("torch."):
+            if path not in ACTIVATIONS:
+                raise TaskError(f"the cross-encoder's config names the activation {path}, which the served head "
+                                f"does not apply (it applies {', '.join(ACTIVATIONS)})")
+            return ACTIVATIONS[path]
+    return "sigmoid"
+
+
+def _saved_activation(config):
+    """``activation_fn`` of the ``config_sentence_transformers.json`` beside the checkpoint the config was read
+    from (``name_or_path``); None where there is none."""
+    folder = getattr(config, "name_or_path", None)
+    file = Path(folder) / ST_CONFIG if folder else None
+    if file is None or not file.is_file():
+        return None
+    try:
+        saved = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise TaskError(f"{file} is not valid JSON ({exc})") from None
+    return saved.get("activation_fn") if isinstance(saved, dict) else None
+
+
+def _config_activation(config):
+    """The activation ``config.json`` names: a ``sentence_transformers`` entry that has the key decides, even
+    where it is null, as in ``CrossEncoder.get_default_activation_fn``."""
     named = getattr(config, "sentence_transformers", None)
-    path = (named.get("activation_fn") if isinstance(named, dict) else None) or getattr(
-        config, "sbert_ce_default_activation_function", None)
-    if not isinstance(path, str) or not path.startswith("torch."):
-        return "sigmoid"
-    if path not in ACTIVATIONS:
-        raise TaskError(f"the cross-encoder's config names the activation {path}, which the served head does not "
-                        f"apply (it applies {', '.join(ACTIVATIONS)})")
-    return ACTIVATIONS[path]
+    if isinstance(named, dict) and "activation_fn" in named:
+        return named["activation_fn"]
+    return getattr(config, "sbert_ce_default_activation_function", None)
 
 
 def post_params(config, embedder) -> dict[str, str]:
