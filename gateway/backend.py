@@ -134,12 +134,17 @@ class Backend:
         return [json.loads(item) for part in found for item in part.reshape(-1)]
 
     async def decode(self, model: ModelInfo, rows: list[list[int]], skip_special_tokens: bool) -> list[str]:
-        """The text of each row of token ids, from the model's tokenizer step."""
+        """The text of each row of token ids, from the model's tokenizer step, in the order of ``rows``."""
         parameters = {SKIP_SPECIAL_TOKENS_PARAMETER: skip_special_tokens}
-        found = await asyncio.gather(*(self._tokenizer_call(model.tokenizer, _ids_tensor(chunk), DECODED_OUTPUT,
-                                                            parameters)
-                                       for chunk in chunks(rows, model.max_batch_size)))
-        return [item.decode("utf-8") for part in found for item in part.reshape(-1)]
+        groups = _id_groups(rows, model.max_batch_size)
+        found = await asyncio.gather(*(self._tokenizer_call(model.tokenizer, _ids_tensor([rows[i] for i in group]),
+                                                            DECODED_OUTPUT, parameters)
+                                       for group in groups))
+        texts = [""] * len(rows)
+        for group, part in zip(groups, found):
+            for index, item in zip(group, part.reshape(-1)):
+                texts[index] = item.decode("utf-8")
+        return texts
 
     async def _tokenizer_call(self, tokenizer: str, tensor: grpc_types.InferInput, output: str,
                               parameters: dict | None) -> np.ndarray:
@@ -158,6 +163,24 @@ def _text_tensor(texts: list[str]) -> grpc_types.InferInput:
     tensor = grpc_types.InferInput("TEXT", [len(texts), 1], "BYTES")
     tensor.set_data_from_numpy(strings(texts).reshape(-1, 1))
     return tensor
+
+
+#: The most int64 cells one /decode request to the tokenizer step is padded to (several rows; a longer row goes
+#: alone).  Its rows share one width: a long row padding a batch of short ones would make a request body of a
+#: few megabytes of ids gigabytes of tensor, in the gateway and in the step.
+DECODE_CELLS = 1 << 20
+
+
+def _id_groups(rows: list[list[int]], max_rows: int) -> list[list[int]]:
+    """The indices of ``rows`` grouped into tokenizer requests: shortest rows first, so that each row is padded
+    to rows of about its own length, at most ``max_rows`` rows and :data:`DECODE_CELLS` cells a request."""
+    groups: list[list[int]] = []
+    for index in sorted(range(len(rows)), key=lambda i: len(rows[i])):
+        width = max(len(rows[index]), 1)  # the widest of its group so far: the rows come shortest first
+        if not groups or len(groups[-1]) >= max(max_rows, 1) or (len(groups[-1]) + 1) * width > DECODE_CELLS:
+            groups.append([])
+        groups[-1].append(index)
+    return groups
 
 
 def _ids_tensor(rows: list[list[int]]) -> grpc_types.InferInput:

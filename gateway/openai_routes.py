@@ -1,4 +1,5 @@
-"""OpenAI's embeddings API: ``POST /v1/embeddings`` (also ``/embeddings``, as TEI serves it) and ``GET /v1/models``.
+"""OpenAI's embeddings API: ``POST /v1/embeddings`` (also ``/embeddings``, as TEI serves it), ``GET /v1/models``
+and ``GET /v1/models/{model}``.
 
 As OpenAI defines them (platform.openai.com/docs/api-reference/embeddings):
 ``input`` a string or a list of strings, ``model``, ``encoding_format``
@@ -63,10 +64,24 @@ async def models(request: Request) -> JSONResponse:
     never turns into a discovery per request."""
     served = await request.app.state.backend.catalog.models()
     # an embedding model's NAME_tokens ensemble is part of it (TEI's /embed_all), not a model of its own
-    data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "nexus-sli", "task": m.task,
-             "precision": m.precision, "backend": m.backend, **_described(m)}
-            for m in sorted(served.values(), key=lambda m: m.name) if m.task != TOKEN_TASK]
+    data = [_model_object(m) for m in sorted(served.values(), key=lambda m: m.name) if m.task != TOKEN_TASK]
     return JSONResponse({"object": "list", "data": data})
+
+
+async def model(request: Request) -> JSONResponse:
+    """One model of :func:`models` (the openai SDK's ``models.retrieve``); an unknown one is a 404."""
+    name = request.path_params["model"]
+    found = await request.app.state.backend.catalog.get(name, None)  # a 404 if unknown, a 503 if reloading
+    if found.task == TOKEN_TASK:  # part of its embedding model, as in the list
+        raise GatewayError("not_found", f"model {name!r} is part of another model, not one of its own (GET "
+                           "/v1/models lists the served ones)", param="model", code="model_not_found")
+    return JSONResponse(_model_object(found))
+
+
+def _model_object(model) -> dict:
+    """OpenAI's model object, and ours: ``task`` says which route serves it."""
+    return {"id": model.name, "object": "model", "created": 0, "owned_by": "nexus-sli", "task": model.task,
+            "precision": model.precision, "backend": model.backend, **_described(model)}
 
 
 def _described(model) -> dict:
@@ -80,4 +95,4 @@ def _described(model) -> dict:
 
 # TEI serves OpenAI's embeddings route without /v1 too (errors.OPENAI_ALIASES: answered in OpenAI's shape)
 ROUTES = [Route("/v1/embeddings", embeddings, methods=["POST"]), Route("/embeddings", embeddings, methods=["POST"]),
-          Route("/v1/models", models, methods=["GET"])]
+          Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{model:path}", model, methods=["GET"])]

@@ -226,6 +226,15 @@ def test_models_lists_each_served_model_with_its_task(gateway, served):
     _, _, body = call(f"{gateway.url}/v1/models")
     assert {m["id"]: m["task"] for m in body["data"]} == {
         "minilm": "embedding", "tiny_embedder": "embedding", "classifier": "classification", "reranker": "rerank"}
+    # one model, as the SDK's models.retrieve asks for it: the list's entry; an unknown one a 404 in OpenAI's shape
+    listed = next(m for m in body["data"] if m["id"] == "reranker")
+    retrieved = sdk(gateway).models.retrieve("reranker").model_dump()
+    assert {name: retrieved[name] for name in listed} == listed
+    with pytest.raises(openai.NotFoundError) as missing:
+        sdk(gateway).models.retrieve("no-such-model")
+    assert missing.value.code == "model_not_found"
+    status, _, part = call(f"{gateway.url}/v1/models/minilm_tokens")  # minilm's token states: not listed
+    assert status == 404 and "part of another model" in part["error"]["message"], part
 
 
 #: Discovery as the gateway runs it, with a real grpc.aio client to a real server, in an interpreter
