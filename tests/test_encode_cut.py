@@ -5,13 +5,14 @@ tokenizer step, with it, answers a long text's rows as the whole text's while to
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
 from helpers.python_steps import load_step, unload
-from nexus_sli.bench.joined_profile import TextRequest
+from nexus_sli.bench.joined_profile import Tensor, TextRequest
 from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.serving.joined_steps import triton_json
@@ -101,6 +102,19 @@ def test_a_cut_text_encodes_as_the_whole_text(tokenizer, texts, max_length):
         tokenizer.encode_batch(texts))
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(query=st.lists(PIECES, max_size=8).map("".join),
+       documents=st.lists(st.lists(PIECES, max_size=40).map("".join), min_size=1, max_size=3),
+       max_length=st.integers(10, 40))  # the reference's overflow windows: thousands below that
+def test_a_cut_document_encodes_with_its_query_as_the_whole_document(tokenizer, query, documents, max_length):
+    """Rerank pairs, truncated longest first: queries from none to more tokens than the model takes, so that
+    either side may be the shorter, or both be cut."""
+    tokenizer.enable_truncation(max_length)
+    first = (query, len(tokenizer.encode(query, add_special_tokens=False).ids))
+    assert _described(encode_cut(tokenizer.encode_batch, documents, max_length, first)) == _described(
+        tokenizer.encode_batch([(query, document) for document in documents]))
+
+
 def test_a_long_text_is_tokenized_only_as_far_as_truncation_keeps(tokenizer):
     """A text of words far past the model's length is tokenized from its first few hundred characters; one whose
     first cut holds too few tokens (a long word without spaces) is cut again, longer, and still encodes whole."""
@@ -148,10 +162,10 @@ def step(exports, tmp_path, monkeypatch):
 
 
 class _Recording:
-    """A tokenizer whose batch calls record their texts' lengths."""
+    """A tokenizer whose batch calls record their texts' lengths (``pairs``: their second texts')."""
 
-    def __init__(self, tokenizer, seen: list):
-        self._tokenizer, self._seen = tokenizer, seen
+    def __init__(self, tokenizer, seen: list, pairs: bool = False):
+        self._tokenizer, self._seen, self._pairs = tokenizer, seen, pairs
 
     def __getattr__(self, name):
         found = getattr(self._tokenizer, name)
@@ -159,7 +173,7 @@ class _Recording:
             return found
 
         def recorded(texts, *args, **kwargs):
-            self._seen.extend(len(text) for text in texts)
+            self._seen.extend(len(text[1] if self._pairs else text) for text in texts)
             return found(texts, *args, **kwargs)
         return recorded
 
@@ -176,4 +190,40 @@ def test_the_tokenizer_step_answers_a_long_texts_rows_from_its_start(step):
         assert answer.tensors["input_ids"][row, :len(encoding.ids)].tolist() == encoding.ids
         assert answer.tensors["attention_mask"][row].sum() == len(encoding.ids) <= width
     assert answer.tensors["TOKEN_COUNT"][:, 0].tolist() == [len(e.ids) for e in reference]
+    assert max(seen) <= CUT_CHARS_PER_TOKEN * loaded.max_length < len(prose)
+
+
+class _PairRequest(TextRequest):
+    """A rerank request as the tokenizer step reads one: ``QUERY`` and ``DOCUMENTS``."""
+
+    def __init__(self, query: str, documents: list[str]):
+        super().__init__(documents)
+        self._inputs = [Tensor("QUERY", np.array([[query.encode()]], dtype=object)),
+                        Tensor("DOCUMENTS", np.array([[d.encode()] for d in documents], dtype=object))]
+
+
+@pytest.fixture
+def pair_step(exports, tmp_path, monkeypatch):
+    """The packaged model's tokenizer step as a reranker's (mode ``pair``), its tokenizer calls recorded."""
+    folder = exports.copy("all_minilm_l6_v2", tmp_path, as_name="cut") / "cut_tokenizer"
+    config = triton_json(tc.read(folder / "config.pbtxt"))
+    config["parameters"]["mode"] = {"string_value": "pair"}
+    loaded = load_step(monkeypatch, folder / "1", "cut_tokenizer_model", config, folder)
+    seen: list[int] = []
+    monkeypatch.setattr(loaded, "tokenizer", _Recording(loaded.tokenizer, seen, pairs=True))
+    yield loaded, seen
+    unload()
+
+
+def test_the_tokenizer_step_answers_long_documents_rows_from_their_start(pair_step):
+    loaded, seen = pair_step
+    assert loaded.mode == "pair" and loaded.cut
+    prose = " ".join(validation_texts())
+    query, documents = "what does the text say about the weather", [prose, "a short document", prose[:5000]]
+    (answer,) = loaded.execute([_PairRequest(query, documents)])
+    reference = loaded.tokenizer._tokenizer.encode_batch([(query, d) for d in documents])  # whole, truncated
+    for row, encoding in enumerate(reference):
+        assert answer.tensors["input_ids"][row, :len(encoding.ids)].tolist() == encoding.ids
+        assert answer.tensors["token_type_ids"][row, :len(encoding.ids)].tolist() == encoding.type_ids
+        assert answer.tensors["attention_mask"][row].sum() == len(encoding.ids)
     assert max(seen) <= CUT_CHARS_PER_TOKEN * loaded.max_length < len(prose)

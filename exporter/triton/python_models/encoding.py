@@ -117,21 +117,27 @@ def _cut(text: str, chars: int) -> str | None:
     return text[:at] if at > 0 else None
 
 
-def encode_cut(encode, texts: list[str], max_length: int) -> list:
+def encode_cut(encode, texts: list[str], max_length: int, first: tuple[str, int] | None = None) -> list:
     """``encode(texts)`` (a truncating tokenizer's ``encode_batch``) for a tokenizer that
     :func:`cuts_safely`, tokenizing each long text only as far as truncation keeps: cut before a space past
     :data:`CUT_CHARS_PER_TOKEN` characters a token, a cut whose tokens did not overflow ``max_length`` cut
     again four times as long, up to the whole text.  A cut's tokens are the whole text's first ones, so
     once they overflow, truncation keeps the same tokens (and offsets) as from the whole text; a megabyte
-    of text then costs what its first few thousand characters do."""
+    of text then costs what its first few thousand characters do.
+
+    ``first``: (a text, its token count without special tokens) that each of ``texts`` is the second of a
+    pair with, truncated longest first.  A cut is kept where it overflowed with that text whole: then the
+    first is the pair's shorter side, whose length alone sets both sides' (tokenizers' ``LongestFirst``),
+    as with the whole second text, no shorter than its cut."""
+    pair = (lambda text: text) if first is None else (lambda text: (first[0], text))
     found: list = [None] * len(texts)
     waiting, chars = list(range(len(texts))), CUT_CHARS_PER_TOKEN * max_length
     while waiting:
         cuts = [_cut(texts[index], chars) for index in waiting]
-        encodings = encode([texts[index] if cut is None else cut for index, cut in zip(waiting, cuts)])
+        encodings = encode([pair(texts[index] if cut is None else cut) for index, cut in zip(waiting, cuts)])
         again = []
         for index, cut, encoding in zip(waiting, cuts, encodings):
-            if cut is None or encoding.overflowing:
+            if cut is None or encoding.overflowing and (first is None or encoding.sequence_ids.count(0) == first[1]):
                 found[index] = encoding
             else:
                 again.append(index)

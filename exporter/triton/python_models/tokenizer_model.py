@@ -251,7 +251,11 @@ class TritonPythonModel:
         if self._too_many(len(documents)):
             raise ValueError(f"DOCUMENTS has {len(documents)} items and one request takes at most "
                              f"{self.max_rows}; send them in several requests (the client does)")
-        encodings = self.tokenizer.encode_batch([(query[0], d) for d in documents])
+        if self.cut:  # long documents tokenized only as far as truncation keeps, where that is exact
+            first = (query[0], len(self.untruncated.encode(query[0], add_special_tokens=False).ids))
+            encodings = encode_cut(self.tokenizer.encode_batch, documents, self.max_length, first)
+        else:
+            encodings = self.tokenizer.encode_batch([(query[0], d) for d in documents])
         if not self.truncate:
             check_lengths(encodings, self.max_length)
         return encodings
