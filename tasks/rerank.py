@@ -68,6 +68,15 @@ def _config_activation(config):
     return getattr(config, "sbert_ce_default_activation_function", None)
 
 
+def refusal(config) -> str | None:
+    """A cross-encoder answers one logit a pair, its score; a classifier of several labels has no one score."""
+    labels = getattr(config, "num_labels", 2)
+    if labels == 1:
+        return None
+    return (f"a reranker scores a (query, document) pair with one logit, and this checkpoint has {labels} labels; "
+            "export it with --task classification to serve its labels")
+
+
 def post_params(config, embedder) -> dict[str, str]:
     return {**label_params(config), **write({SCORE_FUNCTION: score_function(config)})}
 
@@ -87,6 +96,7 @@ SPEC = register(TaskSpec(
     # a sequence classifier with one label is a cross-encoder
     inferred_from=lambda architecture, config: (sequence_classifier(architecture)
                                                 and getattr(config, "num_labels", 2) == 1),
+    refusal=refusal,
     post_params=post_params,
     batched=False,
     pair=True,

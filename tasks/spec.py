@@ -79,6 +79,9 @@ class TaskSpec:
     parse: Callable[..., Any]
     #: whether a config's architecture says the checkpoint was trained for this task
     inferred_from: Callable[[str, Any], bool] | None = None
+    #: why a checkpoint of this config cannot be served as this task, or None: asked before the export walks it,
+    #: the task asked for or inferred
+    refusal: Callable[[Any], str | None] = lambda config: None
     #: the post-processing parameters (also on the ensemble, for clients): (config, embedder) -> dict
     post_params: Callable[[Any, Any], dict[str, str]] = lambda config, embedder: {}
     #: tokenizer outputs besides the graph's own inputs (offsets, context_mask)

@@ -83,3 +83,19 @@ def test_labels_of_equal_score_come_in_label_order_as_the_text_classification_pi
     np.testing.assert_allclose([label.score for label in served], [row["score"] for row in expected], rtol=1e-6)
     top = get_task("classification").parse([scores["SCORES"]], model.config.id2label, 3)[0]
     assert [label.label for label in top] == [model.config.id2label[i] for i in (0, 3, 6)]
+
+
+def test_a_classifier_of_several_labels_is_refused_as_a_reranker_before_its_walk(tmp_path, tiny_tokenizer):
+    """``--task rerank`` forced on a two-label classifier: its graph answers two logits a pair where the served
+    head takes one, so the export would pass and every request fail; it is refused, naming the task to use."""
+    from nexus_sli.exporter.errors import NexusError
+    from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
+
+    model = _classifier(2)
+    model.config.architectures = ["BertForSequenceClassification"]
+    model.save_pretrained(tmp_path / "ckpt")
+    tiny_tokenizer.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    with pytest.raises(NexusError, match="has 2 labels.*--task classification"):
+        run_export(ExportOptions(model=str(tmp_path / "ckpt"), name="rr", out=tmp_path / "repo", task="rerank"))
+    assert not (tmp_path / "repo").exists()
+    assert get_task("rerank").refusal(_classifier(1).config) is None

@@ -212,6 +212,9 @@ def prepare(options: ExportOptions, source, work: Path) -> Prepared:
     public for experiments and tests that validate graphs of their own against an export's reference)."""
     config = load_config(source.path)
     task = _task(options, source, config)
+    refused = task.refusal(config)
+    if refused:  # before the walk: the export would pass, and every request to it fail
+        raise NexusError(f"{source.path} cannot be served as task {task.name!r}: {refused}")
     _say_replaced(Path(options.out), _name(options, source), task.name)
     handler = get_registry().detect_family(config)
     family = handler.family
