@@ -61,9 +61,10 @@ serve: install
 
 # Everything but the long tiers (pyproject's addopts deselect the `load` and `real_checkpoint` markers),
 # a module per worker on every core (pytest-xdist), handed out in collection order (tests/conftest.py puts
-# the longest modules first; pytest-xdist would otherwise order them by their number of tests).
+# the longest modules first; pytest-xdist would otherwise order them by their number of tests).  The slowest
+# tests are listed at the end, so that a CI log says where its time went.
 test: install
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15
 
 # FlagEmbedding, the reference of BGE-M3's three outputs, in a venv of its own: it imports a transformers
 # module that transformers 5 (the product's) removed, and passes `dtype` to from_pretrained (transformers
