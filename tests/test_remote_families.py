@@ -396,6 +396,17 @@ def test_neobert_max_length_survives_config_loading(remote_checkpoint, caplog):
     assert math.isclose(config.norm_eps, 1e-5)
 
 
+def test_a_remote_code_folders_other_files_are_found_from_its_config(remote_checkpoint, tmp_path):
+    """A family without a transformers config class is loaded as a plain config, which names its folder as
+    ``from_pretrained`` does: a cross-encoder's saved activation beside it is read (sentence-transformers 6)."""
+    folder = shutil.copytree(remote_checkpoint("neobert"), tmp_path / "neobert")
+    (folder / "config_sentence_transformers.json").write_text(
+        json.dumps({"activation_fn": "torch.nn.modules.linear.Identity"}))
+    config = load_config(folder)
+    assert type(config).__name__.lower() == "pretrainedconfig" and config.name_or_path == str(folder)
+    assert get_task("rerank").post_params(config, None)["function_to_apply"] == "none"
+
+
 def test_gte_is_the_family_of_model_type_new():
     config = tiny_config("gte")
     assert family_for(config["model_type"], config["architectures"], config) is FAMILIES["gte"]

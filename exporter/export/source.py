@@ -105,6 +105,7 @@ def load_config(path: Path) -> Any:
         for key, value in raw.items():
             if getattr(config, key, None) != value:
                 setattr(config, key, value)
+        config.name_or_path = str(path)  # as from_pretrained sets it: where the folder's other files are read
         return config
 
 
