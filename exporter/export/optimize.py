@@ -39,13 +39,21 @@ def fuse(plain: Path, target: Path, num_heads: int, hidden_size: int, use_gpu: b
     return counts or None
 
 
+#: Whether ONNX Runtime's idle intra-op threads spin between runs: no, as in the served encoder by default
+#: (``serving/backends/onnxruntime_backend.py``).  Timing runs the candidates in turns, and a spinning thread
+#: of one graph's session keeps a core busy after its run, slowing whichever graph runs next (an OpenVINO one,
+#: or another session's); it would also time ONNX Runtime's graphs otherwise than they are served.
+SPINNING = "0"
+
+
 def session(path: Path, threads: int = 0, providers: tuple[str, ...] = ()):
     """An ONNX Runtime session on the first of ``providers`` this onnxruntime has, else the CPU, with
-    ``threads`` intra-op threads (0: :func:`threads.export_threads`)."""
+    ``threads`` intra-op threads (0: :func:`threads.export_threads`) that sleep between runs (:data:`SPINNING`)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or export_threads()
+    options.add_session_config_entry("session.intra_op.allow_spinning", SPINNING)
     options.log_severity_level = 3
     available = [p for p in providers if p in ort.get_available_providers()]
     return ort.InferenceSession(str(path), options, providers=[*available, "CPUExecutionProvider"])
