@@ -530,7 +530,9 @@ class _Prober(threading.Thread):
         self.client = EncoderClient(url, protocol=protocol, **options)
         self.model = model
         self.stopping = threading.Event()
-        self.results: list[tuple[float, object]] = []  # (time, vectors or the exception)
+        #: (when the call was sent, its vectors or exception): a call sent before a fault was mended may fail
+        #: after it, having met the fault (a slow machine answers it late); one sent after it must not
+        self.results: list[tuple[float, object]] = []
         #: the longest call, in seconds
         self.slowest = 0.0
 
@@ -538,9 +540,9 @@ class _Prober(threading.Thread):
         while not self.stopping.is_set():
             started = time.monotonic()
             try:
-                self.results.append((time.monotonic(), self.client.embed(TEXTS, model=self.model)))
+                self.results.append((started, self.client.embed(TEXTS, model=self.model)))
             except Exception as exc:  # noqa: BLE001 - recorded and checked by the test
-                self.results.append((time.monotonic(), exc))
+                self.results.append((started, exc))
                 time.sleep(0.05)
             self.slowest = max(self.slowest, time.monotonic() - started)
 
@@ -718,15 +720,16 @@ class _SdkProber(threading.Thread):
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=max_retries,
                                     timeout=OUTLAST_RESTART_S + TIMEOUT_S)
         self.stopping = threading.Event()
-        self.results: list[tuple[float, object]] = []  # (time, 200 or the exception)
+        self.results: list[tuple[float, object]] = []  # (when sent, 200 or the exception), as _Prober's
 
     def run(self):
         while not self.stopping.is_set():
+            started = time.monotonic()
             try:
                 response = self.client.embeddings.create(model="embedder", input=TEXTS)
-                self.results.append((time.monotonic(), 200 if len(response.data) == len(TEXTS) else "short"))
+                self.results.append((started, 200 if len(response.data) == len(TEXTS) else "short"))
             except Exception as exc:  # noqa: BLE001 - recorded and checked by the test
-                self.results.append((time.monotonic(), exc))
+                self.results.append((started, exc))
                 time.sleep(0.05)
 
     def finish(self):
