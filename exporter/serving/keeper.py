@@ -19,7 +19,6 @@ import threading
 import time
 from typing import Callable
 
-from .binary import ServerError
 from .launcher import TritonServer, stop
 
 log = logging.getLogger(__name__)
@@ -63,9 +62,14 @@ class KeptServer:
         self._watcher.join(timeout)
         return self.returncode
 
+    def stop_keeping(self) -> None:
+        """Start the server again no more, whatever it does from now on (it may be stopping already: a
+        terminal's Ctrl-C reaches tritonserver too, in serve's process group)."""
+        self._stopping.set()
+
     def stop(self, grace: float = 15.0) -> None:
         """Stop keeping the server, and stop it (:func:`launcher.stop`)."""
-        self._stopping.set()
+        self.stop_keeping()
         with self._lock:
             process = self.process
         stop(process, grace)
@@ -92,7 +96,9 @@ class KeptServer:
                 return
             try:
                 started = self._launch()
-            except ServerError as exc:
+            # Any failure, not only a ServerError (a repository read in the middle of an export, a GPU export put
+            # there meanwhile): a watcher ended by an exception would leave serve waiting on a server that is gone.
+            except Exception as exc:  # noqa: BLE001
                 log.error("tritonserver could not be started again: %s", exc)
                 self.returncode = process.returncode or 1
                 return

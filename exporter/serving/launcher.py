@@ -120,15 +120,22 @@ def wait_ready(http_port: int, process: subprocess.Popen, timeout: float = 180.0
 
 
 def check_identity(host: str, http_port: int, admin_key: str) -> None:
-    """The server that answered is ours (it knows our secret), not another one on the same port."""
-    request = urllib.request.Request(url(host, http_port, "/v2/logging"), headers={ADMIN_HEADER: admin_key})
+    """The server that answered is ours: it refuses its restricted APIs without our secret and answers with it.
+    Another one on the same port refuses our secret (restricted with its own) or answers anyone (unrestricted,
+    as a plain ``tritonserver`` is)."""
+    logging_api = url(host, http_port, "/v2/logging")
+    if _status(logging_api, {ADMIN_HEADER: admin_key}) == 403 or _status(logging_api, {}) != 403:
+        raise ServerError(f"another server answers on port {http_port} (is one running there already?); "
+                          "this tritonserver could not take the port")
+
+
+def _status(address: str, headers: dict[str, str]) -> int:
+    """The HTTP status of a GET of ``address``."""
     try:
-        urllib.request.urlopen(request, timeout=10).close()
+        with urllib.request.urlopen(urllib.request.Request(address, headers=headers), timeout=10) as response:
+            return response.status
     except urllib.error.HTTPError as exc:
-        if exc.code == 403:
-            raise ServerError(f"another server answers on port {http_port} (is one running there already?); "
-                              "this tritonserver could not take the port") from None
-        raise
+        return exc.code
 
 
 def end(process: subprocess.Popen, grace: float) -> None:

@@ -131,6 +131,9 @@ class BackgroundSearch(threading.Thread):
         self.served_stamp = stamp(self.repository)
         self._process: subprocess.Popen | None = None
         self._stopping = threading.Event()
+        #: held while the export process is started, and while :meth:`stop` looks for it: a stop in between
+        #: would find none to stop, and the export would run on after serve has exited
+        self._starting = threading.Lock()
 
     def run(self) -> None:
         try:
@@ -147,9 +150,12 @@ class BackgroundSearch(threading.Thread):
         log.info("searching for a faster graph in the background (%s %s, at a lower priority%s); serving %s "
                  "meanwhile", self.choice.backend, self.choice.precision,
                  "".join(f", {k}={v}" for k, v in self.threads.items()), " ".join(self._served()))
-        self._process = subprocess.Popen(self.choice.export_command(self.out, name=self.model_name), env=env,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                         preexec_fn=lambda: os.nice(NICENESS))
+        with self._starting:
+            if self._stopping.is_set():
+                return "stopped"
+            self._process = subprocess.Popen(self.choice.export_command(self.out, name=self.model_name), env=env,
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                             preexec_fn=lambda: os.nice(NICENESS))
         for line in self._process.stderr:  # its log, said as the search's
             print(f"search: {line.rstrip()}", file=sys.stderr, flush=True)
         code = self._process.wait()
@@ -183,8 +189,9 @@ class BackgroundSearch(threading.Thread):
 
     def stop(self, grace: float = 30.0) -> None:
         """Stop the search (what it wrote goes; the first export stays served)."""
-        self._stopping.set()
-        process = self._process
+        with self._starting:
+            self._stopping.set()
+            process = self._process
         if process is not None and process.poll() is None:
             process.send_signal(signal.SIGINT)  # the export's own clean-up runs (its staging folder goes)
             try:
@@ -192,7 +199,8 @@ class BackgroundSearch(threading.Thread):
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        self.join(grace)
+        if self.is_alive():  # a search not started yet starts no export once stopped
+            self.join(grace)
         self._remove_folders()
 
     def _remove_folders(self) -> None:

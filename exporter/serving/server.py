@@ -38,14 +38,15 @@ __all__ = ["ADMIN_HEADER", "EXIT_TIMEOUT_S", "REMOTE_PREFIXES", "RESTRICTED_APIS
 
 
 def _repository_to_serve(repository: Path | str, gpu_on_cpu: bool,
-                         backends: Path | None) -> tuple[Path | str, tuple[Path, ...]]:
-    """The repository Triton is given, and the shadow folders made for it: GPU models on the CPU (when
-    asked), then the batched ensembles' steps joined (where ``backends``, the encoder shims' folder, is given)."""
+                         backends: Path | None) -> tuple[Path | str, tuple[Path, ...], Path | None]:
+    """The repository Triton is given, the shadow folders made for it: GPU models on the CPU (when asked),
+    then the batched ensembles' steps joined (where ``backends``, the encoder shims' folder, is given); and the
+    joined shadow where it is made over the repository itself, else None."""
     if is_remote(repository):
         if gpu_on_cpu:
             raise ServerError("--gpu-models-on-cpu rewrites configs in a local shadow folder and cannot apply to "
                               f"{repository}; publish a CPU export there, or serve a local copy")
-        return repository, ()
+        return repository, (), None
     repository = Path(repository).resolve()
     if not any(p.joinpath("config.pbtxt").is_file() for p in repository.glob("*")):
         raise ServerError(f"{repository} holds no model (run 'make export' first)")
@@ -56,15 +57,12 @@ def _repository_to_serve(repository: Path | str, gpu_on_cpu: bool,
         for shadow in shadows:
             shutil.rmtree(shadow, ignore_errors=True)
         raise
+    # A swap rewrites the joined shadow's entries from the repository (joined_steps.refresh): right where the
+    # join is over the repository itself (with --gpu-models-on-cpu too, on an export with no GPU model), wrong
+    # over the GPU models' shadow, whose configs differ from the repository's.
+    over_repository = joined if joined and not shadows else None
     shadows += [joined] if joined else []
-    return (shadows[-1] if shadows else repository), tuple(shadows)
-
-
-def _joined(served: Path | str, shadows: tuple[Path, ...], backends: Path | None, separate_steps: bool):
-    """(the joined shadow, the backends folder) where ``served`` is the joined shadow, else None."""
-    if separate_steps or backends is None or not shadows or served != shadows[-1]:
-        return None
-    return shadows[-1], backends
+    return (shadows[-1] if shadows else repository), tuple(shadows), over_repository
 
 
 def start(repository: Path | str, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
@@ -83,15 +81,14 @@ def start(repository: Path | str, http_port: int = 8000, grpc_port: int = 8001, 
     backends = None if system_binary() else Path(tempfile.mkdtemp(prefix="nexus-sli-backends-"))
     made = [backends] if backends else []
     try:
-        served, shadows = _repository_to_serve(repository, gpu_on_cpu, None if separate_steps else backends)
+        served, shadows, joined = _repository_to_serve(repository, gpu_on_cpu, None if separate_steps else backends)
         made += shadows
-        joined = _joined(served, shadows, backends, separate_steps) if not gpu_on_cpu else None
         repository = served
         admin_key = secrets.token_urlsafe(32)
         command = server_command(repository, http_port, grpc_port, metrics_port, host, backend_dir=backends,
                                  admin_key=admin_key, reload_models=supervise)
         process = TritonServer(command, admin_key, tuple(made), **popen)
-        process.joined = joined
+        process.joined = (joined, backends) if joined else None
     except BaseException:  # nothing started: the folders made for it go
         for folder in made:
             shutil.rmtree(folder, ignore_errors=True)
@@ -134,11 +131,11 @@ def serve_forever(repository: Path, http_port: int, grpc_port: int, metrics_port
     :mod:`search`), stopped before the server is."""
     process = KeptServer(lambda: start(repository, http_port, grpc_port, metrics_port, host, gpu_on_cpu=gpu_on_cpu,
                                        separate_steps=separate_steps))
-    print(f"Triton is ready: HTTP http://{host}:{http_port}  gRPC {host}:{grpc_port}  "
-          f"metrics http://{host}:{metrics_port}/metrics", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     companion = worker = None
     try:
+        print(f"Triton is ready: HTTP http://{host}:{http_port}  gRPC {host}:{grpc_port}  "
+              f"metrics http://{host}:{metrics_port}/metrics", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         companion = subprocess.Popen(beside) if beside else None
         worker = background(process) if background else None
         if worker is not None:
@@ -151,9 +148,14 @@ def serve_forever(repository: Path, http_port: int, grpc_port: int, metrics_port
         print("stopping Triton ...", flush=True)
         code = 0
     finally:
-        if worker is not None:
-            worker.stop()
-        if companion is not None:
-            end(companion, grace=10.0)
-        process.stop()  # also when the server was given up on: the supervisor and temporary files go too
+        # before the search and the gateway are stopped, which takes seconds: a terminal's Ctrl-C reaches
+        # tritonserver too (serve's process group), and the keeper would take its exit for a crash
+        process.stop_keeping()
+        try:
+            if worker is not None:
+                worker.stop()
+            if companion is not None:
+                end(companion, grace=10.0)
+        finally:  # also where a second Ctrl-C (or SIGTERM) cut the above short: tritonserver must not outlive serve
+            process.stop()  # also when the server was given up on: the supervisor and temporary files go too
     return code

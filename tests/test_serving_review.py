@@ -1,0 +1,211 @@
+"""The local serving runtime's edges, with stand-ins for tritonserver (no real server starts here): the keeper
+when a start fails, Ctrl-C reaching tritonserver too and Ctrl-C twice, who answers on the server's port, a search
+stopped before its export starts, and the joined shadow a swap rewrites (exporter/serving/)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from nexus_sli.exporter.serving import gpu_on_cpu
+from nexus_sli.exporter.serving import server as serve
+from nexus_sli.exporter.serving.binary import ServerError
+from nexus_sli.exporter.serving.keeper import KeptServer
+from nexus_sli.exporter.serving.launcher import ServerCommand, check_identity, stop
+from nexus_sli.exporter.serving.search import BackgroundSearch, ModelChoice
+from nexus_sli.exporter.triton import config as tc
+
+
+class _Sleeper(subprocess.Popen):
+    """A stand-in for tritonserver: a process that waits, without a supervisor."""
+
+    supervisor = None
+
+    def __init__(self):
+        super().__init__(["sleep", "600"])
+
+
+def test_a_start_again_that_fails_with_any_error_leaves_the_server_down_with_an_exit_code():
+    launched = []
+
+    def launch():
+        if launched:  # the repository read in the middle of an export, say: not a ServerError
+            raise FileNotFoundError("tiny_encoder/config.pbtxt")
+        launched.append(_Sleeper())
+        return launched[-1]
+
+    kept = KeptServer(launch, interval=0.05)
+    try:
+        launched[0].kill()  # dies by itself; starting it again fails
+        assert kept.wait(10) == -signal.SIGKILL  # down for good, said: serve exits instead of waiting on it
+    finally:
+        kept.stop(grace=0)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The stand-ins :func:`serve.serve_forever` starts, in order (stopped after the test); serve's SIGTERM
+    handler is put back after it too."""
+    started = []
+    monkeypatch.setattr(serve, "start", lambda *_, **__: started.append(_Sleeper()) or started[-1])
+    previous = signal.getsignal(signal.SIGTERM)
+    yield started
+    signal.signal(signal.SIGTERM, previous)
+    for process in started:
+        stop(process, grace=0)
+
+
+def test_a_ctrl_c_that_reaches_tritonserver_too_does_not_start_it_again(launched):
+    """A terminal's Ctrl-C reaches serve's whole process group: tritonserver ends by itself while serve still
+    stops the search and the gateway, and the keeper must not take that for a crash."""
+
+    class Interrupted:
+        """The background search, started as the Ctrl-C arrives, and stopped after tritonserver has ended."""
+
+        def __init__(self, kept):
+            self.kept = kept
+
+        def start(self):
+            raise KeyboardInterrupt
+
+        def stop(self):
+            launched[0].send_signal(signal.SIGINT)  # the terminal's, to tritonserver
+            launched[0].wait()
+            self.kept.wait(5)  # the keeper's watch ends (or, wrongly, starts it again meanwhile)
+
+    assert serve.serve_forever(Path("repo"), 1, 2, 3, "127.0.0.1", background=Interrupted) == 0
+    assert len(launched) == 1, "tritonserver was started again while serve stopped"
+
+
+def test_a_second_ctrl_c_while_serve_stops_still_stops_tritonserver(launched):
+
+    class Impatient:
+        """The background search: Ctrl-C as it starts, and again while it is being stopped."""
+
+        def __init__(self, _):
+            pass
+
+        def start(self):
+            raise KeyboardInterrupt
+
+        def stop(self):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        serve.serve_forever(Path("repo"), 1, 2, 3, "127.0.0.1", background=Impatient)
+    assert launched[0].poll() is not None, "tritonserver outlived serve"
+
+
+@contextlib.contextmanager
+def _answering(status):
+    """An HTTP server on a free loopback port that answers every GET with ``status(headers)``; its port."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(status(self.headers))
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *_):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+KEY = "our-secret"
+OURS = lambda headers: 200 if headers.get(serve.ADMIN_HEADER) == KEY else 403  # noqa: E731
+
+
+@pytest.mark.parametrize("status, ours", [
+    (OURS, True),
+    (lambda _: 200, False),  # a plain tritonserver (nothing restricted) already on the port
+    (lambda _: 403, False),  # one restricted with its own secret
+])
+def test_the_server_on_the_port_is_ours_only_if_it_refuses_its_apis_without_our_secret(status, ours):
+    with _answering(status) as port:
+        if ours:
+            check_identity("127.0.0.1", port, KEY)
+        else:
+            with pytest.raises(ServerError, match=f"another server answers on port {port}"):
+                check_identity("127.0.0.1", port, KEY)
+
+
+def _repository(path: Path, encoder_kind=tc.pb.ModelInstanceGroup.KIND_CPU) -> Path:
+    """A repository a batched ensemble of which serve joins: a python tokenizer, an ONNX encoder, the ensemble."""
+    tokenizer = tc.pb.ModelConfig(name="tiny_tokenizer", backend="python", max_batch_size=8)
+    tokenizer.dynamic_batching.max_queue_delay_microseconds = 100
+    encoder = tc.pb.ModelConfig(name="tiny_encoder", platform="onnxruntime_onnx", max_batch_size=8)
+    encoder.instance_group.add(kind=encoder_kind, count=1)
+    ensemble = tc.pb.ModelConfig(name="tiny", platform="ensemble", max_batch_size=8)
+    for step in (tokenizer, encoder):
+        ensemble.ensemble_scheduling.step.add(model_name=step.name, model_version=-1)
+    for config in (tokenizer, encoder, ensemble):
+        (path / config.name / "1").mkdir(parents=True)
+        tc.write(config, path / config.name)
+    return path
+
+
+@pytest.mark.parametrize("gpu_models", [False, True])
+def test_the_joined_shadow_a_swap_rewrites_is_recorded_with_gpu_models_on_cpu_asked(gpu_models, tmp_path,
+                                                                                      monkeypatch):
+    """A swap (the search's) rewrites the joined shadow's entries from the repository: where the flag made no
+    shadow of its own (a CPU export), the joined one must be known, or the swapped models load from stale links;
+    over the GPU models' shadow it must not be rewritten from the repository's KIND_GPU configs."""
+    kind = tc.pb.ModelInstanceGroup.KIND_GPU if gpu_models else tc.pb.ModelInstanceGroup.KIND_CPU
+    repository = _repository(tmp_path / "repo", kind)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this test's folders alone
+    monkeypatch.setattr(gpu_on_cpu, "gpu_visible", lambda: False)
+    monkeypatch.setattr(serve, "system_binary", lambda: None)
+    served = []
+    monkeypatch.setattr(serve, "server_command", lambda repository, *_, **__: served.append(repository) or
+                        ServerCommand(["sleep", "600"], dict(os.environ), None))
+    monkeypatch.setattr(serve, "wait_ready", lambda *_: None)
+    monkeypatch.setattr(serve, "check_identity", lambda *_: None)
+    process = serve.start(repository, gpu_on_cpu=True, supervise=False)
+    try:
+        assert served[0] != repository.resolve()  # served from a shadow
+        if gpu_models:
+            assert process.joined is None
+        else:
+            shadow, _ = process.joined
+            assert shadow == served[0] and tc.read(shadow / "tiny" / "config.pbtxt").backend == "python"
+    finally:
+        stop(process, grace=0)
+    assert [p.name for p in tmp_path.iterdir()] == ["repo"]  # the shadows and backend folder went with it
+
+
+def test_a_search_stopped_before_its_export_starts_starts_none(tmp_path):
+    """serve stopped (Ctrl-C) between the search's start and its export's: no export is left to run on."""
+    repository = tmp_path / "repo"
+    (repository / "tiny_encoder").mkdir(parents=True)
+    (repository / "tiny_encoder" / "config.pbtxt").write_text('name: "tiny_encoder"\n')
+    (repository / "tiny_encoder" / "validation.json").write_text(
+        json.dumps({"backend": "onnxruntime", "precision": "fp32", "graph": "plain"}))
+    started = tmp_path / "export-started"
+
+    class Marking(ModelChoice):
+        def export_command(self, out, name="", first=False):
+            return [sys.executable, "-c", f"open({str(started)!r}, 'w')"]
+
+    search = BackgroundSearch(Marking(), repository, "tiny", server=None)
+    search.stop(grace=5)  # serve stopped ...
+    search.run()  # ... before the search's thread reached its export
+    assert search.outcome == "stopped" and not started.exists()
