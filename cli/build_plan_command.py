@@ -6,13 +6,15 @@ import argparse
 import json
 from pathlib import Path
 
+from .arguments import positive_number
+
 
 def add_parser(commands) -> None:
     build = commands.add_parser(
         "build-plan", help="build, validate and switch a GPU export's encoder to a TensorRT plan (run on the GPU host)")
     build.add_argument("--repository", default="model_repository", help="the model repository")
     build.add_argument("--model", required=True, help="the model's name in the repository (exported with --target gpu)")
-    build.add_argument("--workspace-gib", type=float, default=1.0,
+    build.add_argument("--workspace-gib", type=positive_number, default=1.0,
                        help="TensorRT builder workspace in GiB (default 1)")
     build.set_defaults(run=run)
 

@@ -21,7 +21,12 @@ def run(args: argparse.Namespace) -> int:
     from nexus_sli.client import ClientError, EncoderClient
 
     try:
-        with EncoderClient(args.url, protocol=args.protocol) as client:
+        client = EncoderClient(args.url, protocol=args.protocol)
+    except ValueError as exc:  # a malformed --url (an empty list, dns:/// without a port, ...), before any call
+        print(f"nexus-sli: error: --url {args.url!r}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with client:
             result = CALLS[args.command](client, args)
     except ClientError as exc:
         print(f"nexus-sli: error: {exc}", file=sys.stderr)
@@ -33,10 +38,24 @@ def run(args: argparse.Namespace) -> int:
 def _command(commands, name: str, help_text: str) -> argparse.ArgumentParser:
     sub = commands.add_parser(name, help=help_text)
     sub.add_argument("--model", required=True, help="model name in the repository")
-    sub.add_argument("--url", default=None, help="server address (default 127.0.0.1:8001 gRPC / :8000 HTTP)")
+    sub.add_argument("--url", default=None, type=_url,
+                     help="server address, HOST:PORT (default 127.0.0.1:8001 gRPC / :8000 HTTP); several, "
+                          "comma-separated, are replicas; dns:///NAME:PORT: every address of NAME")
     sub.add_argument("--protocol", default="grpc", choices=["grpc", "http"])
     sub.set_defaults(run=run)
     return sub
+
+
+def _url(value: str) -> str:
+    """``--url`` without a scheme: tritonclient takes HOST:PORT, and would fail on http://... with a traceback
+    (HTTP) or an unreachable server (gRPC)."""
+    from nexus_sli.client.replicas import DNS_PREFIX
+
+    schemes = [u.strip() for u in value.split(",") if "://" in u and not u.strip().startswith(DNS_PREFIX)]
+    if schemes:
+        raise argparse.ArgumentTypeError(f"takes HOST:PORT without a scheme (or {DNS_PREFIX}NAME:PORT), "
+                                         f"got {schemes[0]!r}")
+    return value
 
 
 def add_parsers(commands) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from .arguments import int_at_least_0, port, positive_int, positive_seconds, seconds_at_least_0
+
 
 def add_parser(commands) -> None:
     from nexus_sli.gateway.config import API_KEY_ENV, GatewayConfig
@@ -18,7 +20,7 @@ def add_parser(commands) -> None:
                               "every 10 s")
     gateway.add_argument("--host", default=defaults.host,
                          help=f"address to bind (default loopback only; set {API_KEY_ENV} before exposing it)")
-    gateway.add_argument("--port", type=int, default=defaults.port)
+    gateway.add_argument("--port", type=port, default=defaults.port)
     gateway.add_argument("--api-key", default=None,
                          help=f"require 'Authorization: Bearer KEY' (default: the {API_KEY_ENV} environment "
                               "variable, the better way: a value given here is visible in the process list; "
@@ -26,20 +28,20 @@ def add_parser(commands) -> None:
     gateway.add_argument("--tei-model", default=None,
                          help="the model TEI's routes (/embed, /rerank, /predict) use when a request names none "
                               "(default: the one model serving that task)")
-    gateway.add_argument("--max-inputs", type=int, default=defaults.max_inputs, help="texts per request")
-    gateway.add_argument("--max-input-chars", type=int, default=defaults.max_input_chars,
+    gateway.add_argument("--max-inputs", type=positive_int, default=defaults.max_inputs, help="texts per request")
+    gateway.add_argument("--max-input-chars", type=positive_int, default=defaults.max_input_chars,
                          help="characters per text")
-    gateway.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
+    gateway.add_argument("--max-body-bytes", type=positive_int, default=defaults.max_body_bytes,
                          help="bytes per request body")
-    gateway.add_argument("--max-concurrent-requests", type=_at_least_0, default=defaults.max_concurrent_requests,
+    gateway.add_argument("--max-concurrent-requests", type=int_at_least_0, default=defaults.max_concurrent_requests,
                          help="inference requests answered at once; past it a request is refused at once with 429 "
                               "and Retry-After, as TEI's flag of that name (default %(default)s; 0: no bound)")
-    gateway.add_argument("--triton-timeout", type=float, default=defaults.triton_timeout_s,
+    gateway.add_argument("--triton-timeout", type=positive_seconds, default=defaults.triton_timeout_s,
                          help="seconds a call to Triton may take before the answer is a 503 (default %(default)s)")
-    gateway.add_argument("--triton-retry", type=float, default=defaults.triton_retry_s,
+    gateway.add_argument("--triton-retry", type=seconds_at_least_0, default=defaults.triton_retry_s,
                          help="seconds one request keeps retrying Triton's retryable failures (a worker restarting, "
                               "a model reloading) before the answer is a 503 (default %(default)s; 0: none)")
-    gateway.add_argument("--discovery-ttl", type=float, default=defaults.discovery_ttl_s,
+    gateway.add_argument("--discovery-ttl", type=seconds_at_least_0, default=defaults.discovery_ttl_s,
                          help="seconds the list of served models is kept before it is read from Triton again (a "
                               "model swapped or added is seen within it; default %(default)s)")
     gateway.set_defaults(run=run)
@@ -52,16 +54,6 @@ def _one_triton(value: str) -> str:
         return check_triton(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _at_least_0(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"takes an integer >= 0 (0: no bound), got {value!r}")
-    return number
 
 
 def config_from(args: argparse.Namespace):

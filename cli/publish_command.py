@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .arguments import http_url
+
 
 def add_parser(commands) -> None:
     publish = commands.add_parser(
@@ -13,7 +15,7 @@ def add_parser(commands) -> None:
     publish.add_argument("--to", required=True, metavar="s3://bucket/prefix",
                          help="where servers read the repository (s3://HOST:PORT/bucket/prefix names the endpoint "
                               "as Triton does)")
-    publish.add_argument("--endpoint-url", default=None,
+    publish.add_argument("--endpoint-url", default=None, type=http_url,
                          help="the S3 endpoint of an S3-compatible store (MinIO, SeaweedFS, Ceph, ...); credentials "
                               "come from the standard AWS environment or ~/.aws, never from the command line")
     publish.add_argument("--dry-run", action="store_true",

@@ -8,18 +8,20 @@ import signal
 import sys
 from pathlib import Path
 
+from .arguments import port, port_or_0
+
 
 def add_parser(commands) -> None:
     serve = commands.add_parser("serve", help="start the Triton server on a model repository")
     serve.add_argument("--model-repository", default="model_repository",
                        help="a folder, or object storage: s3://HOST:PORT/bucket/prefix (credentials from the "
                             "standard AWS environment; docs/deployment.md)")
-    serve.add_argument("--http-port", type=int, default=8000)
-    serve.add_argument("--grpc-port", type=int, default=8001)
-    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--http-port", type=port, default=8000)
+    serve.add_argument("--grpc-port", type=port, default=8001)
+    serve.add_argument("--metrics-port", type=port, default=8002)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default loopback only; see docs/serving.md before exposing it)")
-    serve.add_argument("--gateway-port", type=int, default=8080,
+    serve.add_argument("--gateway-port", type=port_or_0, default=8080,
                        help="port of the HTTP gateway (OpenAI /v1/embeddings, TEI /embed ...) started beside the "
                             "server on the same host; 0: no gateway (docs/gateway.md)")
     serve.add_argument("--gpu-models-on-cpu", action="store_true",

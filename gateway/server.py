@@ -59,12 +59,19 @@ class _Server(uvicorn.Server):
 
 
 async def _serve(server: uvicorn.Server, config: GatewayConfig) -> None:
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(_until_stopped(server))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
         print(f"nexus-sli gateway is ready: {urls(config)}, forwarding to Triton gRPC {config.triton}", flush=True)
     await task
+
+
+async def _until_stopped(server: uvicorn.Server) -> None:
+    try:
+        await server.serve()
+    except SystemExit:  # uvicorn's way out where it cannot bind, its reason logged: serve() answers 1, no traceback
+        pass
 
 
 def serve(config: GatewayConfig) -> int:

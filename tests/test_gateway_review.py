@@ -50,3 +50,18 @@ def test_decode_pads_no_short_row_to_a_long_one_and_answers_in_the_request_order
     assert texts == [f"{len(row)}:{row[0]}" for row in rows]
     assert sum(height * width for height, width in shapes) == sum(map(len, rows))  # not one id of padding
     assert max(height for height, _ in shapes) <= 64  # the model's rows a request, as before
+
+
+def test_a_gateway_whose_port_is_taken_says_so_in_one_line_and_exits_1():
+    """uvicorn ends its task with SystemExit(3) where it cannot bind: the gateway (and so ``make serve`` with
+    its port busy) printed a traceback and exited 3, where its docs say 1."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "nexus_sli.cli.main", "gateway", "--port", str(port),
+                               "--triton", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "address already in use" in done.stderr and "Traceback" not in done.stderr, done.stderr
