@@ -28,7 +28,7 @@ from nexus_sli.exporter.export import export_report, fp16
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.pooling import PREFIX as POOLING_PREFIX
 from nexus_sli.exporter.serving import gpu_on_cpu
-from nexus_sli.exporter.targets import TARGETS, serving_target
+from nexus_sli.exporter.targets import TARGETS, configurations_for, serving_target
 from nexus_sli.exporter.targets import tensorrt_plan as trt_plan
 from nexus_sli.exporter.triton import config as tc
 from nexus_sli.exporter.triton import staging
@@ -222,6 +222,8 @@ def test_a_shape_outside_the_profile_is_a_clear_error_not_a_silent_run():
 
 def test_the_plan_target_is_registered_for_validate_but_never_exported(copy, tiny_checkpoint, tmp_path):
     assert serving_target("tensorrt_plan", "", "KIND_GPU") is TARGETS["tensorrt-plan"]
+    with pytest.raises(NexusError, match="built on the GPU host .* --backend auto"):
+        configurations_for("tensorrt-plan", "fp16", device="gpu")  # as the export's options are checked, first
     with pytest.raises(NexusError, match="built on the GPU host"):
         run_export(ExportOptions(model=str(tiny_checkpoint("bert")), name="x", out=tmp_path / "out",
                                  task="embedding", device="gpu", backend="tensorrt-plan", precision="fp16"))

@@ -162,6 +162,8 @@ class Target(ABC):
     trims_padding: ClassVar[bool] = True
     #: what validating here proves about serving (recorded in validation.json)
     validated_on: ClassVar[str] = "the runtime that serves it, on this machine"
+    #: why an export cannot make its graphs (they are built elsewhere), or None where it can
+    not_exported: ClassVar[str | None] = None
 
     def check(self, precision: str) -> None:
         """Refuse a precision this target does not serve, naming the ones it does."""

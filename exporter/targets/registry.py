@@ -107,6 +107,8 @@ def configurations_for(backend: str, precision: str, flags: set[str] | None = No
         on = [name for name, target in TARGETS.items() if target.device == device]
         raise NexusError(f"backend {backend!r} runs on {get_target(backend).device}, not on the {device} this export "
                          f"is for (--target); on {device}: {', '.join([AUTO, *on])}")
+    if backend != AUTO and get_target(backend).not_exported:  # before the walk, which would be for nothing
+        raise NexusError(get_target(backend).not_exported)
     if backend != AUTO and precision != AUTO:
         target = get_target(backend)
         target.check(precision)

@@ -304,10 +304,11 @@ class TensorRTPlan(Target):
     device = "gpu"
     trims_padding = False
     validated_on = "TensorRT on the GPU named in the record (nexus-sli build-plan)"
+    not_exported = ("a TensorRT plan is built on the GPU host that serves it: export with --target gpu and --backend "
+                    "auto (or onnxruntime-tensorrt), then run nexus-sli build-plan there (docs/gpu.md)")
 
     def candidates(self, graph: ExportedGraph, precision: str) -> list[Candidate]:
-        raise NexusError("a TensorRT plan is built on the GPU host that serves it: export with --target gpu, "
-                         "then run nexus-sli build-plan there (docs/gpu.md)")
+        raise NexusError(self.not_exported)
 
     def open(self, path: Path, parameters: dict[str, str]) -> EngineRunner:
         """The plan for this GPU's compute capability where the folder has one (what Triton picks through
