@@ -38,7 +38,8 @@ async def embeddings(request: Request) -> JSONResponse:
     if "input" not in body:
         raise GatewayError("invalid", "input is required: a string or a list of strings", param="input")
     texts = check_texts(text_list(body["input"], "input", ids_advice=IDS_ADVICE), state.config, "input")
-    encoding_format = body.get("encoding_format") or "float"
+    # absent or null: the default; any other value one of the formats (an empty string or false is no format)
+    encoding_format = "float" if body.get("encoding_format") is None else body["encoding_format"]
     if encoding_format not in ENCODING_FORMATS:
         raise GatewayError("invalid", f"encoding_format must be one of {', '.join(ENCODING_FORMATS)}, "
                            f"got {encoding_format!r}", param="encoding_format")

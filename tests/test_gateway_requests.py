@@ -240,6 +240,8 @@ def test_only_a_body_past_its_limit_is_a_413():
     ({"model": "emb", "input": ["a"] * 5}, "too_many_inputs", "at most 4"),
     ({"model": "emb", "input": ["a" * 101]}, "input_too_long", "at most 100 per text"),
     ({"model": "emb", "input": []}, None, "input is empty"),
+    ({"model": "emb", "input": "a", "encoding_format": ""}, None, "encoding_format must be one of"),
+    ({"model": "emb", "input": "a", "encoding_format": False}, None, "encoding_format must be one of"),
 ])
 def test_openai_answers_every_invalid_input_with_400(body, code, words):
     """The openai SDK raises BadRequestError for a 400; a 413 would be a bare APIStatusError."""
