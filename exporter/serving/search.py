@@ -16,6 +16,7 @@ The search validates and times its graphs beside the served model: traffic while
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -100,7 +101,8 @@ def _stop_export(process: subprocess.Popen, repository: Path, grace: float = EXP
     except (subprocess.TimeoutExpired, KeyboardInterrupt):
         process.kill()
         process.wait()
-    for staging in repository.resolve().parent.glob(f".{repository.name}.staging-{process.pid}-*"):
+    # escaped: a repository's name may hold glob characters ("repo[1]")
+    for staging in repository.resolve().parent.glob(glob.escape(f".{repository.name}.staging-{process.pid}-") + "*"):
         shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -206,5 +208,5 @@ class BackgroundSearch(threading.Thread):
     def _remove_folders(self) -> None:
         """The search's repository, and the staging folders of its export (a killed one leaves its own)."""
         shutil.rmtree(self.out, ignore_errors=True)
-        for staging in self.out.parent.glob(f".{self.out.name}.staging-*"):
+        for staging in self.out.parent.glob(glob.escape(f".{self.out.name}.staging-") + "*"):  # see _stop_export
             shutil.rmtree(staging, ignore_errors=True)

@@ -9,7 +9,9 @@ again (its precision and backend).  While both are loaded the server holds the o
 
 Where ``nexus-sli serve`` joins each ensemble's steps in one process, the joined model's shadow entries are
 written again for the new steps (:func:`joined_steps.refresh`) before it is loaded.  A model that fails to
-load puts the old folders back and loads those again: what was served stays served.
+load puts the old folders back and loads those again: what was served stays served.  A rename that fails
+part-way (or a Ctrl-C) undoes the renames made before it, newest first; where undoing one fails too, the folder
+the old models were moved into stays beside the repository, and the error names it.
 
 A caller that made the new set while the repository served (the search of :mod:`search`) first compares
 :func:`stamp` of the folders with the one it took when it began: a changed stamp means the user exported
@@ -19,6 +21,7 @@ those names meanwhile, and swapping would delete that export.
 from __future__ import annotations
 
 import compileall
+import contextlib
 import hashlib
 import logging
 import os
@@ -26,7 +29,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from nexus_sli.exporter.errors import RepositoryError
 from nexus_sli.exporter.triton import config as tc
+from nexus_sli.exporter.triton.staging import Renames
 
 from .joined_steps import refresh
 
@@ -74,7 +79,9 @@ def _load_order(repository: Path, names: list[str]) -> list[str]:
 def swap_in(found: Path, repository: Path, server) -> list[str]:
     """Serve ``found``'s models (an export's repository, left empty) in place of ``repository``'s of the same
     names, on ``server`` (the :class:`~.launcher.TritonServer` serving ``repository``, with its supervisor);
-    the names swapped.  Raises (after putting the served set back) where the server fails to load one."""
+    the names swapped.  Raises (after putting the served set back) where the server fails to load one, and a
+    :class:`RepositoryError` where the folders cannot be moved (the repository as it was, or where the old
+    models then are)."""
     names = models_in(found)
     version = 1 + max((_newest_version(repository / name) for name in names if (repository / name).is_dir()),
                       default=0)
@@ -85,23 +92,47 @@ def swap_in(found: Path, repository: Path, server) -> list[str]:
     # model loaded as a changed model, and loads it again with the next ensemble that calls it.
     compileall.compile_dir(found, quiet=1)
     retired = Path(tempfile.mkdtemp(prefix=f".{repository.name}-retired-", dir=repository.parent))
+    moves = Renames()
     try:
-        for name in names:
-            if (repository / name).exists():
-                os.rename(repository / name, retired / name)
-            os.rename(found / name, repository / name)
-        with server.supervisor.swapping():
-            try:
-                _load(repository, names, server)
-            except BaseException:
-                log.error("the new models did not load; serving the ones served before")
-                _put_back(repository, retired, names, found)
-                _load(repository, names, server)
-                raise
-    finally:
-        shutil.rmtree(retired, ignore_errors=True)
+        _move_in(found, repository, retired, names, moves)
+    except BaseException as exc:  # Ctrl-C too: never leave the served repository half-swapped
+        _undo(moves, repository, retired, exc)
+        if isinstance(exc, OSError):
+            raise RepositoryError(f"cannot swap the new {', '.join(names)} into {repository}: {exc}; the "
+                                  "repository is as it was, and the server serves what it served") from exc
+        raise
+    with server.supervisor.swapping():
+        try:
+            _load(repository, names, server)
+        except BaseException as exc:
+            log.error("the new models did not load (%s); putting the ones served before back", exc)
+            _undo(moves, repository, retired, exc)
+            _load(repository, names, server)
+            raise
+    shutil.rmtree(retired, ignore_errors=True)
     log.info("serving the new %s at version %d", ", ".join(names), version)
     return names
+
+
+def _move_in(found: Path, repository: Path, retired: Path, names: list[str], moves: Renames) -> None:
+    """Each of ``names`` from ``found`` into ``repository``, the folder it replaces into ``retired``."""
+    for name in names:
+        if os.path.lexists(repository / name):  # a dangling link too: a folder cannot be renamed over it
+            moves.move(repository / name, retired / name)
+        moves.move(found / name, repository / name)
+
+
+def _undo(moves: Renames, repository: Path, retired: Path, failure: BaseException) -> None:
+    """Undo ``moves`` (the served folders back in ``repository``, the new ones back where they came from), then
+    remove the emptied ``retired``.  Where a rename back fails, ``retired`` holds served models: it stays, and
+    the :class:`RepositoryError` raised says where it is."""
+    stuck = moves.undo()
+    if stuck:
+        raise RepositoryError(f"cannot swap the new models into {repository}: {failure}; undoing it failed for "
+                              f"{', '.join(stuck)}: the models served before are in {retired}; move them back into "
+                              f"{repository} before the server starts again") from failure
+    with contextlib.suppress(OSError):  # left where something unforeseen is in it
+        retired.rmdir()
 
 
 def _load(repository: Path, names: list[str], server) -> None:
@@ -113,11 +144,3 @@ def _load(repository: Path, names: list[str], server) -> None:
     for name in _load_order(repository, names):
         server.supervisor.load(name)
 
-
-def _put_back(repository: Path, retired: Path, names: list[str], found: Path) -> None:
-    """The retired folders back in ``repository``; the new ones back in ``found``."""
-    for name in names:
-        if (repository / name).exists():
-            os.rename(repository / name, found / name)
-        if (retired / name).exists():
-            os.rename(retired / name, repository / name)

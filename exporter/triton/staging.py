@@ -135,7 +135,7 @@ class Staging:
         log.warning("an export into %s was killed while it moved its models in; moving in the rest: %s", self.out,
                     ", ".join(left) or "none")
         try:
-            _publish(stale, self.out, tuple(json.loads((stale / _PUBLISHING).read_text())), [])
+            _publish(stale, self.out, tuple(json.loads((stale / _PUBLISHING).read_text())), Renames())
         except (OSError, ValueError) as exc:
             log.warning("could not finish it (%s): %s keeps them", exc, stale)
             return False
@@ -156,7 +156,7 @@ class Staging:
         retire = tuple(sorted(set(retire) - set(staged)))  # what a resumed publish, staging less, still retires
         marker = self.root / _PUBLISHING
         marker.write_text(json.dumps(retire))
-        moves: list[tuple[Path, Path]] = []
+        moves = Renames()
         try:
             _publish(self.root, self.out, retire, moves)
         except BaseException as exc:  # Ctrl-C too: never leave a repository half-published
@@ -168,14 +168,9 @@ class Staging:
         marker.unlink()
         return [self.out / name for name in staged]
 
-    def _undo(self, moves: list[tuple[Path, Path]], failure: BaseException) -> RepositoryError:
-        """Undo ``moves``, latest first; the error to raise for ``failure``."""
-        stuck = []
-        for source, target in reversed(moves):
-            try:
-                os.rename(target, source)
-            except OSError as exc:
-                stuck.append(f"{target} ({exc})")
+    def _undo(self, moves: "Renames", failure: BaseException) -> RepositoryError:
+        """Undo ``moves``; the error to raise for ``failure``."""
+        stuck = moves.undo()
         if not stuck:
             return RepositoryError(f"cannot publish into {self.out}: {failure}; the repository is as it was")
         self._keep = True  # the models it replaced are only there now
@@ -203,7 +198,7 @@ class Staging:
                 return
 
 
-def _publish(root: Path, out: Path, retire: tuple[str, ...], moves: list[tuple[Path, Path]]) -> None:
+def _publish(root: Path, out: Path, retire: tuple[str, ...], moves: "Renames") -> None:
     """Move the models staged in ``root`` into ``out``, the ones they replace and those named in ``retire`` into
     ``root/.retired``, recording each rename in ``moves``.  Resumable: a model moved in already is no longer
     staged, and one whose old folder was moved out already has nothing to move out."""
@@ -213,16 +208,34 @@ def _publish(root: Path, out: Path, retire: tuple[str, ...], moves: list[tuple[P
     for name in staged:
         target = out / name
         if os.path.lexists(target):  # a dangling link too: a directory cannot be renamed over it
-            _move(target, retired / name, moves)
-        _move(root / name, target, moves)
+            moves.move(target, retired / name)
+        moves.move(root / name, target)
     for name in retire:  # after the ensemble that used it is replaced
         if (out / name).is_dir() and not os.path.lexists(retired / name):
-            _move(out / name, retired / name, moves)
+            moves.move(out / name, retired / name)
 
 
-def _move(source: Path, target: Path, moves: list[tuple[Path, Path]]) -> None:
-    os.rename(source, target)
-    moves.append((source, target))
+class Renames:
+    """Folders moved one by one, each rename recorded as it is made, so that a failure part-way undoes the ones
+    made and no others (here, and in a swap: :mod:`serving.swap`)."""
+
+    def __init__(self):
+        self.made: list[tuple[Path, Path]] = []
+
+    def move(self, source: Path, target: Path) -> None:
+        os.rename(source, target)
+        self.made.append((source, target))
+
+    def undo(self) -> list[str]:
+        """Each rename undone, newest first; the ones that could not be, as ``"target (why)"``."""
+        stuck = []
+        for source, target in reversed(self.made):
+            try:
+                os.rename(target, source)
+            except OSError as exc:
+                stuck.append(f"{target} ({exc})")
+        self.made.clear()
+        return stuck
 
 
 def replace_file(path: Path, data: bytes) -> None:
