@@ -80,6 +80,7 @@ def test_labels_of_equal_score_come_in_label_order_as_the_text_classification_pi
     scores = HEADS["classification"]({"logits": logits}, get_task("classification").post_params(model.config, None))
     served = get_task("classification").parse([scores["SCORES"]], model.config.id2label, None)[0]
     assert [label.label for label in served] == [row["label"] for row in expected]
+    # elementwise sigmoids of the same float32 logits, no sum: numpy's and torch's differ by an ulp at most
     np.testing.assert_allclose([label.score for label in served], [row["score"] for row in expected], rtol=1e-6)
     top = get_task("classification").parse([scores["SCORES"]], model.config.id2label, 3)[0]
     assert [label.label for label in top] == [model.config.id2label[i] for i in (0, 3, 6)]
