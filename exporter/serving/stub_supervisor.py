@@ -9,6 +9,7 @@ restricts to the secret header (:mod:`flags`).
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import subprocess
@@ -32,6 +33,14 @@ SHARED_MEMORY = Path("/dev/shm")
 #: A worker's command line: ``STUB MODEL_PATH REGION DEFAULT_SIZE GROWTH SERVER_PID ...`` (Triton 2.51's
 #: python backend, ``stub_launcher.cc``)
 _REGION_ARG, _SERVER_PID_ARG = 2, 5
+#: What a check meets where the server stops or restarts under it, or answers with something else than its API's:
+#: a connection refused or dropped (``OSError``), an answer cut short or not HTTP (``HTTPException``), a body that
+#: is not the JSON expected (``ValueError``, ``LookupError``)
+_UNANSWERED = (OSError, http.client.HTTPException, ValueError, LookupError)
+#: The longest wait between two checks, reached by doubling ``interval`` after each failure in a row
+_MAX_WAIT_S = 30.0
+#: Past this many doublings any ``interval`` is at :data:`_MAX_WAIT_S` (and ``2.0 ** 1024`` overflows a float)
+_MAX_DOUBLINGS = 64
 
 
 def orphaned_workers(server_pid: int) -> list:
@@ -154,7 +163,7 @@ class StubSupervisor(threading.Thread):
         try:
             with urllib.request.urlopen(self._base + "/v2/health/ready", timeout=2) as response:
                 return response.status == 200
-        except OSError:
+        except (OSError, http.client.HTTPException):  # refused, dropped, or cut short: a server going away
             return False
 
     def _is_ensemble(self, model: str) -> bool:
@@ -214,9 +223,9 @@ class StubSupervisor(threading.Thread):
 
         try:
             version = Path(process.cmdline()[1]).parent
-        except (psutil.Error, IndexError):
+            newest = max((int(p.name) for p in version.parent.iterdir() if p.name.isdigit()), default=0)
+        except (psutil.Error, IndexError, OSError):  # OSError: its model's folder is gone, so no newer version
             return False
-        newest = max((int(p.name) for p in version.parent.iterdir() if p.name.isdigit()), default=0)
         return version.name.isdigit() and int(version.name) < newest
 
     def load(self, model: str) -> None:
@@ -225,25 +234,36 @@ class StubSupervisor(threading.Thread):
 
     def run(self) -> None:
         failures = 0
-        while not self._stopping.wait(min(self.interval * 2 ** failures, 30.0)):
+        while not self._stopping.wait(self._backoff(failures)):
             if self.server.poll() is not None:
                 return
             with self._checking:
                 failures = self._check(failures)
 
+    def _backoff(self, failures: int) -> float:
+        """Seconds to the next check: ``interval``, doubled by each failure in a row up to :data:`_MAX_WAIT_S`."""
+        return min(self.interval * 2.0 ** min(failures, _MAX_DOUBLINGS), _MAX_WAIT_S)
+
     def _check(self, failures: int) -> int:
-        """Reload each model that lost a stub process; the failures in a row (the next wait's backoff)."""
-        counts = self.stub_counts()
-        lost = [m for m, n in self._expected.items() if counts.get(m, 0) < n]
-        if not lost or not self._serving():
-            return failures
+        """Reload each model that lost a stub process; the failures in a row (the next wait's backoff).
+
+        Any failure is logged and tried again after the backoff: an exception out of :meth:`run` would end
+        this thread, and no process that dies later would be noticed."""
+        doing = "count the python backend processes"
         try:
+            counts = self.stub_counts()
+            lost = [m for m, n in self._expected.items() if counts.get(m, 0) < n]
+            if not lost or not self._serving():
+                return failures
             for model in lost:
+                doing = f"reload model {model}"
                 self.reload(model)
             return 0
-        except (OSError, ValueError) as exc:  # tried again, later and later
-            log.error("could not reload model %s (%s); trying again", model, exc)
-            return failures + 1
+        except _UNANSWERED as exc:
+            log.error("could not %s (%s: %s); trying again", doing, type(exc).__name__, exc)
+        except Exception:  # a bug: its traceback logged, and tried again no sooner than a failure
+            log.exception("could not %s; trying again", doing)
+        return failures + 1
 
     def stop(self) -> None:
         self._stopping.set()
