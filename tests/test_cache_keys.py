@@ -173,25 +173,33 @@ def _graph(path, scale: float = 2.0):
     return path
 
 
-def _installed(monkeypatch, distributions: dict[str, str]) -> None:
-    """An environment whose modules come from ``distributions`` (name -> version), e.g. onnxruntime-gpu's."""
-    def version(name):
-        if name not in distributions:
-            raise metadata.PackageNotFoundError(name)
-        return distributions[name]
+@pytest.fixture
+def installed(monkeypatch):
+    """``installed(distributions)``: a process started in an environment whose modules come from
+    ``distributions`` (name -> version), e.g. onnxruntime-gpu's.  A process reads what is installed once; the
+    environment this one started in is read again after the test."""
+    def start(distributions: dict[str, str]) -> None:
+        def version(name):
+            if name not in distributions:
+                raise metadata.PackageNotFoundError(name)
+            return distributions[name]
 
-    provides = {name.split("-")[0]: [name] for name in distributions}
-    monkeypatch.setattr(candidate_cache.metadata, "version", version)
-    monkeypatch.setattr(candidate_cache.metadata, "packages_distributions", lambda: provides)
+        provides = {name.split("-")[0]: [name] for name in distributions}
+        monkeypatch.setattr(candidate_cache.metadata, "version", version)
+        monkeypatch.setattr(candidate_cache.metadata, "packages_distributions", lambda: provides)
+        candidate_cache._versions.cache_clear()
+
+    yield start
+    candidate_cache._versions.cache_clear()
 
 
 @pytest.mark.parametrize("library", ["onnxruntime-gpu", "openvino", "nncf", "onnx"])
-def test_an_upgrade_of_a_library_that_writes_graphs_is_another_key(library, monkeypatch, tmp_path):
+def test_an_upgrade_of_a_library_that_writes_graphs_is_another_key(library, installed, tmp_path):
     _graph(tmp_path / "plain.onnx")
-    installed = {"onnxruntime-gpu": "1.31.1", "openvino": "2026.4.1", "nncf": "3.4.0", "onnx": "1.23.2"}
+    versions = {"onnxruntime-gpu": "1.31.1", "openvino": "2026.4.1", "nncf": "3.4.0", "onnx": "1.23.2"}
     keys = []
     for upgraded in (False, True):
-        _installed(monkeypatch, {**installed, **({library: "99.0"} if upgraded else {})})
+        installed({**versions, **({library: "99.0"} if upgraded else {})})
         cache = CandidateCache(tmp_path / "cache")
         keys.append(cache.key(tmp_path / "q.onnx", [tmp_path / "plain.onnx"], {"step": "test"}))
     assert keys[0] != keys[1]

@@ -35,6 +35,7 @@ The key is a SHA-256 over what the graph depends on:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -106,6 +107,7 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+@functools.cache  # what a process has imported stays as it was, whatever is installed meanwhile
 def _versions() -> dict[str, list[str]]:
     """Each library's installed distributions as ``name==version``, found by the module they provide: the
     ``onnxruntime`` module may come from ``onnxruntime-gpu`` (or another build), where a lookup by the module's

@@ -31,12 +31,24 @@ def fuse(plain: Path, target: Path, num_heads: int, hidden_size: int, use_gpu: b
     counts = {op: n for op, n in optimized.get_fused_operator_statistics().items() if n}
     if counts:
         optimized.save_model_to_file(str(onnx_files.prepare(target)), use_external_data_format=onnx_files.external(plain))
-    # The optimizer's objects hold the graphs it loaded in reference cycles, which Python frees only at its
-    # next cyclic collection, whenever that comes: until then a large model's graphs stay resident
-    # (bench/data/tried.md, "Exporter constants").
+    graph_bytes = optimized.model.ByteSize()
     del optimized
-    gc.collect()
+    free_cycles(graph_bytes)
     return counts or None
+
+
+#: From this size of graph (bytes) the graph tools' reference cycles are collected at once (:func:`free_cycles`).
+COLLECT_FROM_BYTES = 64 * 2**20
+
+
+def free_cycles(graph_bytes: int) -> None:
+    """Collect the reference cycles in which the graph tools (the transformer optimizer, the quantizers) leave the
+    graphs they loaded, where the graph is large: Python frees them only at its next cyclic collection, whenever that
+    comes, and until then a large model's graphs stay resident (bench/data/tried.md, "Exporter constants").  A
+    collection walks every object of the process (a few hundred milliseconds once PyTorch is loaded): most of a small
+    model's export, whose graphs can wait for Python's own next collection."""
+    if graph_bytes >= COLLECT_FROM_BYTES:
+        gc.collect()
 
 
 #: Whether ONNX Runtime's idle intra-op threads spin between runs: no, as in the served encoder by default
