@@ -102,9 +102,9 @@ def test_a_cut_text_encodes_as_the_whole_text(tokenizer, texts, max_length):
         tokenizer.encode_batch(texts))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(query=st.lists(PIECES, max_size=8).map("".join),
-       documents=st.lists(st.lists(PIECES, max_size=40).map("".join), min_size=1, max_size=3),
+       documents=st.lists(st.lists(PIECES, max_size=20).map("".join), min_size=1, max_size=3),
        max_length=st.integers(10, 40))  # the reference's overflow windows: thousands below that
 def test_a_cut_document_encodes_with_its_query_as_the_whole_document(tokenizer, query, documents, max_length):
     """Rerank pairs, truncated longest first: queries from none to more tokens than the model takes, so that
