@@ -13,15 +13,17 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from nexus_sli.exporter.serving import gpu_on_cpu
 from nexus_sli.exporter.serving import server as serve
 from nexus_sli.exporter.serving.binary import ServerError
 from nexus_sli.exporter.serving.keeper import KeptServer
-from nexus_sli.exporter.serving.launcher import ServerCommand, check_identity, stop
+from nexus_sli.exporter.serving.launcher import ServerCommand, check_identity, stop, wait_exited
 from nexus_sli.exporter.serving.search import BackgroundSearch, ModelChoice
 from nexus_sli.exporter.triton import config as tc
 
@@ -209,3 +211,29 @@ def test_a_search_stopped_before_its_export_starts_starts_none(tmp_path):
     search.stop(grace=5)  # serve stopped ...
     search.run()  # ... before the search's thread reached its export
     assert search.outcome == "stopped" and not started.exists()
+
+
+#: A stand-in for tritonserver after a crash, seen from its workers: a parent that never reaps its child
+PARENT = ("import subprocess, sys, time\n"
+          "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+          "print(child.pid, flush=True)\ntime.sleep(60)\n")
+
+
+def test_a_killed_worker_counts_as_exited_while_a_zombie_and_a_live_one_is_waited_for_until_the_timeout():
+    """A crashed server's workers, once killed, are zombies until PID 1 reaps them (a second or two on some
+    machines): they hold no socket by then, so a restart does not wait for the reaping."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        worker = psutil.Process(int(parent.stdout.readline()))
+        worker.kill()  # a zombie for as long as its parent lives: nobody reaps it
+        started = time.monotonic()
+        wait_exited([worker], timeout=10)
+        assert time.monotonic() - started < 1 and worker.status() == psutil.STATUS_ZOMBIE
+        started = time.monotonic()
+        wait_exited([worker, psutil.Process(live.pid)], timeout=0.5)
+        assert 0.5 <= time.monotonic() - started < 5 and live.poll() is None
+    finally:
+        for process in (parent, live):
+            process.kill()
+            process.wait()

@@ -99,7 +99,26 @@ def _end(workers: list, timeout: float = 10.0) -> None:
             worker.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(workers, timeout=timeout)
+    wait_exited(workers, timeout)
+
+
+def wait_exited(processes: list, timeout: float) -> None:
+    """Until each of ``processes`` (``psutil.Process``, not this process's children) has exited, or ``timeout``.
+    An exited process whose parent died stays a zombie until PID 1 reaps it, which some machines' init does a
+    second or two later: it holds no socket, file or memory by then, so it counts as exited (waiting for it to
+    be reaped, as ``psutil.wait_procs`` does, cost each restart after a crash that time)."""
+    deadline = time.monotonic() + timeout
+    while any(_running(process) for process in processes) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _running(process) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def wait_ready(http_port: int, process: subprocess.Popen, timeout: float = 180.0, host: str = "127.0.0.1") -> None:

@@ -15,6 +15,7 @@ import tritonclient.http as httpclient
 from nexus_sli.bench.served import Gateway, free_ports
 from nexus_sli.client.model_info import ModelInfo
 from nexus_sli.exporter.serving import server as serve
+from nexus_sli.exporter.serving.launcher import wait_exited
 
 
 @contextlib.contextmanager
@@ -98,7 +99,7 @@ def kill_server(server: dict) -> None:
     for orphan in family[1:]:
         with contextlib.suppress(psutil.NoSuchProcess):
             orphan.kill()
-    psutil.wait_procs(family[1:], timeout=30)
+    wait_exited(family[1:], timeout=30)
     for region in regions:
         Path(region).unlink(missing_ok=True)
 
