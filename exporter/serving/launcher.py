@@ -113,10 +113,11 @@ def wait_exited(processes: list, timeout: float) -> None:
 
 
 def _running(process) -> bool:
+    """Not gone, nor a zombie whose threads have all ended (its leader shows as a zombie once it alone has)."""
     import psutil
 
     try:
-        return process.status() != psutil.STATUS_ZOMBIE
+        return process.status() != psutil.STATUS_ZOMBIE or process.num_threads() > 1
     except psutil.NoSuchProcess:
         return False
 
