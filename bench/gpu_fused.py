@@ -40,7 +40,7 @@ class FusedCUDA(OnnxRuntimeCUDA):
     def candidates(self, graph: ExportedGraph, precision: str) -> list[Candidate]:
         fused = graph.work / "fused.gpu.onnx"
         counts = fuse(graph.plain, fused, graph.family.num_heads(graph.config), graph.family.hidden_size(graph.config),
-                      use_gpu=True)
+                      graph.large, use_gpu=True)
         if not counts or "Attention" not in counts:
             raise RuntimeError(f"ONNX Runtime's optimizer fused no attention in this graph ({counts}): nothing to "
                                "measure against the plain graph")

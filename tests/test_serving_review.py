@@ -26,6 +26,7 @@ from nexus_sli.exporter.serving.keeper import KeptServer
 from nexus_sli.exporter.serving.launcher import ServerCommand, check_identity, stop, wait_exited
 from nexus_sli.exporter.serving.search import BackgroundSearch, ModelChoice
 from nexus_sli.exporter.triton import config as tc
+from helpers.waiting import wait_until
 
 
 class _Sleeper(subprocess.Popen):
@@ -217,23 +218,45 @@ def test_a_search_stopped_before_its_export_starts_starts_none(tmp_path):
 PARENT = ("import subprocess, sys, time\n"
           "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
           "print(child.pid, flush=True)\ntime.sleep(60)\n")
+#: A process whose main thread has ended while another runs: its leader shows as a zombie
+LEADER_GONE = ("import ctypes, threading, time\n"
+               "threading.Thread(target=time.sleep, args=(60,)).start()\n"
+               "ctypes.CDLL(None).pthread_exit(None)\n")
 
 
 def test_a_killed_worker_counts_as_exited_while_a_zombie_and_a_live_one_is_waited_for_until_the_timeout():
     """A crashed server's workers, once killed, are zombies until PID 1 reaps them (a second or two on some
-    machines): they hold no socket by then, so a restart does not wait for the reaping."""
+    machines): they hold no socket by then, so a restart does not wait for the reaping.  A process whose main
+    thread alone has ended also shows as a zombie, and is waited for."""
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    leader_gone = subprocess.Popen([sys.executable, "-c", LEADER_GONE])
     try:
         worker = psutil.Process(int(parent.stdout.readline()))
         worker.kill()  # a zombie for as long as its parent lives: nobody reaps it
         started = time.monotonic()
         wait_exited([worker], timeout=10)
         assert time.monotonic() - started < 1 and worker.status() == psutil.STATUS_ZOMBIE
-        started = time.monotonic()
-        wait_exited([worker, psutil.Process(live.pid)], timeout=0.5)
-        assert 0.5 <= time.monotonic() - started < 5 and live.poll() is None
+        threads = psutil.Process(leader_gone.pid)
+        wait_until(lambda: threads.status() == psutil.STATUS_ZOMBIE, "the main thread to end", 10)
+        for still_running in (psutil.Process(live.pid), threads):
+            started = time.monotonic()
+            wait_exited([worker, still_running], timeout=0.5)
+            assert 0.5 <= time.monotonic() - started < 5 and still_running.is_running()
     finally:
-        for process in (parent, live):
+        for process in (parent, live, leader_gone):
             process.kill()
             process.wait()
+        parent.stdout.close()
+
+
+def test_a_zombie_of_this_process_is_reaped_once_waited_for():
+    """Where ``nexus-sli serve`` is the workers' subreaper (a container's PID 1), it reaps them: none piles up."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    zombie = psutil.Process(child.pid)
+    os.kill(child.pid, signal.SIGKILL)
+    wait_until(lambda: zombie.status() == psutil.STATUS_ZOMBIE, "the child to die", 10)
+    wait_exited([zombie], timeout=10)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child.pid, os.WNOHANG)  # reaped already
+    child.returncode = -signal.SIGKILL  # Popen's own wait would look for it again

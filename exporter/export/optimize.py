@@ -17,9 +17,10 @@ from .threads import export_threads
 log = logging.getLogger(__name__)
 
 
-def fuse(plain: Path, target: Path, num_heads: int, hidden_size: int, use_gpu: bool = False) -> dict[str, int] | None:
+def fuse(plain: Path, target: Path, num_heads: int, hidden_size: int, large: bool,
+         use_gpu: bool = False) -> dict[str, int] | None:
     """Write the fused graph (``use_gpu``: the fusions ONNX Runtime's CUDA provider runs); return its fused-operator
-    counts, or None if nothing fused."""
+    counts, or None if nothing fused.  ``large``: the plain graph has a data file (:attr:`ExportedGraph.large`)."""
     from onnxruntime.transformers.optimizer import optimize_model
 
     try:
@@ -31,9 +32,8 @@ def fuse(plain: Path, target: Path, num_heads: int, hidden_size: int, use_gpu: b
     counts = {op: n for op, n in optimized.get_fused_operator_statistics().items() if n}
     if counts:
         optimized.save_model_to_file(str(onnx_files.prepare(target)), use_external_data_format=onnx_files.external(plain))
-    graph_bytes = optimized.model.ByteSize()
     del optimized
-    free_cycles(graph_bytes)
+    free_cycles(plain, large)
     return counts or None
 
 
@@ -41,13 +41,14 @@ def fuse(plain: Path, target: Path, num_heads: int, hidden_size: int, use_gpu: b
 COLLECT_FROM_BYTES = 64 * 2**20
 
 
-def free_cycles(graph_bytes: int) -> None:
+def free_cycles(plain: Path, large: bool) -> None:
     """Collect the reference cycles in which the graph tools (the transformer optimizer, the quantizers) leave the
     graphs they loaded, where the graph is large: Python frees them only at its next cyclic collection, whenever that
     comes, and until then a large model's graphs stay resident (bench/data/tried.md, "Exporter constants").  A
     collection walks every object of the process (a few hundred milliseconds once PyTorch is loaded): most of a small
-    model's export, whose graphs can wait for Python's own next collection."""
-    if graph_bytes >= COLLECT_FROM_BYTES:
+    model's export, whose graphs can wait for Python's own next collection.  Large: the plain graph the tools read
+    has a data file (``large``), or is one file of :data:`COLLECT_FROM_BYTES` or more."""
+    if large or plain.stat().st_size >= COLLECT_FROM_BYTES:
         gc.collect()
 
 

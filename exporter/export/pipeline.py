@@ -41,7 +41,7 @@ from .handler import get_registry
 from .m3_heads import M3Embedder, check_heads, is_bge_m3
 from .multi_vector import add_markers, is_multi_vector
 from .onnx_export import export_onnx, model_input_names
-from .optimize import COLLECT_FROM_BYTES, free_cycles
+from .optimize import free_cycles
 from .quantize import scales_per_batch
 from .report import ValidationReport
 from .source import check_name, load_config, max_sequence_length, resolve_model, tokenizer_file
@@ -340,8 +340,7 @@ def try_configuration(configuration: Configuration, prepared: Prepared, stop_ear
     log.info("%s %s: making the candidate graphs%s", target.name, precision, f" ({left_out})" if left_out else "")
     candidates = target.candidates(graph, precision)
     attempt = Attempt(configuration, candidates[:1] if first_only else candidates, left_out)
-    # what the graph tools left in reference cycles goes before validation (a graph with a data file is large)
-    free_cycles(COLLECT_FROM_BYTES if graph.large else graph.plain.stat().st_size)
+    free_cycles(graph.plain, graph.large)  # what the graph tools left in reference cycles goes before validation
     for number, candidate in enumerate(attempt.candidates, 1):
         log.info("%s %s, %s graph (%d of %d): validating against PyTorch", target.name, precision, candidate.graph,
                  number, len(attempt.candidates))

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -113,13 +114,19 @@ def wait_exited(processes: list, timeout: float) -> None:
 
 
 def _running(process) -> bool:
-    """Not gone, nor a zombie whose threads have all ended (its leader shows as a zombie once it alone has)."""
+    """Not gone (its pid not taken by another process since), nor a zombie whose threads have all ended (its leader
+    shows as a zombie once it alone has).  A zombie is reaped here where this process is its parent: the subreaper
+    a crashed server's workers are given to, as ``nexus-sli serve`` is when it runs as a container's PID 1."""
     import psutil
 
     try:
-        return process.status() != psutil.STATUS_ZOMBIE or process.num_threads() > 1
+        if process.is_running() and (process.status() != psutil.STATUS_ZOMBIE or process.num_threads() > 1):
+            return True
     except psutil.NoSuchProcess:
         return False
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(process.pid, os.WNOHANG)
+    return False
 
 
 def wait_ready(http_port: int, process: subprocess.Popen, timeout: float = 180.0, host: str = "127.0.0.1") -> None:

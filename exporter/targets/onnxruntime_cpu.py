@@ -51,7 +51,8 @@ class OnnxRuntimeCPU(Target):
     def _fused(self, graph: ExportedGraph) -> list[Candidate]:
         log.info("fusing the plain graph with ONNX Runtime's transformer optimizer")
         target = graph.work / "fused.onnx"
-        counts = fuse(graph.plain, target, graph.family.num_heads(graph.config), graph.family.hidden_size(graph.config))
+        counts = fuse(graph.plain, target, graph.family.num_heads(graph.config), graph.family.hidden_size(graph.config),
+                      graph.large)
         if not counts:
             return []
         log.info("transformer optimizer fused %s", ", ".join(f"{n} {op}" for op, n in counts.items()))
