@@ -82,7 +82,7 @@ _LOW, _HIGH = float(np.finfo(np.float32).tiny), 1.0 - float(np.finfo(np.float32)
 def logits(scores: list[float]) -> list[float]:
     """The reranker's logits from its served scores, ``sigmoid(logit)`` (heads.py): the inverse,
     ``log(p) - log1p(-p)``.  Exact up to the float32 rounding of ``p``, which grows as ``p``
-    nears 1 (about 1e-3 at logit 10); where float32 rounds ``p`` to 1 (logit past about 16.6)
+    nears 1 (docs/gateway.md, "/rerank"); where float32 rounds ``p`` to 1 (logit past about 16.6)
     or to 0 (below about -87) the clip gives the furthest logit float32 can tell apart."""
     p = np.clip(np.asarray(scores, dtype=np.float64), _LOW, _HIGH)
     return (np.log(p) - np.log1p(-p)).tolist()
