@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.tasks import TaskError
@@ -48,8 +50,26 @@ def _missing(commands, module, extra: str, exc: ImportError) -> None:
     commands.add_parser(name, help=f"(not installed: pip install 'nexus-sli[{extra}]')").set_defaults(run=run)
 
 
+#: How long after Python swallowed an interrupt it is raised again (:func:`_interrupt_again`)
+INTERRUPT_AGAIN_S = 0.001
+
+
+def _interrupt_again(unraisable) -> None:
+    """Python only prints an exception raised where it cannot propagate (a weakref callback or a ``__del__``, such
+    as an import's module-lock callback): a Ctrl-C, or the SIGINT that serve stops its export with, landing there
+    would be lost, and the command would run on to its end.  It is raised again a moment later on the main thread,
+    by then past the code that swallowed it (raised from this hook, it would be swallowed again)."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        # a signal to the main thread, not a flag: it also ends a wait in progress there (a sleep, a pipe's read)
+        threading.Timer(INTERRUPT_AGAIN_S, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+    else:
+        sys.__unraisablehook__(unraisable)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if sys.unraisablehook is sys.__unraisablehook__:  # a host's own (pytest's, running main in process) stays
+        sys.unraisablehook = _interrupt_again
     # Libraries (the ORT optimizer above all) log chattily at INFO; only ours speaks at INFO.
     logging.basicConfig(level=logging.WARNING, format="nexus-sli: %(message)s", stream=sys.stderr)
     logging.getLogger("nexus_sli").setLevel(logging.INFO)
