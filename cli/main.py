@@ -61,7 +61,9 @@ def _interrupt_again(unraisable) -> None:
     by then past the code that swallowed it (raised from this hook, it would be swallowed again)."""
     if isinstance(unraisable.exc_value, KeyboardInterrupt):
         # a signal to the main thread, not a flag: it also ends a wait in progress there (a sleep, a pipe's read)
-        threading.Timer(INTERRUPT_AGAIN_S, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        again = threading.Timer(INTERRUPT_AGAIN_S, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+        again.daemon = True  # a command ending meanwhile does not wait for it
+        again.start()
     else:
         sys.__unraisablehook__(unraisable)
 

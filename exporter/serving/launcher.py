@@ -104,7 +104,7 @@ def _end(workers: list, timeout: float = 10.0) -> None:
 
 
 def wait_exited(processes: list, timeout: float) -> None:
-    """Until each of ``processes`` (``psutil.Process``, not this process's children) has exited, or ``timeout``.
+    """Until each of ``processes`` (``psutil.Process``) has exited, or ``timeout``.
     An exited process whose parent died stays a zombie until PID 1 reaps it, which some machines' init does a
     second or two later: it holds no socket, file or memory by then, so it counts as exited (waiting for it to
     be reaped, as ``psutil.wait_procs`` does, cost each restart after a crash that time)."""
