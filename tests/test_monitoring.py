@@ -26,6 +26,7 @@ from nexus_sli.bench.served import Gateway, free_ports
 from nexus_sli.exporter.serving import server as serve
 from nexus_sli.gateway.config import API_KEY_ENV
 from helpers.servers import end_now
+from helpers.waiting import wait_until
 from helpers.serving_paths import JOINED, PATHS, joined_models, per_path, start_options
 from helpers.exports import MINILM
 from helpers.k8s import adapter_rules, by_name, dashboard, render
@@ -232,6 +233,21 @@ def scraped(request, scrapes):
     return scrapes(request.param)
 
 
+#: The requests the traffic below sends to Triton's ``minilm``: two through the gateway, one not UTF-8.
+SENT = 3
+
+
+def _counted(url: str, model: str, requests: int) -> str | None:
+    """Triton's scrape once it counts ``requests`` answered by ``model``, a success or a failure; None before.
+    Triton counts a request when it releases it, which can come after the client has its answer (seen with an
+    ensemble's failure, in a fresh clone's run): a scrape taken at once can miss the last one."""
+    status, text = _get(url)
+    assert status == 200
+    answered = sum(s.value for s in _samples(text) if s.labels.get("model") == model
+                   and s.name in ("nv_inference_request_success", "nv_inference_request_failure"))
+    return text if answered >= requests else None
+
+
 @contextlib.contextmanager
 def _scraped(repository, tmp_path_factory, path: str):
     root = tmp_path_factory.mktemp(f"monitoring-{path}")
@@ -256,8 +272,8 @@ def _scraped(repository, tmp_path_factory, path: str):
             text.set_data_from_numpy(np.array([[b"\xff\xfe"]], dtype=object))
             with pytest.raises(grpcclient.InferenceServerException):
                 grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}").infer("minilm", [text])
-            status, triton_text = _get(f"http://127.0.0.1:{metrics}/metrics")
-            assert status == 200
+            triton_text = wait_until(lambda: _counted(f"http://127.0.0.1:{metrics}/metrics", "minilm", SENT),
+                                     f"Triton's /metrics to count the {SENT} requests sent to minilm", timeout=30)
             unauthorised, _ = _get(f"{gateway.url}/metrics")
             status, gateway_text = _get(f"{gateway.url}/metrics", key)  # as the gateway's PodMonitor sends it
             assert status == 200
