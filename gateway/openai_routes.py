@@ -19,6 +19,7 @@ from starlette.routing import Route
 from nexus_sli.client.calls import unit_rows
 from nexus_sli.tasks.spec import TOKEN_TASK
 
+from .answers import answer
 from .embeddings import check_dimensions, check_prompt, encode
 from .errors import GatewayError
 from .limits import check_texts, read_json, text_list
@@ -55,8 +56,8 @@ async def embeddings(request: Request) -> JSONResponse:
         vectors = unit_rows(vectors)
     data = [{"object": "embedding", "index": i, "embedding": encode(v, encoding_format)}
             for i, v in enumerate(vectors)]
-    return JSONResponse({"object": "list", "data": data, "model": model.name,
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+    return answer({"object": "list", "data": data, "model": model.name,
+                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, model.name)
 
 
 async def models(request: Request) -> JSONResponse:

@@ -23,6 +23,7 @@ from nexus_sli.client.calls import unit_rows
 from nexus_sli.tasks.multi_vector import DOCUMENT
 
 from . import tei_info, tei_tokens
+from .answers import answer
 from .discovery import MISS_REFRESH_S, Tasks, named, serving
 from .embeddings import check_dimensions, check_input_type, check_prompt
 from .errors import GatewayError
@@ -118,7 +119,7 @@ async def embed(request: Request) -> JSONResponse:
     # normalize=false returns the cut values as the model made them (OpenAI's route always normalises)
     if normalize and (dimensions is not None or not model.normalizes):
         vectors = unit_rows(vectors)
-    return JSONResponse(np.asarray(vectors, dtype=np.float32).tolist())
+    return answer(np.asarray(vectors, dtype=np.float32).tolist(), model.name)
 
 
 async def embed_sparse(request: Request) -> JSONResponse:
@@ -127,8 +128,8 @@ async def embed_sparse(request: Request) -> JSONResponse:
     state, _, texts, model, prompt_name = await _embedding_request(request, "sparse-embedding")
     found = await state.backend.client.embed_sparse(texts, model=model.name, prompt_name=prompt_name)
     state.metrics.texts.labels(request.url.path).inc(len(texts))
-    return JSONResponse([[{"index": int(i), "value": float(v)} for i, v in zip(e.indices, e.values)]
-                         for e in found])
+    return answer([[{"index": int(i), "value": float(v)} for i, v in zip(e.indices, e.values)]
+                   for e in found], model.name)
 
 
 async def embed_all(request: Request) -> JSONResponse:
@@ -137,7 +138,7 @@ async def embed_all(request: Request) -> JSONResponse:
     state, _, texts, model, prompt_name = await _embedding_request(request, "embedding")
     found = await state.backend.client.embed_tokens(texts, model=model.name, prompt_name=prompt_name)
     state.metrics.texts.labels(request.url.path).inc(len(texts))
-    return JSONResponse([np.asarray(vectors, dtype=np.float32).tolist() for vectors in found])
+    return answer([np.asarray(vectors, dtype=np.float32).tolist() for vectors in found], model.name)
 
 
 async def embed_multi_vector(request: Request) -> JSONResponse:
@@ -148,7 +149,7 @@ async def embed_multi_vector(request: Request) -> JSONResponse:
     found = await state.backend.client.embed_multi_vector(texts, model=model.name, input_type=input_type,
                                                           prompt_name=prompt_name)
     state.metrics.texts.labels(request.url.path).inc(len(texts))
-    return JSONResponse([np.asarray(vectors, dtype=np.float32).tolist() for vectors in found])
+    return answer([np.asarray(vectors, dtype=np.float32).tolist() for vectors in found], model.name)
 
 
 async def rerank(request: Request) -> JSONResponse:
@@ -169,8 +170,8 @@ async def rerank(request: Request) -> JSONResponse:
     ranked = await state.backend.client.rerank(query, texts, model=model.name)
     state.metrics.texts.labels(request.url.path).inc(len(texts))
     scores = _tei_scores(model, [r.score for r in ranked], raw_scores)
-    return JSONResponse([{"index": r.index, "score": score, **({"text": r.document} if return_text else {})}
-                         for r, score in zip(ranked, scores)])
+    return answer([{"index": r.index, "score": score, **({"text": r.document} if return_text else {})}
+                   for r, score in zip(ranked, scores)], model.name)
 
 
 def _tei_scores(model, scores: list[float], raw_scores: bool) -> list[float]:
@@ -224,7 +225,7 @@ async def predict(request: Request) -> JSONResponse:
     labels = await state.backend.client.classify(texts, model=model.name, top_k=max(model.dimensions, 1))
     state.metrics.texts.labels(request.url.path).inc(len(texts))
     rows = [[{"label": lab.label, "score": lab.score} for lab in row] for row in labels]
-    return JSONResponse(rows[0] if single else rows)
+    return answer(rows[0] if single else rows, model.name)
 
 
 async def similarity(request: Request) -> JSONResponse:
@@ -245,7 +246,7 @@ async def similarity(request: Request) -> JSONResponse:
     await check_truncate(state.backend, parameters, model, texts, "inputs", prompt_name, names)
     vectors = unit_rows(await state.backend.embed(model, texts, prompt_name))
     state.metrics.texts.labels(request.url.path).inc(len(texts))
-    return JSONResponse((vectors[1:] @ vectors[0]).astype(np.float32).tolist())
+    return answer((vectors[1:] @ vectors[0]).astype(np.float32).tolist(), model.name)
 
 
 def _similarity_inputs(value) -> tuple[str, list[str]]:

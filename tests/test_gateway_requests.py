@@ -10,6 +10,7 @@ OpenAI's 400 for every invalid request).
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 
 import numpy as np
@@ -228,6 +229,48 @@ def test_a_model_of_another_task_stays_a_400_on_openais_route():
 def test_tei_answers_validation_with_422_and_no_inputs_with_400_empty(route, body, status, error_type, words):
     gateway = _gateway(GatewayConfig(max_inputs=4, max_input_chars=100, tei_model="emb"))
     _tei(gateway.post(route, json=body), status, error_type, words)
+
+
+class _NonFiniteClient(_Client):
+    async def classify(self, texts, model, top_k):
+        return [[Label("pos", float("nan")), Label("neg", float("nan"))][:top_k] for _ in texts]
+
+    async def rerank(self, query, texts, model):
+        return [Ranked(i, float("nan"), text) for i, text in enumerate(texts)]
+
+
+class _NonFiniteBackend(_Backend):
+    """A model that overflowed: NaN in its vectors and scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.client = _NonFiniteClient(self.sent)
+
+    async def embed(self, model, texts, prompt_name=None):
+        return np.full((len(texts), 4), np.nan, np.float32)
+
+
+@pytest.mark.parametrize("route, body, model", [
+    ("/embed", {"inputs": "x", "model": "emb"}, "emb"),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "model": "emb"}, "emb"),
+    ("/predict", {"inputs": "x", "model": "cls"}, "cls"),
+    ("/rerank", {"query": "q", "texts": ["a"], "model": "ranker", "raw_scores": True}, "ranker"),
+])
+def test_a_model_answering_nan_is_teis_backend_error_naming_it(route, body, model):
+    message = _tei(_gateway(backend=_NonFiniteBackend()).post(route, json=body), 424, "Backend",
+                   "not a finite number")
+    assert repr(model) in message and "--precision fp32" in message
+
+
+def test_a_model_answering_nan_is_openais_server_error_and_base64_carries_it():
+    gateway = _gateway(backend=_NonFiniteBackend())
+    response = gateway.post("/v1/embeddings", json={"model": "emb", "input": "x"})
+    error = response.json()["error"]
+    assert response.status_code == 500 and error["type"] == "server_error", error
+    assert error["code"] == "non_finite_output" and "'emb'" in error["message"], error
+    response = gateway.post("/v1/embeddings", json={"model": "emb", "input": "x", "encoding_format": "base64"})
+    assert response.status_code == 200
+    assert np.isnan(np.frombuffer(base64.b64decode(response.json()["data"][0]["embedding"]), "<f4")).all()
 
 
 def test_only_a_body_past_its_limit_is_a_413():
