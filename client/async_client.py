@@ -16,7 +16,7 @@ from . import protocol as p
 from .client import client_kwargs, default_url
 from .model_info import ModelInfo
 from .replicas import (REFRESH_S, RETRY_S, Fleet, Resolve, Retries, attempts_for, check_attempts, gave_up,
-                       retry_budget, retryable, unresolved)
+                       probe_async, retry_budget, retryable, unresolved)
 
 
 def _module(protocol: str):
@@ -82,6 +82,8 @@ class AsyncEncoderClient:
                 for url, connection in order:
                     started = time.monotonic()
                     try:
+                        if not self.replicas.answering(url):
+                            await probe_async(url, self.timeout_s)
                         result = await send(connection)
                     except Exception as exc:
                         late = p.past_deadline(started, self.timeout_s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import socket
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +15,7 @@ from nexus_sli.tasks.multi_vector import DOCUMENT
 from . import calls, fan_out
 from . import protocol as p
 from .model_info import ModelInfo
-from .replicas import (REFRESH_S, RETRY_S, Fleet, Resolve, Retries, attempts_for, check_attempts, gave_up,
+from .replicas import (REFRESH_S, RETRY_S, Fleet, Resolve, Retries, attempts_for, check_attempts, gave_up, probe,
                        retry_budget, retryable, unresolved)
 
 
@@ -112,6 +114,9 @@ class EncoderClient:
         # as greenlets instead (fan_out says why)
         self._workers = (ThreadPoolExecutor(max(fan_out.IN_FLIGHT - 1, 1), thread_name_prefix="nexus-sli-chunks")
                          if protocol == "grpc" else None)
+        # a replica's probe (replicas.probe): gevent's over HTTP, so that the call's other requests go on meanwhile
+        self._create_connection = (importlib.import_module("gevent.socket").create_connection if protocol == "http"
+                                   else socket.create_connection)
         #: the replicas and a connection to each (kept current for a ``dns:///`` name)
         self.fleet = Fleet(url, default_url(protocol), lambda u: self._triton.InferenceServerClient(u, **options),
                            resolve, refresh_s)
@@ -140,6 +145,8 @@ class EncoderClient:
                 for url, connection in order:
                     started = time.monotonic()
                     try:
+                        if not self.replicas.answering(url):
+                            probe(url, self.timeout_s, self._create_connection)
                         result = send(connection)
                     except Exception as exc:
                         late = p.past_deadline(started, self.timeout_s)

@@ -11,7 +11,11 @@ several: a worker restarting, a model reloading, a replica gone) is tried
 again, with growing pauses, until its retry budget is spent (:class:`Retries`):
 a fault then costs the call latency, not a failure.  A call whose own deadline
 passed is the exception: it is not sent again (:func:`retryable`), and raises
-:class:`~nexus_sli.client.DeadlineExceededError`.
+:class:`~nexus_sli.client.DeadlineExceededError`.  So that a replica that takes no
+connection at all (a host gone without refusing, whose packets are dropped) costs
+a connect timeout, not the call, a replica not yet seen answering (new, or failed
+last) is first asked for a TCP connection (:func:`probe`): where none comes, nothing
+was sent, and the next replica is tried.
 
 A URL ``dns:///NAME:PORT`` (gRPC's syntax; a Kubernetes headless Service's
 name) stands for every address the name resolves to, each a replica.  The
@@ -25,6 +29,7 @@ pods it first found; here each address has its own connection.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
 import threading
@@ -44,6 +49,11 @@ RETRY_S = 15.0
 #: The pause before the second pass over the replicas, doubled after each pass up to the last.
 FIRST_PAUSE_S, MAX_PAUSE_S = 0.05, 1.0
 
+
+#: How long a replica not yet seen answering has to take a TCP connection before the call moves on: a live
+#: server on the same network takes one within milliseconds, and a lost SYN is sent again after a second
+#: (Linux's first retransmission timeout), so a slow network still connects.
+CONNECT_S = 3.0
 
 #: The URL prefix that stands for every address of a DNS name (gRPC's name syntax).
 DNS_PREFIX = "dns:///"
@@ -113,6 +123,49 @@ def parse_urls(url: str | Sequence[str] | None, default: str) -> list[str]:
     return urls
 
 
+def address(url: str) -> tuple[str, int] | None:
+    """(host, port) of a ``HOST:PORT`` or ``[IPv6]:PORT`` replica URL; None for any other form (not probed)."""
+    host, _, port = url.rpartition(":")
+    return (host.strip("[]"), int(port)) if host and port.isdigit() else None
+
+
+def connect_timeout(timeout_s: float | None) -> float:
+    """The probe's bound: :data:`CONNECT_S`, or the call's own deadline where that is shorter."""
+    return CONNECT_S if timeout_s is None else min(CONNECT_S, timeout_s)
+
+
+def _unreachable(url: str, exc: BaseException, timeout: float) -> ServerUnavailableError:
+    return ServerUnavailableError(f"no connection to {url} within {timeout:g} s ({type(exc).__name__}: {exc}); "
+                                  "nothing was sent to it: check that it runs and the URL is right")
+
+
+def probe(url: str, timeout_s: float | None, create_connection=socket.create_connection) -> None:
+    """A :class:`~nexus_sli.client.ServerUnavailableError` where ``url`` takes no TCP connection within
+    :func:`connect_timeout`.  The request was never sent, so unlike a passed deadline it goes to the next
+    replica.  ``create_connection``: gevent's where the call's other requests are greenlets of this thread."""
+    found = address(url)
+    if found is None:
+        return
+    timeout = connect_timeout(timeout_s)
+    try:
+        create_connection(found, timeout=timeout).close()
+    except OSError as exc:  # refused, unreachable, or the timeout (an OSError)
+        raise _unreachable(url, exc, timeout) from None
+
+
+async def probe_async(url: str, timeout_s: float | None) -> None:
+    """:func:`probe` on the running event loop."""
+    found = address(url)
+    if found is None:
+        return
+    timeout = connect_timeout(timeout_s)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*found), timeout)
+    except (OSError, asyncio.TimeoutError) as exc:  # asyncio's TimeoutError is no OSError before Python 3.11
+        raise _unreachable(url, exc, timeout) from None
+    writer.close()
+
+
 class Replicas:
     """Thread-safe choice of replica; ``served`` counts the requests each answered."""
 
@@ -121,6 +174,8 @@ class Replicas:
         self.down_for_s = down_for_s
         self._next = 0
         self._down_until: dict[str, float] = {}
+        #: the replicas whose last request was answered: sent to without a probe
+        self._answering: set[str] = set()
         self._lock = threading.Lock()
         self.served: Counter[str] = Counter()
         self.failed: Counter[str] = Counter()
@@ -147,17 +202,25 @@ class Replicas:
             self._next %= len(self.urls)
             for url in gone:
                 self._down_until.pop(url, None)
+                self._answering.discard(url)
             return added, gone
+
+    def answering(self, url: str) -> bool:
+        """Whether ``url``'s last request was answered; a new replica's or a failed one's is probed first."""
+        with self._lock:
+            return url in self._answering
 
     def succeeded(self, url: str) -> None:
         with self._lock:
             self.served[url] += 1
             self._down_until.pop(url, None)
+            self._answering.add(url)
 
     def failed_on(self, url: str) -> None:
         with self._lock:
             self.failed[url] += 1
             self._down_until[url] = time.monotonic() + self.down_for_s
+            self._answering.discard(url)
 
 
 def attempts_for(attempts: int | None, fleet: Fleet) -> int | None:

@@ -21,6 +21,20 @@ def scratch_layer_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture
+def stand_in_servers(monkeypatch):
+    """Stand-in connections (``client.fleet.clients[url]``, ``fleet._connect``) at URLs where no server
+    listens: the clients' probe of a replica's TCP connection (``replicas.probe``) would find none, so it is
+    off.  tests/test_failover.py probes real servers."""
+    from nexus_sli.client import async_client, client
+
+    async def reachable(url, timeout_s):
+        return None
+
+    monkeypatch.setattr(client, "probe", lambda url, timeout_s, create_connection: None)
+    monkeypatch.setattr(async_client, "probe_async", reachable)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cores_shared_between_workers():
     """Under pytest-xdist each worker takes its share of the cores: the exporter's runtimes, the servers'

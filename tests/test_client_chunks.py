@@ -24,6 +24,8 @@ from nexus_sli.client.error_codes import TOKEN_COUNT_OUTPUT
 from nexus_sli.client.errors import DimensionsError
 from nexus_sli.client.model_info import UNSTATED_ROWS, ModelInfo
 
+pytestmark = pytest.mark.usefixtures("stand_in_servers")  # no server behind their URLs
+
 URL = "127.0.0.1:1"
 #: the bound the sending at once is tested at (the client's default sends one at a time)
 AT_ONCE = 8

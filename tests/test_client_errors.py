@@ -25,6 +25,8 @@ from nexus_sli.client import calls, error_codes
 from nexus_sli.client.model_info import ModelInfo
 from nexus_sli.client.protocol import as_list, translate
 
+pytestmark = pytest.mark.usefixtures("stand_in_servers")  # no server behind their URLs
+
 
 def server_error(message: str, status: str = "StatusCode.INTERNAL") -> InferenceServerException:
     return InferenceServerException(msg=message, status=status)

@@ -11,10 +11,13 @@ import asyncio
 import time
 
 import numpy as np
+import pytest
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
 from nexus_sli.client import AsyncEncoderClient, EncoderClient
 from nexus_sli.client.model_info import ModelInfo
+
+pytestmark = pytest.mark.usefixtures("stand_in_servers")  # no server behind their URLs
 
 NAME = "dns:///pods:8001"
 FIRST, SCALED_AWAY, LAST = "10.0.0.1:8001", "10.0.0.2:8001", "10.0.0.3:8001"

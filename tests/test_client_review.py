@@ -15,6 +15,8 @@ from nexus_sli.client import AsyncEncoderClient, EncoderClient, ServerUnavailabl
 from nexus_sli.client.model_info import ModelInfo
 from nexus_sli.client.protocol import translate
 
+pytestmark = pytest.mark.usefixtures("stand_in_servers")  # no server behind their URLs
+
 
 @pytest.mark.parametrize("error", [aiohttp.ServerDisconnectedError(),
                                    aiohttp.ClientPayloadError("Response payload is not completed")])

@@ -6,6 +6,7 @@ Over gRPC and over HTTP, with a fresh pair of replicas each."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import socket
@@ -21,7 +22,7 @@ from helpers import object_store
 from helpers.servers import end_now, kill_server
 from nexus_sli.client import (AsyncEncoderClient, DeadlineExceededError, EncoderClient, ReplicasFailedError,
                               ServerUnavailableError)
-from nexus_sli.client.replicas import RETRY_S, Replicas, parse_urls
+from nexus_sli.client.replicas import RETRY_S, Replicas, address, parse_urls
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.serving import server as serve
@@ -45,6 +46,21 @@ def test_replicas_take_turns_and_set_a_failed_one_aside():
     assert parse_urls(None, "d") == ["d"] and parse_urls(("x",), "d") == ["x"]
     with pytest.raises(ValueError):
         parse_urls(" , ", "d")
+
+
+def test_a_replica_is_probed_until_it_answers_and_again_once_it_failed():
+    replicas = Replicas(["a:1", "b:2"])
+    assert not replicas.answering("a:1")  # new: probed before its first request
+    replicas.succeeded("a:1")
+    assert replicas.answering("a:1") and not replicas.answering("b:2")
+    replicas.failed_on("a:1")
+    assert not replicas.answering("a:1")
+    replicas.succeeded("b:2")
+    replicas.update(["a:1"])  # b gone from a name's addresses, and back: new again
+    replicas.update(["a:1", "b:2"])
+    assert not replicas.answering("b:2")
+    assert address("10.0.0.5:8001") == ("10.0.0.5", 8001) and address("[::1]:8001") == ("::1", 8001)
+    assert address("host.svc:8001") == ("host.svc", 8001) and address("unix:/tmp/triton.sock") is None
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -216,6 +232,50 @@ def test_a_replica_killed_under_load_loses_no_request(replicas):
     # the last ones: Triton counts a request when it releases it, which can come after the client has its answer)
     wait_until(lambda: _successes(survivor["http"]) - survivor_at_kill >= done["after"],
                f"the survivor to count the {done['after']} requests answered after the kill", timeout=30)
+
+
+@contextlib.contextmanager
+def taking_no_connection():
+    """A ``HOST:PORT`` whose connection attempts go unanswered, as a host that is gone without refusing them
+    (its packets dropped) does: a listener whose queue of connections is full, so the kernel drops each SYN."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    address = listener.getsockname()
+    queued = []
+    try:
+        for _ in range(4):
+            client = socket.socket()
+            client.setblocking(False)
+            client.connect_ex(address)
+            queued.append(client)
+        with pytest.raises(TimeoutError):  # the premise: a connection attempt now waits, unanswered
+            socket.create_connection(address, timeout=0.5)
+        yield f"127.0.0.1:{address[1]}"
+    finally:
+        for client in queued:
+            client.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_replica_that_takes_no_connection_costs_a_connect_timeout_not_the_call(replicas, asynchronous):
+    """Nothing was sent to a replica that never took the connection: the call goes on to the next replica
+    (a passed deadline would not: the request might be held there)."""
+    survivor = replicas["servers"][1]
+    with taking_no_connection() as gone:
+        urls, options = [gone, survivor["url"]], {"protocol": replicas["protocol"], "model": "embedder",
+                                                  "timeout_s": 10, "attempts": 2, "retry_s": 0}
+
+        async def run():
+            async with AsyncEncoderClient(urls, **options) as client:
+                return await client.embed(TEXTS[:4]), client.replicas
+
+        if asynchronous:
+            vectors, chosen = asyncio.run(run())
+        else:
+            with EncoderClient(urls, **options) as client:
+                vectors, chosen = client.embed(TEXTS[:4]), client.replicas
+    assert np.allclose(vectors, replicas["reference"][:4], atol=1e-4)
+    assert chosen.failed[gone] == 1 and chosen.served[survivor["url"]] >= 1 and chosen.served[gone] == 0
 
 
 def test_async_client_fails_over_to_the_live_replica(replicas):
