@@ -33,6 +33,9 @@ def add_parser(commands) -> None:
                          help="characters per text")
     gateway.add_argument("--max-body-bytes", type=positive_int, default=defaults.max_body_bytes,
                          help="bytes per request body")
+    gateway.add_argument("--max-token-vectors", type=positive_int, default=defaults.max_token_vectors,
+                         help="vectors per /embed_all or /embed_multi_vector answer, each text counted at its "
+                              "model's max_length (default %(default)s, TEI's --max-batch-tokens)")
     gateway.add_argument("--max-concurrent-requests", type=int_at_least_0, default=defaults.max_concurrent_requests,
                          help="inference requests answered at once; past it a request is refused at once with 429 "
                               "and Retry-After, as TEI's flag of that name (default %(default)s; 0: no bound)")
@@ -62,7 +65,8 @@ def config_from(args: argparse.Namespace):
     return GatewayConfig(triton=args.triton, host=args.host, port=args.port,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, tei_model=args.tei_model,
                          max_inputs=args.max_inputs, max_input_chars=args.max_input_chars,
-                         max_body_bytes=args.max_body_bytes, triton_timeout_s=args.triton_timeout,
+                         max_body_bytes=args.max_body_bytes, max_token_vectors=args.max_token_vectors,
+                         triton_timeout_s=args.triton_timeout,
                          triton_retry_s=args.triton_retry, max_concurrent_requests=args.max_concurrent_requests,
                          discovery_ttl_s=args.discovery_ttl)
 

@@ -32,6 +32,11 @@ class GatewayConfig:
     max_input_chars: int = 100_000
     #: bytes of one request body
     max_body_bytes: int = 16 * 1024 * 1024
+    #: vectors one ``/embed_all`` or ``/embed_multi_vector`` answer may hold, each text counted at its model's
+    #: ``max_length``: every value of such an answer costs the gateway memory and time on its event loop
+    #: (bench/data/tried.md), and 2048 texts of 256 tokens would cost gigabytes.  TEI's ``--max-batch-tokens``
+    #: default, and what its defaults let one request ask (32 texts of 512 tokens).
+    max_token_vectors: int = 16384
     #: how long the list of served models is trusted before it is read again
     discovery_ttl_s: float = 10.0
     #: the ``Retry-After`` seconds sent with a 503, and with a 429 for Triton's full queue

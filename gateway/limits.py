@@ -12,6 +12,7 @@ import sys
 from starlette.requests import Request
 
 from nexus_sli.client import InvalidInputError
+from nexus_sli.client.model_info import ModelInfo
 from nexus_sli.client.protocol import check_text
 
 from .config import GatewayConfig
@@ -45,6 +46,20 @@ async def read_json(request: Request, max_bytes: int) -> dict:
 def _body_too_large(max_bytes: int) -> GatewayError:
     return GatewayError("too_large", f"the request body is larger than this gateway's limit of {max_bytes} bytes; "
                         "send fewer texts per request", code="body_too_large")
+
+
+def check_token_vectors(texts: list, model: ModelInfo, config: GatewayConfig, route: str) -> None:
+    """A 400/422 before any work where ``texts`` could make more vectors than ``config.max_token_vectors``, each
+    counted at its model's longest (its tokenizer step's ``max_length``; none stated: not bounded here)."""
+    longest = model.tokenizer_step.max_length if model.tokenizer_step else 0
+    if not longest or len(texts) * longest <= config.max_token_vectors:
+        return
+    limit = f"--max-token-vectors {config.max_token_vectors}"
+    most = config.max_token_vectors // longest
+    advice = (f"a request takes at most {most} texts here ({limit}); got {len(texts)}: split them into several "
+              "requests" if most else f"more than this gateway's {limit}: start it with a larger one to serve it")
+    raise GatewayError("invalid", f"{route} answers up to {longest} vectors a text for model {model.name!r}, so "
+                       + advice, param="inputs", code="too_many_inputs")
 
 
 def check_count(items: list, config: GatewayConfig, param: str, item: str = "item") -> list:

@@ -27,7 +27,7 @@ from .answers import answer
 from .discovery import MISS_REFRESH_S, Tasks, named, serving
 from .embeddings import check_dimensions, check_input_type, check_prompt
 from .errors import GatewayError
-from .limits import check_count, check_texts, flag, read_json, text_list
+from .limits import check_count, check_texts, check_token_vectors, flag, read_json, text_list
 from .tei_tokens import model_of_any_task
 from .tei_truncation import check_direction, check_truncate
 
@@ -89,9 +89,10 @@ def logits(scores: list[float]) -> list[float]:
     return (np.log(p) - np.log1p(-p)).tolist()
 
 
-async def _embedding_request(request: Request, task: str):
+async def _embedding_request(request: Request, task: str, vectors_of: str | None = None):
     """(state, body, texts, model, prompt_name) of a TEI embedding-kind request: ``inputs``, the truncation
-    options, ``prompt_name``; the model serving ``task``."""
+    options, ``prompt_name``; the model serving ``task``.  ``vectors_of``: the route, where it answers a vector
+    per token (bounded by :func:`check_token_vectors` before any call to Triton)."""
     state = request.app.state
     body = await read_json(request, state.config.max_body_bytes)
     if "inputs" not in body:
@@ -100,6 +101,8 @@ async def _embedding_request(request: Request, task: str):
     check_direction(body)
     model = await _model(request, body, task)
     prompt_name = check_prompt(body.get("prompt_name"), model)
+    if vectors_of is not None:
+        check_token_vectors(texts, model, state.config, vectors_of)
     await check_truncate(state.backend, body, model, texts, "inputs", prompt_name)
     return state, body, texts, model, prompt_name
 
@@ -135,7 +138,7 @@ async def embed_sparse(request: Request) -> JSONResponse:
 async def embed_all(request: Request) -> JSONResponse:
     """Each token's vector, unpooled, per text (special tokens included), from the embedding model's
     token ensemble (``NAME_tokens``)."""
-    state, _, texts, model, prompt_name = await _embedding_request(request, "embedding")
+    state, _, texts, model, prompt_name = await _embedding_request(request, "embedding", "/embed_all")
     found = await state.backend.client.embed_tokens(texts, model=model.name, prompt_name=prompt_name)
     state.metrics.texts.labels(request.url.path).inc(len(texts))
     return answer([np.asarray(vectors, dtype=np.float32).tolist() for vectors in found], model.name)
@@ -144,7 +147,7 @@ async def embed_all(request: Request) -> JSONResponse:
 async def embed_multi_vector(request: Request) -> JSONResponse:
     """A late-interaction (multi-vector) model's vectors per text, one per token it scores on the side
     ``input_type`` names (``query`` or ``document``, default ``document``)."""
-    state, body, texts, model, prompt_name = await _embedding_request(request, "multi-vector")
+    state, body, texts, model, prompt_name = await _embedding_request(request, "multi-vector", "/embed_multi_vector")
     input_type = check_input_type(DOCUMENT if body.get("input_type") is None else body["input_type"], model)
     found = await state.backend.client.embed_multi_vector(texts, model=model.name, input_type=input_type,
                                                           prompt_name=prompt_name)

@@ -84,6 +84,10 @@ class _Client:
         self.sent.append(("rerank", model, texts))
         return [Ranked(i, 0.5, text) for i, text in enumerate(texts)]
 
+    async def embed_tokens(self, texts, model, prompt_name=None):
+        self.sent.append(("embed_tokens", model, texts))
+        return [np.ones((MAX_LENGTH, 4), np.float32) for _ in texts]
+
 
 class _Backend:
     """The gateway's backend as its routes call it; ``sent`` records each call that would reach Triton."""
@@ -271,6 +275,18 @@ def test_a_model_answering_nan_is_openais_server_error_and_base64_carries_it():
     response = gateway.post("/v1/embeddings", json={"model": "emb", "input": "x", "encoding_format": "base64"})
     assert response.status_code == 200
     assert np.isnan(np.frombuffer(base64.b64decode(response.json()["data"][0]["embedding"]), "<f4")).all()
+
+
+def test_embed_all_takes_at_most_the_texts_whose_longest_answers_fit_max_token_vectors():
+    """Each text counted at its model's max_length (8 here): 20 vectors take 2 texts, refused before any call."""
+    backend = _Backend()
+    gateway = _gateway(GatewayConfig(max_inputs=4, max_input_chars=100, max_token_vectors=20), backend)
+    assert np.asarray(gateway.post("/embed_all", json={"inputs": ["a", "b"], "model": "emb"}).json()).shape == (2, 8, 4)
+    _tei(gateway.post("/embed_all", json={"inputs": ["a", "b", "c"], "model": "emb"}), 422, "Validation",
+         "up to 8 vectors a text for model 'emb', so a request takes at most 2 texts here (--max-token-vectors 20)")
+    assert backend.sent == [("embed_tokens", "emb", ["a", "b"])]
+    one = _gateway(GatewayConfig(max_token_vectors=7), backend).post("/embed_all", json={"inputs": "a", "model": "emb"})
+    _tei(one, 422, "Validation", "more than this gateway's --max-token-vectors 7: start it with a larger one")
 
 
 def test_only_a_body_past_its_limit_is_a_413():
