@@ -135,8 +135,9 @@ def connect_timeout(timeout_s: float | None) -> float:
 
 
 def _unreachable(url: str, exc: BaseException, timeout: float) -> ServerUnavailableError:
-    return ServerUnavailableError(f"no connection to {url} within {timeout:g} s ({type(exc).__name__}: {exc}); "
-                                  "nothing was sent to it: check that it runs and the URL is right")
+    return ServerUnavailableError(f"Triton server unreachable at {url} (no connection within {timeout:g} s: "
+                                  f"{type(exc).__name__}: {exc}), nothing sent; check that it runs and the URL is "
+                                  "right, then retry")
 
 
 def probe(url: str, timeout_s: float | None, create_connection=socket.create_connection) -> None:
