@@ -44,7 +44,8 @@ def check_dimensions(value, model: ModelInfo) -> int | None:
 
 
 def encode(vector: np.ndarray, encoding_format: str):
-    """One embedding as OpenAI sends it: a list of floats, or base64 of little-endian float32."""
+    """One embedding as OpenAI sends it: float32 values (written as a list by :func:`.answers.answer`), or base64
+    of little-endian float32."""
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
-    return np.asarray(vector, dtype=np.float32).tolist()
+    return np.asarray(vector, dtype=np.float32)

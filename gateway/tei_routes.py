@@ -122,7 +122,7 @@ async def embed(request: Request) -> JSONResponse:
     # normalize=false returns the cut values as the model made them (OpenAI's route always normalises)
     if normalize and (dimensions is not None or not model.normalizes):
         vectors = unit_rows(vectors)
-    return answer(np.asarray(vectors, dtype=np.float32).tolist(), model.name)
+    return answer(np.asarray(vectors, dtype=np.float32), model.name)
 
 
 async def embed_sparse(request: Request) -> JSONResponse:
@@ -141,7 +141,7 @@ async def embed_all(request: Request) -> JSONResponse:
     state, _, texts, model, prompt_name = await _embedding_request(request, "embedding", "/embed_all")
     found = await state.backend.client.embed_tokens(texts, model=model.name, prompt_name=prompt_name)
     state.metrics.texts.labels(request.url.path).inc(len(texts))
-    return answer([np.asarray(vectors, dtype=np.float32).tolist() for vectors in found], model.name)
+    return answer([np.asarray(vectors, dtype=np.float32) for vectors in found], model.name)
 
 
 async def embed_multi_vector(request: Request) -> JSONResponse:
@@ -152,7 +152,7 @@ async def embed_multi_vector(request: Request) -> JSONResponse:
     found = await state.backend.client.embed_multi_vector(texts, model=model.name, input_type=input_type,
                                                           prompt_name=prompt_name)
     state.metrics.texts.labels(request.url.path).inc(len(texts))
-    return answer([np.asarray(vectors, dtype=np.float32).tolist() for vectors in found], model.name)
+    return answer([np.asarray(vectors, dtype=np.float32) for vectors in found], model.name)
 
 
 async def rerank(request: Request) -> JSONResponse:
@@ -249,7 +249,7 @@ async def similarity(request: Request) -> JSONResponse:
     await check_truncate(state.backend, parameters, model, texts, "inputs", prompt_name, names)
     vectors = unit_rows(await state.backend.embed(model, texts, prompt_name))
     state.metrics.texts.labels(request.url.path).inc(len(texts))
-    return answer((vectors[1:] @ vectors[0]).astype(np.float32).tolist(), model.name)
+    return answer((vectors[1:] @ vectors[0]).astype(np.float32), model.name)
 
 
 def _similarity_inputs(value) -> tuple[str, list[str]]:
