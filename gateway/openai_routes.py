@@ -13,7 +13,7 @@ is ``{"object": "list", "data": [{"object": "embedding", "index", "embedding"}],
 from __future__ import annotations
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from nexus_sli.client.calls import unit_rows
@@ -29,7 +29,7 @@ ENCODING_FORMATS = ("float", "base64")
 IDS_ADVICE = "send the texts instead (LangChain's OpenAIEmbeddings: check_embedding_ctx_length=False)"
 
 
-async def embeddings(request: Request) -> JSONResponse:
+async def embeddings(request: Request) -> Response:
     state = request.app.state
     body = await read_json(request, state.config.max_body_bytes)
     name = body.get("model")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from nexus_sli.client.calls import unit_rows
@@ -107,7 +107,7 @@ async def _embedding_request(request: Request, task: str, vectors_of: str | None
     return state, body, texts, model, prompt_name
 
 
-async def embed(request: Request) -> JSONResponse:
+async def embed(request: Request) -> Response:
     state, body, texts, model, prompt_name = await _embedding_request(request, "embedding")
     dimensions = check_dimensions(body.get("dimensions"), model)
     normalize = flag(body, "normalize", True)
@@ -125,17 +125,17 @@ async def embed(request: Request) -> JSONResponse:
     return answer(np.asarray(vectors, dtype=np.float32), model.name)
 
 
-async def embed_sparse(request: Request) -> JSONResponse:
+async def embed_sparse(request: Request) -> Response:
     """A sparse-embedding (SPLADE) model's active terms per text, or a BGE-M3 model's lexical weights, as TEI's
     ``[{index, value}]``, ids ascending."""
     state, _, texts, model, prompt_name = await _embedding_request(request, "sparse-embedding")
     found = await state.backend.client.embed_sparse(texts, model=model.name, prompt_name=prompt_name)
     state.metrics.texts.labels(request.url.path).inc(len(texts))
-    return answer([[{"index": int(i), "value": float(v)} for i, v in zip(e.indices, e.values)]
+    return answer([[{"index": int(i), "value": np.float32(v)} for i, v in zip(e.indices, e.values)]
                    for e in found], model.name)
 
 
-async def embed_all(request: Request) -> JSONResponse:
+async def embed_all(request: Request) -> Response:
     """Each token's vector, unpooled, per text (special tokens included), from the embedding model's
     token ensemble (``NAME_tokens``)."""
     state, _, texts, model, prompt_name = await _embedding_request(request, "embedding", "/embed_all")
@@ -144,7 +144,7 @@ async def embed_all(request: Request) -> JSONResponse:
     return answer([np.asarray(vectors, dtype=np.float32) for vectors in found], model.name)
 
 
-async def embed_multi_vector(request: Request) -> JSONResponse:
+async def embed_multi_vector(request: Request) -> Response:
     """A late-interaction (multi-vector) model's vectors per text, one per token it scores on the side
     ``input_type`` names (``query`` or ``document``, default ``document``)."""
     state, body, texts, model, prompt_name = await _embedding_request(request, "multi-vector", "/embed_multi_vector")
@@ -155,7 +155,7 @@ async def embed_multi_vector(request: Request) -> JSONResponse:
     return answer([np.asarray(vectors, dtype=np.float32) for vectors in found], model.name)
 
 
-async def rerank(request: Request) -> JSONResponse:
+async def rerank(request: Request) -> Response:
     state = request.app.state
     body = await read_json(request, state.config.max_body_bytes)
     query = body.get("query")
@@ -214,7 +214,7 @@ def _one_text(sequence: list[str]) -> str:
     return sequence[0]
 
 
-async def predict(request: Request) -> JSONResponse:
+async def predict(request: Request) -> Response:
     state = request.app.state
     body = await read_json(request, state.config.max_body_bytes)
     if "inputs" not in body:
@@ -231,7 +231,7 @@ async def predict(request: Request) -> JSONResponse:
     return answer(rows[0] if single else rows, model.name)
 
 
-async def similarity(request: Request) -> JSONResponse:
+async def similarity(request: Request) -> Response:
     """The cosine of ``source_sentence`` with each of ``sentences``, from one embedding call."""
     state = request.app.state
     body = await read_json(request, state.config.max_body_bytes)
