@@ -74,11 +74,15 @@ def check_count(items: list, config: GatewayConfig, param: str, item: str = "ite
     return items
 
 
-def check_texts(texts: list[str], config: GatewayConfig, param: str) -> list[str]:
+def check_texts(texts: list[str], config: GatewayConfig, param: str, empty_ok: bool = False) -> list[str]:
     """``texts`` if they are within the gateway's limits (count, characters per text); a text UTF-8
-    cannot carry (a lone surrogate such as ``"\\ud800"``, valid JSON) is refused too."""
+    cannot carry (a lone surrogate such as ``"\\ud800"``, valid JSON) is refused too, and an empty one
+    unless ``empty_ok`` (a side of a pair): OpenAI refuses it, and TEI with its ``Empty`` error."""
     check_count(texts, config, param, "text")
     for index, text in enumerate(texts):
+        if not text and not empty_ok:
+            raise GatewayError("empty", f"{param}[{index}] is empty: send some text, or leave it out (OpenAI and TEI "
+                               "refuse an empty text too)", param=param)
         if len(text) > config.max_input_chars:
             raise GatewayError("invalid", f"{param}[{index}] has {len(text)} characters; this gateway takes at "
                                f"most {config.max_input_chars} per text", param=param, code="input_too_long")

@@ -163,8 +163,11 @@ async def rerank(request: Request) -> Response:
         raise GatewayError("invalid", "query is required: a string", param="query")
     if not isinstance(body.get("texts"), list):  # TEI's texts is a list: a lone string is refused, as TEI does
         raise GatewayError("invalid", "texts is required: a list of strings", param="texts")
-    texts = check_texts(text_list(body["texts"], "texts", "a list of strings"), state.config, "texts")
-    check_texts([query], state.config, "query")
+    texts = check_texts(text_list(body["texts"], "texts", "a list of strings"), state.config, "texts", empty_ok=True)
+    check_texts([query], state.config, "query", empty_ok=True)
+    if not query and "" in texts:  # as TEI, a pair is refused only where both of its sides are empty
+        raise GatewayError("empty", f"query and texts[{texts.index('')}] are both empty: a pair needs some text",
+                           param="texts")
     check_direction(body)
     raw_scores = flag(body, "raw_scores", False)
     return_text = flag(body, "return_text", False)

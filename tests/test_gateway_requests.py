@@ -289,6 +289,33 @@ def test_embed_all_takes_at_most_the_texts_whose_longest_answers_fit_max_token_v
     _tei(one, 422, "Validation", "more than this gateway's --max-token-vectors 7: start it with a larger one")
 
 
+@pytest.mark.parametrize("route, body, words", [
+    ("/embed", {"inputs": ["a", ""], "model": "emb"}, "inputs[1] is empty"),
+    ("/embed_all", {"inputs": "", "model": "emb"}, "inputs[0] is empty"),
+    ("/predict", {"inputs": "", "model": "cls"}, "inputs[0] is empty"),
+    ("/tokenize", {"inputs": [""], "model": "emb"}, "inputs[0] is empty"),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b", ""]}, "model": "emb"},
+     "inputs.sentences[1] is empty"),
+    ("/rerank", {"query": "", "texts": ["a", ""], "model": "ranker"}, "query and texts[1] are both empty"),
+])
+def test_an_empty_text_is_teis_empty_error_and_nothing_is_sent(route, body, words):
+    """TEI refuses an empty input (its ``Empty``, a 400), and a pair only where both sides are empty."""
+    backend = _Backend()
+    _tei(_gateway(backend=backend).post(route, json=body), 400, "Empty", words)
+    assert backend.sent == []
+
+
+def test_an_empty_text_is_openais_400_and_a_pair_with_one_empty_side_is_ranked():
+    backend = _Backend()
+    gateway = _gateway(backend=backend)
+    _openai(gateway.post("/v1/embeddings", json={"model": "emb", "input": ["a", ""]}), 400, words="input[1] is empty")
+    assert backend.sent == []
+    ranked = gateway.post("/rerank", json={"query": "", "texts": ["a"], "model": "ranker"})
+    assert ranked.status_code == 200 and backend.sent == [("rerank", "ranker", ["a"])]
+    ranked = gateway.post("/rerank", json={"query": "q", "texts": ["a", ""], "model": "ranker"})
+    assert ranked.status_code == 200 and len(ranked.json()) == 2
+
+
 def test_only_a_body_past_its_limit_is_a_413():
     gateway = _gateway(GatewayConfig(max_body_bytes=4096))
     _tei(gateway.post("/embed", json={"inputs": "x" * 5000}), 413, "Validation", "4096 bytes")
