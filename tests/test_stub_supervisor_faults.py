@@ -221,6 +221,25 @@ def test_swapping_while_a_served_model_folder_is_gone(triton, server, repository
         pass
 
 
+@pytest.mark.parametrize("fault", [cut_short, not_http])
+def test_a_swap_that_loaded_is_not_failed_by_the_ready_models_unanswered_after_it(triton, server, repository,
+                                                                                 caplog, fault):
+    supervisor = StubSupervisor(server, repository, triton.url, "secret", interval=INTERVAL)
+    triton.faults[INDEX] = [fault]
+    with supervisor.swapping():
+        pass
+    assert supervisor._ready == {MODEL}
+    assert any("could not read the ready models after a swap" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failed_swaps_error_is_the_one_raised_when_the_ready_models_go_unanswered(triton, server, repository):
+    supervisor = StubSupervisor(server, repository, triton.url, "secret", interval=INTERVAL)
+    triton.faults[INDEX] = [not_http]
+    with pytest.raises(RuntimeError, match="the new models did not load"):
+        with supervisor.swapping():
+            raise RuntimeError("the new models did not load")
+
+
 def test_the_wait_between_checks_stays_bounded(triton, server, repository):
     supervisor = StubSupervisor(server, repository, triton.url, "secret", interval=0.5)
     assert [supervisor._backoff(failures) for failures in (0, 3, 6, 5000)] == [0.5, 4.0, 30.0, 30.0]

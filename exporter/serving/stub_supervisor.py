@@ -196,14 +196,20 @@ class StubSupervisor(threading.Thread):
     @contextmanager
     def swapping(self):
         """While models are swapped for new ones (:mod:`swap`): no reload, since the old models' processes
-        go on purpose; then the new processes and ready models are the ones expected."""
+        go on purpose; then the new processes and ready models are the ones expected.  A server that does not
+        answer for its ready models then (it stops, or restarts) leaves the names ready before, which a swap
+        keeps: the swap's own outcome, or its error, is what the caller gets."""
         with self._checking:
             try:
                 yield self
             finally:
                 self._wait_old_versions_gone()
                 self._expected = self.stub_counts()
-                self._ready = set(self._ready_models())
+                try:
+                    self._ready = set(self._ready_models())
+                except _UNANSWERED as exc:
+                    log.warning("could not read the ready models after a swap (%s: %s); keeping the names read "
+                                "before it", type(exc).__name__, exc)
 
     def _wait_old_versions_gone(self, timeout: float = 60.0) -> None:
         """Until no process serves a version older than its model's newest (Triton unloads the old version once
