@@ -217,6 +217,11 @@ class Replicas:
             self._down_until.pop(url, None)
             self._answering.add(url)
 
+    def refused(self, url: str) -> None:
+        """``url`` answered with an error of the request's own (invalid input, unknown model): it answers."""
+        with self._lock:
+            self._answering.add(url)
+
     def failed_on(self, url: str) -> None:
         with self._lock:
             self.failed[url] += 1
@@ -261,6 +266,7 @@ def retryable(exc: Exception, model: str, replicas: Replicas, url: str,
     (:class:`~nexus_sli.client.ServerBusyError`), is retried: the server did not keep that request."""
     error = exc if isinstance(exc, ClientError) else p.translate(exc, model, deadline_passed)
     if not isinstance(error, RetryableError):
+        replicas.refused(url)
         raise error from None
     replicas.failed_on(url)
     if isinstance(error, DeadlineExceededError):

@@ -20,9 +20,9 @@ import pytest
 from helpers.waiting import wait_until
 from helpers import object_store
 from helpers.servers import end_now, kill_server
-from nexus_sli.client import (AsyncEncoderClient, DeadlineExceededError, EncoderClient, ReplicasFailedError,
-                              ServerUnavailableError)
-from nexus_sli.client.replicas import RETRY_S, Replicas, address, parse_urls
+from nexus_sli.client import (AsyncEncoderClient, DeadlineExceededError, EncoderClient, InvalidInputError,
+                              ReplicasFailedError, ServerUnavailableError)
+from nexus_sli.client.replicas import RETRY_S, Replicas, address, parse_urls, retryable
 from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.serving import server as serve
@@ -59,6 +59,10 @@ def test_a_replica_is_probed_until_it_answers_and_again_once_it_failed():
     replicas.update(["a:1"])  # b gone from a name's addresses, and back: new again
     replicas.update(["a:1", "b:2"])
     assert not replicas.answering("b:2")
+    replicas.failed_on("b:2")
+    with pytest.raises(InvalidInputError):  # an answer all the same: the next request goes without a probe
+        retryable(InvalidInputError("texts[0] is not a string"), "m", replicas, "b:2")
+    assert replicas.answering("b:2") and replicas.served["b:2"] == 1
     assert address("10.0.0.5:8001") == ("10.0.0.5", 8001) and address("[::1]:8001") == ("::1", 8001)
     assert address("host.svc:8001") == ("host.svc", 8001) and address("unix:/tmp/triton.sock") is None
 
