@@ -20,16 +20,17 @@ from starlette.responses import Response
 from .errors import GatewayError
 
 
-def answer(content, model: str) -> Response:
+def answer(content, model: str, values=None) -> Response:
     """``content``, the values ``model`` answered (numpy arrays, lists, dicts, numbers, text), as the route's JSON
-    response."""
-    if not _finite(content):
+    response.  ``values``: those values in one array, where ``content`` spreads them over many small ones (a dict
+    a row): checked at once, where a walk over the rows takes about 40% as long as writing them."""
+    if not _finite(content if values is None else values):
         raise GatewayError("backend", f"model {model!r} answered a value that is not a finite number (NaN or "
                            "infinity) for these inputs, which JSON cannot carry; an export at a reduced precision "
                            "can overflow on some texts: compare an export with --precision fp32",
                            code="non_finite_output")
-    body = orjson.dumps(content, default=_contiguous, option=orjson.OPT_SERIALIZE_NUMPY)
-    return Response(body, media_type="application/json")
+    return Response(orjson.dumps(content, default=_contiguous, option=orjson.OPT_SERIALIZE_NUMPY),
+                    media_type="application/json")
 
 
 def _finite(value) -> bool:

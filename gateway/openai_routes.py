@@ -56,8 +56,10 @@ async def embeddings(request: Request) -> Response:
         vectors = unit_rows(vectors)
     data = [{"object": "embedding", "index": i, "embedding": encode(v, encoding_format)}
             for i, v in enumerate(vectors)]
+    # the vectors checked as one matrix (base64 carries any float32, NaN too)
     return answer({"object": "list", "data": data, "model": model.name,
-                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, model.name)
+                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, model.name,
+                  vectors if encoding_format == "float" else ())
 
 
 async def models(request: Request) -> JSONResponse:
