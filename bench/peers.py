@@ -32,7 +32,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -43,6 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from nexus_sli.exporter.errors import NexusError
+from nexus_sli.exporter.serving.parent_death import dies_with_parent
 
 from .measure import BATCH32, CONCURRENT16, LATENCY1, Measurement, Sample
 from .peer_worker import read_message, write_message
@@ -301,7 +301,7 @@ class FastembedWorker:
         with open(self.log, "w") as err:
             try:
                 self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                stderr=err, start_new_session=True, preexec_fn=_die_with_parent)
+                                                stderr=err, start_new_session=True, preexec_fn=dies_with_parent())
             except OSError as exc:
                 raise PeerError(f"the fastembed worker could not start: {exc}") from exc
         try:
@@ -378,7 +378,7 @@ class InfinityServer:
         with open(self.log, "w") as out:
             try:
                 self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                                cwd=self.cwd, start_new_session=True, preexec_fn=_die_with_parent)
+                                                cwd=self.cwd, start_new_session=True, preexec_fn=dies_with_parent())
             except OSError as exc:
                 raise PeerError(f"infinity_emb could not start: {exc}") from exc
         try:
@@ -411,15 +411,6 @@ class InfinityServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the bench dies, even by SIGKILL (Linux's
-    PR_SET_PDEATHSIG), so a killed bench leaves no server behind on its port."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def _stop(process: subprocess.Popen, grace_s: float = 20.0) -> None:

@@ -139,8 +139,8 @@ def test_a_peer_server_does_not_outlive_a_killed_bench(tmp_path):
     pid_file = tmp_path / "child.pid"
     bench = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
-        "from nexus_sli.bench.peers import _die_with_parent\n"
-        f"child = subprocess.Popen(['sleep', '120'], start_new_session=True, preexec_fn=_die_with_parent)\n"
+        "from nexus_sli.exporter.serving.parent_death import dies_with_parent\n"
+        f"child = subprocess.Popen(['sleep', '120'], start_new_session=True, preexec_fn=dies_with_parent())\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         "time.sleep(120)\n")])
     wait_until(lambda: pid_file.is_file() and pid_file.read_text(), "the stand-in to start its child")

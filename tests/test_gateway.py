@@ -20,6 +20,7 @@ import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import openai
@@ -31,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 
-from helpers.servers import end_serve, serving, start_gateway, step_counts
+from helpers.servers import end_serve, running, serving, start_gateway, step_counts
 from helpers.waiting import wait_for_line, wait_until
 from helpers import task_models
 from helpers.exports import MINILM
@@ -44,6 +45,7 @@ from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.serving import server as serve
+from nexus_sli.exporter.serving import temporary_folders
 from nexus_sli.gateway import GatewayConfig, create_app
 from nexus_sli.gateway.errors import from_client
 from nexus_sli.gateway.server import exposure_warning
@@ -730,7 +732,7 @@ def test_metrics_are_prometheus_text(gateway):
     assert buckets and max(s.value for s in buckets if s.labels["le"] == "+Inf") >= 2
 
 
-@pytest.mark.parametrize("stopped", ["serve", "gateway"])
+@pytest.mark.parametrize("stopped", ["serve", "gateway", "killed"])
 def test_serve_starts_the_gateway_beside_triton_and_stopping_one_stops_both(served, tmp_path, stopped):
     http, grpc, metrics, port = free_ports(4)
     log = tmp_path / "serve.log"
@@ -747,13 +749,26 @@ def test_serve_starts_the_gateway_beside_triton_and_stopping_one_stops_both(serv
         if stopped == "serve":  # what Ctrl-C or a process manager does
             process.send_signal(signal.SIGTERM)
             assert process.wait(60) == 0
-        else:  # the gateway ends on its own: Triton is not left running without it
+        elif stopped == "gateway":  # the gateway ends on its own: Triton is not left running without it
             gateway_process = next(p for p in psutil.Process(process.pid).children()
                                    if "gateway" in p.cmdline())
             gateway_process.terminate()
             # the gateway's clean stop exits 0, and so does serve with it (not 241 from a code of -15)
             assert process.wait(60) == 0
             assert "the process beside Triton exited (code 0)" in log.read_text()
+        else:  # kill -9: serve runs no clean-up, yet neither outlives it
+            started = psutil.Process(process.pid).children()
+            assert sorted("gateway" in p.cmdline() for p in started) == [False, True], started
+            triton = next(p for p in started if "gateway" not in p.cmdline())
+            made = [Path(a.split("=", 1)[1]) for a in triton.cmdline()  # its backend folder, its joined shadow
+                    if a.startswith(("--backend-directory=", "--model-repository="))]
+            assert len(made) == 2 and all(folder.is_dir() for folder in made), made
+            process.kill()
+            process.wait()
+            wait_until(lambda: not any(running(p) for p in started), "Triton and the gateway to end with serve")
+            for prefix in temporary_folders.SERVER_PREFIXES:  # as the next serve's start does
+                temporary_folders.remove_abandoned(prefix)
+            assert not any(folder.exists() for folder in made), made
     finally:
         end_serve(process)
     for url in (f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{http}/v2/health/ready"):

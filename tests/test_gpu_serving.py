@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +28,7 @@ from nexus_sli.client import EncoderClient
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.export.validate import validation_texts
-from nexus_sli.exporter.serving import gpu_on_cpu, server as serve
+from nexus_sli.exporter.serving import gpu_on_cpu, server as serve, temporary_folders
 from nexus_sli.exporter.triton import config as tc
 
 from nexus_sli.bench.served import free_ports as _free_ports
@@ -77,7 +76,7 @@ def test_the_override_is_logged_and_the_repository_keeps_kind_gpu(repo, caplog):
     assert served.instance_group[0].kind == tc.pb.ModelInstanceGroup.KIND_CPU
     assert not served.optimization.execution_accelerators.gpu_execution_accelerator
     assert (shadow / f"{NAME}_encoder" / "1").resolve() == (repo / f"{NAME}_encoder" / "1").resolve()
-    shutil.rmtree(shadow)
+    temporary_folders.remove(shadow)
 
 
 @pytest.mark.parametrize("served", [JOINED], indirect=True)

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import openai
+import psutil
 import pytest
 
 from nexus_sli.client import EncoderClient
@@ -21,7 +22,7 @@ from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.serving.search import BackgroundSearch, ModelChoice
 
-from helpers.servers import end_serve, free_ports
+from helpers.servers import end_serve, free_ports, running
 from helpers.waiting import wait_for_line, wait_until
 
 GATEWAY_READY = "gateway is ready"
@@ -142,6 +143,31 @@ def test_a_stopped_or_failed_search_leaves_the_first_export_served_and_nothing_h
     search.run()
     assert search.outcome == "failed"
     assert {p.relative_to(repository): p.stat().st_mtime_ns for p in repository.rglob("*")} == before
+    assert _left_beside(repository) == []
+
+
+def test_serve_killed_during_its_search_leaves_nothing_running_and_the_next_serve_clears_its_folders(
+        tiny_checkpoint, tmp_path):
+    repository = tmp_path / "repo"
+    log = tmp_path / "serve.log"
+    process, _ = _serve(repository, tiny_checkpoint("bert"), log, "--backend", "openvino", "--precision", "fp32")
+    try:
+        wait_for_line(process, log, "search: nexus-sli:", timeout=180)  # the search's export under way
+        started = psutil.Process(process.pid).children(recursive=True)  # Triton, its workers, the gateway, the export
+        exporting = [p for p in started if "export" in p.cmdline()]
+        assert exporting, [p.cmdline() for p in started]
+        process.kill()  # kill -9: serve runs no clean-up of its own
+        process.wait()
+        wait_until(lambda: not any(running(p) for p in started), "what serve started to end with it", timeout=90)
+    finally:
+        end_serve(process)
+    # the export, told by SIGINT, removed its staging folder; the search's own folder stays until a next search
+    left = _left_beside(repository)
+    assert len(left) == 1 and left[0].startswith(".repo-search-"), left
+    search = BackgroundSearch(ModelChoice(model=str(tiny_checkpoint("bert")), name="tiny"), repository, "tiny",
+                              server=None)
+    assert _left_beside(repository) == [search.out.name]
+    search.stop()
     assert _left_beside(repository) == []
 
 

@@ -180,7 +180,7 @@ def test_a_dangling_link_named_like_a_served_model_is_swapped_out(tmp_path):
 def test_the_search_removes_its_folders_beside_a_repository_whose_name_holds_glob_characters(tmp_path):
     repository = _model_set(tmp_path / "repo[1]", "old")
     search = BackgroundSearch(ModelChoice(), repository, "tiny", server=None)
-    search.out.mkdir()
+    assert search.out.is_dir()  # made beside the repository, marked as this process's
     staging = tmp_path / f".{search.out.name}.staging-{os.getpid()}-abc"
     staging.mkdir()
     other = tmp_path / f".{search.out.name.replace('[1]', '1')}.staging-{os.getpid()}-abc"  # matched by "[1]" unescaped

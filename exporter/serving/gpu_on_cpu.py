@@ -12,11 +12,12 @@ ONNX Runtime's CPU provider.
 from __future__ import annotations
 
 import logging
-import tempfile
 from pathlib import Path
 
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.triton import config as tc
+
+from . import temporary_folders
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def servable(repository: Path, gpu_on_cpu: bool) -> Path | None:
 
 
 def _shadow(repository: Path, models: list[str]) -> Path:
-    shadow = Path(tempfile.mkdtemp(prefix="nexus-sli-gpu-on-cpu-"))
+    shadow = temporary_folders.make(temporary_folders.GPU_ON_CPU_PREFIX)
     for model in (p for p in repository.iterdir() if p.is_dir()):
         (shadow / model.name).mkdir()
         for entry in model.iterdir():

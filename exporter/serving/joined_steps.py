@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from nexus_sli.exporter.triton import config as tc
 from nexus_sli.tasks.model_parameters import JOINED_BACKENDS, JOINED_SCHEDULE, JOINED_STEPS, TASK, write
 from nexus_sli.tasks.spec import TOKEN_TASK
 
+from . import temporary_folders
 from .backend_folders import SHIM_BACKENDS
 
 log = logging.getLogger(__name__)
@@ -223,11 +223,11 @@ def join(repository: Path, backends: Path) -> Path | None:
     ensembles = _joined_ensembles(repository, backends)
     if not ensembles:
         return None
-    shadow = Path(tempfile.mkdtemp(prefix="nexus-sli-joined-"))
+    shadow = temporary_folders.make(temporary_folders.JOINED_PREFIX)
     try:
         _write_shadow(Path(repository), shadow, ensembles)
     except BaseException:
-        shutil.rmtree(shadow, ignore_errors=True)
+        temporary_folders.remove(shadow)
         raise
     log.info("serving %s with each one's steps in one process (a shadow of %s in %s)",
              ", ".join(sorted(ensembles)), repository, shadow)

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import temporary_folders
 from .backend_folders import prepare_backends
 from .binary import ServerError, system_binary, wheel_binary, wheel_environment
 from .flags import ADMIN_HEADER, server_args
@@ -43,7 +42,7 @@ def server_command(repository: Path | str, http_port: int, grpc_port: int, metri
         return ServerCommand([system, *args], dict(os.environ), None)
     binary = wheel_binary()
     temporary = backend_dir is None
-    backend_dir = prepare_backends(backend_dir or Path(tempfile.mkdtemp(prefix="nexus-sli-backends-")))
+    backend_dir = prepare_backends(backend_dir or temporary_folders.make(temporary_folders.BACKENDS_PREFIX))
     argv = [str(binary), *args, f"--backend-directory={backend_dir}"]
     return ServerCommand(argv, wheel_environment(), backend_dir, temporary)
 
@@ -85,7 +84,7 @@ class TritonServer(subprocess.Popen):
             for region in self.supervisor.regions if self.supervisor is not None else ():
                 (SHARED_MEMORY / region).unlink(missing_ok=True)
             for folder in self._temporary_dirs:
-                shutil.rmtree(folder, ignore_errors=True)
+                temporary_folders.remove(folder)
             self._temporary_dirs = []
 
 

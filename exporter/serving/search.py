@@ -28,7 +28,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import temporary_folders
 from .binary import ServerError
+from .parent_death import dies_with_parent
 from .swap import models_in, stamp, swap_in
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,9 @@ def export_first(choice: ModelChoice, repository: Path) -> str:
     """Export the first graph into ``repository`` (its log on stderr, as it goes); the model's name."""
     print("nexus-sli: no model in the repository yet: exporting the one graph that needs no search first "
           f"({' '.join(FIRST)}, validated against PyTorch), then serving it", file=sys.stderr, flush=True)
-    process = subprocess.Popen(choice.export_command(repository, first=True), stdout=subprocess.PIPE, text=True)
+    # SIGINT where serve is killed outright: the export removes its staging folder, as on a Ctrl-C
+    process = subprocess.Popen(choice.export_command(repository, first=True), stdout=subprocess.PIPE, text=True,
+                               preexec_fn=dies_with_parent(signal.SIGINT))
     try:
         with process.stdout:
             out = process.stdout.read()
@@ -128,7 +132,11 @@ class BackgroundSearch(threading.Thread):
         super().__init__(name="nexus-sli-search", daemon=True)
         self.threads = threads or {}
         self.choice, self.repository, self.model_name, self.server = choice, Path(repository).resolve(), name, server
-        self.out = self.repository.parent / f".{self.repository.name}-search-{os.getpid()}"
+        # where the search exports, beside the repository: Triton never reads it; what the searches of serves
+        # killed outright left there goes first
+        prefix = f".{self.repository.name}-search-"
+        temporary_folders.remove_abandoned(prefix, self.repository.parent)
+        self.out = temporary_folders.make(prefix, self.repository.parent)
         self.outcome: str | None = None
         self.served_stamp = stamp(self.repository)
         self._process: subprocess.Popen | None = None
@@ -147,7 +155,6 @@ class BackgroundSearch(threading.Thread):
             self._remove_folders()
 
     def _search(self) -> str:
-        shutil.rmtree(self.out, ignore_errors=True)
         env = {**os.environ, **self.threads}
         log.info("searching for a faster graph in the background (%s %s, at a lower priority%s); serving %s "
                  "meanwhile", self.choice.backend, self.choice.precision,
@@ -157,7 +164,7 @@ class BackgroundSearch(threading.Thread):
                 return "stopped"
             self._process = subprocess.Popen(self.choice.export_command(self.out, name=self.model_name), env=env,
                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                             preexec_fn=lambda: os.nice(NICENESS))
+                                             preexec_fn=dies_with_parent(signal.SIGINT, lambda: os.nice(NICENESS)))
         for line in self._process.stderr:  # its log, said as the search's
             print(f"search: {line.rstrip()}", file=sys.stderr, flush=True)
         code = self._process.wait()
@@ -207,6 +214,6 @@ class BackgroundSearch(threading.Thread):
 
     def _remove_folders(self) -> None:
         """The search's repository, and the staging folders of its export (a killed one leaves its own)."""
-        shutil.rmtree(self.out, ignore_errors=True)
+        temporary_folders.remove(self.out)
         for staging in self.out.parent.glob(glob.escape(f".{self.out.name}.staging-") + "*"):  # see _stop_export
             shutil.rmtree(staging, ignore_errors=True)

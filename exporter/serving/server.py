@@ -8,6 +8,7 @@ The public entry of ``nexus-sli serve``; each job lives in its own module:
 - :mod:`launcher`: the command, the process, waiting until it is ready, ending it;
 - :mod:`stub_supervisor`: reloading a model whose python-backend process died;
 - :mod:`keeper`: starting the server again when it dies (``serve_forever``);
+- :mod:`parent_death`: what serve starts stops when serve is killed outright;
 - :mod:`gpu_on_cpu`: a GPU repository served on the CPU, only when asked;
 - :mod:`joined_steps`: each batched ensemble's steps in one process (unless ``separate_steps``).
 """
@@ -15,13 +16,12 @@ The public entry of ``nexus-sli serve``; each job lives in its own module:
 from __future__ import annotations
 
 import secrets
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
+from . import temporary_folders
 from .backend_folders import SHIM_BACKENDS, STUB_EXECUTABLE, prepare_backends
 from .binary import ServerError, system_binary
 from .flags import ADMIN_HEADER, EXIT_TIMEOUT_S, REMOTE_PREFIXES, RESTRICTED_APIS, is_remote, server_args
@@ -30,6 +30,7 @@ from .joined_steps import join
 from .keeper import KeptServer
 from .launcher import (ServerCommand, TritonServer, check_identity, client_host, end, server_command, stop, url,
                        wait_ready)
+from .parent_death import dies_with_parent
 from .stub_supervisor import StubSupervisor
 
 __all__ = ["ADMIN_HEADER", "EXIT_TIMEOUT_S", "REMOTE_PREFIXES", "RESTRICTED_APIS", "SHIM_BACKENDS", "STUB_EXECUTABLE",
@@ -55,7 +56,7 @@ def _repository_to_serve(repository: Path | str, gpu_on_cpu: bool,
         joined = join(shadows[-1] if shadows else repository, backends) if backends is not None else None
     except BaseException:
         for shadow in shadows:
-            shutil.rmtree(shadow, ignore_errors=True)
+            temporary_folders.remove(shadow)
         raise
     # A swap rewrites the joined shadow's entries from the repository (joined_steps.refresh): right where the
     # join is over the repository itself (with --gpu-models-on-cpu too, on an export with no GPU model), wrong
@@ -78,7 +79,9 @@ def start(repository: Path | str, http_port: int = 8000, grpc_port: int = 8001, 
     from the standard AWS environment): Triton reads it itself, so the local checks and
     the shadows (local rewrites of configs) do not apply there."""
     # the wheel's server gets a backend folder of ours, made now: the joined models load its encoder shims
-    backends = None if system_binary() else Path(tempfile.mkdtemp(prefix="nexus-sli-backends-"))
+    for prefix in temporary_folders.SERVER_PREFIXES:  # what serves killed outright left
+        temporary_folders.remove_abandoned(prefix)
+    backends = None if system_binary() else temporary_folders.make(temporary_folders.BACKENDS_PREFIX)
     made = [backends] if backends else []
     try:
         served, shadows, joined = _repository_to_serve(repository, gpu_on_cpu, None if separate_steps else backends)
@@ -91,7 +94,7 @@ def start(repository: Path | str, http_port: int = 8000, grpc_port: int = 8001, 
         process.joined = (joined, backends) if joined else None
     except BaseException:  # nothing started: the folders made for it go
         for folder in made:
-            shutil.rmtree(folder, ignore_errors=True)
+            temporary_folders.remove(folder)
         raise
     try:
         wait_ready(http_port, process, timeout, host)
@@ -129,14 +132,15 @@ def serve_forever(repository: Path, http_port: int, grpc_port: int, metrics_port
 
     ``background``: called with the kept server once it is ready, a thread to start beside it (the search of
     :mod:`search`), stopped before the server is."""
+    # serve killed outright (SIGKILL) runs none of the clean-up below: the kernel stops Triton and the gateway
     process = KeptServer(lambda: start(repository, http_port, grpc_port, metrics_port, host, gpu_on_cpu=gpu_on_cpu,
-                                       separate_steps=separate_steps))
+                                       separate_steps=separate_steps, preexec_fn=dies_with_parent(signal.SIGTERM)))
     companion = worker = None
     try:
         print(f"Triton is ready: HTTP http://{host}:{http_port}  gRPC {host}:{grpc_port}  "
               f"metrics http://{host}:{metrics_port}/metrics", flush=True)
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-        companion = subprocess.Popen(beside) if beside else None
+        companion = subprocess.Popen(beside, preexec_fn=dies_with_parent(signal.SIGTERM)) if beside else None
         worker = background(process) if background else None
         if worker is not None:
             worker.start()

@@ -62,6 +62,14 @@ def gateway_to(triton: str, *args: str, log: Path) -> Iterator[Gateway]:
         started.stop()
 
 
+def running(process: psutil.Process) -> bool:
+    """Not gone, nor a zombie: an orphan that has exited stays one until init reaps it."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def end_now(process) -> None:
     """A server the tests are done with, ended at once: its supervisor stopped, then SIGKILL to it and its
     python-backend processes, then its temporary folders removed.  A graceful stop (``serve.stop``) waits
