@@ -56,6 +56,7 @@ def _add_first_export_options(serve: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nexus_sli.exporter.serving.ports import check_free
     from nexus_sli.exporter.serving.search import BackgroundSearch, ModelChoice, export_first, holds_a_model
     from nexus_sli.exporter.serving.server import is_remote, serve_forever
 
@@ -74,15 +75,20 @@ def run(args: argparse.Namespace) -> int:
     if not first_export and _first_export_options(args):
         print(f"nexus-sli: {repository} holds a model: served as it is ({', '.join(_first_export_options(args))} "
               "only apply to a folder with no model)", file=sys.stderr, flush=True)
+    choice = ModelChoice(args.model, args.task, args.name, args.backend, args.precision, args.optimize)
     if first_export:
-        choice = ModelChoice(args.model, args.task, args.name, args.backend, args.precision, args.optimize)
         # even --backend onnxruntime --precision fp32 searches: it times the fused graph beside the first export's
         _check_choice(choice, searches=not args.no_search)
+    gateway = gateway_command(args)
+    check_free(args.host, {"HTTP (--http-port)": args.http_port, "gRPC (--grpc-port)": args.grpc_port,
+                           "metrics (--metrics-port)": args.metrics_port,
+                           "the gateway (--gateway-port)": args.gateway_port if gateway else 0})
+    if first_export:
         name = export_first(choice, repository)
         if not args.no_search:
             search = lambda server: BackgroundSearch(choice, repository, name, server, _search_threads())  # noqa: E731
     return serve_forever(repository, args.http_port, args.grpc_port, args.metrics_port, args.host,
-                         args.gpu_models_on_cpu, beside=gateway_command(args), separate_steps=args.separate_steps,
+                         args.gpu_models_on_cpu, beside=gateway, separate_steps=args.separate_steps,
                          background=search)
 
 

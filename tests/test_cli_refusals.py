@@ -4,9 +4,11 @@ work, and an error of the system (a full disk, a path that is a file) is one lin
 from __future__ import annotations
 
 import re
+import socket
 
 import pytest
 
+from nexus_sli.bench.served import free_ports
 from nexus_sli.cli.main import main
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.exporter.targets import configurations_for
@@ -66,6 +68,29 @@ def test_serve_refuses_the_searchs_options_before_the_first_export(tmp_path, cap
     assert main(["serve", "--model-repository", str(repository), "--gateway-port", "0", *args]) == 2
     assert message in _error(capsys)
     assert not any(repository.iterdir())  # nothing exported
+
+
+@pytest.mark.parametrize("taken", ["--grpc-port", "--gateway-port"])
+def test_serve_refuses_a_port_in_use_before_the_first_export(tmp_path, capsys, taken):
+    repository = tmp_path / "empty"
+    repository.mkdir()
+    ports = dict(zip(["--http-port", "--grpc-port", "--metrics-port", "--gateway-port"], free_ports(4)))
+    with socket.socket() as server:  # another server, listening there
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        ports[taken] = server.getsockname()[1]
+        assert main(["serve", "--model-repository", str(repository),
+                     *[str(a) for option in ports.items() for a in option]]) == 2
+    error = _error(capsys)
+    assert f"cannot listen on 127.0.0.1:{ports[taken]} for " in error and f"({taken}): the port is in use" in error
+    assert not any(repository.iterdir())  # nothing exported
+
+
+def test_serve_refuses_one_port_given_for_two_listeners(tmp_path, capsys):
+    http, metrics = free_ports(2)
+    assert main(["serve", "--model-repository", str(tmp_path), "--http-port", str(http), "--grpc-port", str(http),
+                 "--metrics-port", str(metrics), "--gateway-port", "0"]) == 2
+    assert f"HTTP (--http-port) and gRPC (--grpc-port) are both {http}: each needs a port of its own" in _error(capsys)
 
 
 def test_an_error_of_the_system_is_one_line(tmp_path, capsys):

@@ -376,7 +376,9 @@ def test_the_serve_command_passes_an_s3_url_intact(monkeypatch):
     # Path("s3://host:port/b") would fold the '//': the command must hand Triton the URL as given
     seen = []
     monkeypatch.setattr(serve, "serve_forever", lambda repository, *args, **kwargs: seen.append(repository) or 0)
-    assert main(["serve", "--model-repository", "s3://127.0.0.1:9000/models/prod"]) == 0
+    ports = [str(p) for p in object_store.free_ports(3)]
+    assert main(["serve", "--model-repository", "s3://127.0.0.1:9000/models/prod", "--http-port", ports[0],
+                 "--grpc-port", ports[1], "--metrics-port", ports[2], "--gateway-port", "0"]) == 0
     assert seen == ["s3://127.0.0.1:9000/models/prod"]
     assert serve.server_args(seen[0], 1, 2, 3)[0] == "--model-repository=s3://127.0.0.1:9000/models/prod"
 
