@@ -35,7 +35,8 @@ export: install
 	$(BIN)/nexus-sli export $(if $(MODEL),--model '$(MODEL)') --task '$(TASK)' \
 		--precision '$(PRECISION)' --backend '$(BACKEND)' --target '$(TARGET)' --optimize '$(OPTIMIZE)' \
 		$(if $(ACCELERATOR),--accelerator '$(ACCELERATOR)') $(if $(NAME),--name '$(NAME)') --out '$(OUT)' \
-		$(if $(NO_CACHE),--no-cache) $(if $(MAX_BATCH_SIZE),--max-batch-size '$(MAX_BATCH_SIZE)')
+		$(if $(NO_CACHE),--no-cache) $(if $(MAX_BATCH_SIZE),--max-batch-size '$(MAX_BATCH_SIZE)') \
+		$(if $(ALLOW_PICKLE),--allow-pickle)
 
 # A seeded checkpoint of xlm-roberta-large's shape (560M parameters: past ONNX's 2 GB protobuf limit),
 # exported with auto, served once and measured (docs/export.md, "Models past 2 GB", has what it costs).
@@ -57,7 +58,9 @@ serve: install
 	$(BIN)/nexus-sli serve --model-repository '$(OUT)' --http-port $(HTTP_PORT) \
 		--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --gateway-port $(GATEWAY_PORT) \
 		$(if $(MODEL),--model '$(MODEL)') --task '$(TASK)' --precision '$(PRECISION)' --backend '$(BACKEND)' \
-		--optimize '$(OPTIMIZE)' $(if $(NAME),--name '$(NAME)') $(if $(NO_SEARCH),--no-search)
+		--optimize '$(OPTIMIZE)' $(if $(NAME),--name '$(NAME)') $(if $(NO_SEARCH),--no-search) \
+		$(if $(ALLOW_PICKLE),--allow-pickle) $(if $(NO_CACHE),--no-cache) \
+		$(if $(MAX_BATCH_SIZE),--max-batch-size '$(MAX_BATCH_SIZE)')
 
 # Everything but the long tiers (pyproject's addopts deselect the `load` and `real_checkpoint` markers),
 # a module per worker on every core (pytest-xdist), handed out in collection order (tests/conftest.py puts
@@ -116,7 +119,10 @@ bench: $(if $(STACK)$(FIRST_ANSWER)$(AUTO_SEARCH),install,$(BENCH_STAMP))
 		$(if $(AUTO_SEARCH),$(BIN)/python -m nexus_sli.bench.auto_search $(BENCH_MODEL),\
 		$(BIN)/nexus-sli bench $(BENCH_MODEL) $(if $(QUICK),--quick,--benchmarks-md) $(if $(STACK),--stack-only)))
 
-# OUT's model folders: refused where OUT is empty (rm -rf /*/) or the root
+# OUT's model folders (those with a config.pbtxt), nothing else: OUT=. or a mistyped path removes no source folder
 clean:
 	@case '$(strip $(OUT))' in ''|/) echo "make clean: OUT='$(OUT)' names no repository" >&2; exit 2;; esac
-	rm -rf -- '$(OUT)'/*/ .pytest_cache
+	@for config in '$(OUT)'/*/config.pbtxt; do \
+		if [ -f "$$config" ]; then echo "rm -rf -- $${config%/config.pbtxt}"; rm -rf -- "$${config%/config.pbtxt}"; fi; \
+	done
+	rm -rf .pytest_cache

@@ -34,8 +34,9 @@ def add_parser(commands) -> None:
                              "cpu, 256 on gpu); larger carries large calls faster and makes a lone query wait "
                              "longer behind them (docs/export.md)")
     export.add_argument("--no-search", action="store_true",
-                        help="export the first configuration's first graph only (ONNX Runtime fp32: the plain "
-                             "graph), validated, nothing else made or timed: the quickest faithful export")
+                        help="export the first configuration's first graph only (by default ONNX Runtime "
+                             "fp32's plain graph), validated, nothing else made or timed: the quickest faithful "
+                             "export")
     export.add_argument("--name", default="", help="model name in the repository (default: from the model id)")
     export.add_argument("--out", default="model_repository", help="repository directory")
     _add_safety_options(export)

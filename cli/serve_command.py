@@ -51,6 +51,9 @@ def _add_first_export_options(serve: argparse.ArgumentParser) -> None:
     first.add_argument("--precision", default=AUTO, choices=[AUTO, *precisions()], help="the search's, as for export")
     first.add_argument("--optimize", default="balanced", choices=["balanced", "throughput", "latency"],
                        help="the search's, as for export")
+    first.add_argument("--max-batch-size", type=int, default=None, metavar="ROWS", help="as for export")
+    for flag in ("--allow-pickle", "--no-truncate", "--no-cache"):
+        first.add_argument(flag, action="store_true", help="as for export")
     first.add_argument("--no-search", action="store_true",
                        help="serve the fp32 export and search for nothing faster")
 
@@ -75,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     if not first_export and _first_export_options(args):
         print(f"nexus-sli: {repository} holds a model: served as it is ({', '.join(_first_export_options(args))} "
               "only apply to a folder with no model)", file=sys.stderr, flush=True)
-    choice = ModelChoice(args.model, args.task, args.name, args.backend, args.precision, args.optimize)
+    choice = ModelChoice(args.model, args.task, args.name, args.backend, args.precision, args.optimize,
+                         args.allow_pickle, args.no_truncate, args.no_cache, args.max_batch_size)
     if first_export:
         # even --backend onnxruntime --precision fp32 searches: it times the fused graph beside the first export's
         _check_choice(choice, searches=not args.no_search)
@@ -94,11 +98,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_choice(choice, searches: bool) -> None:
     """The exports' options refused now, as the export would refuse them, not after the first one is served."""
-    from nexus_sli.exporter.targets import configurations_for
+    from nexus_sli.exporter.errors import NexusError
+    from nexus_sli.exporter.targets import AUTO, configurations_for, get_target
     from nexus_sli.tasks import get_task
 
     if choice.task != "auto":
         get_task(choice.task)
+    if searches and choice.backend != AUTO and get_target(choice.backend).device != "cpu":
+        raise NexusError(f"--backend {choice.backend} runs on a GPU, and serve exports for this machine's CPU: "
+                         "export for the GPU first (make export TARGET=gpu, docs/gpu.md), then serve that repository")
     if searches:
         configurations_for(choice.backend, choice.precision, device="cpu")
 
@@ -113,7 +121,7 @@ def _first_export_options(args: argparse.Namespace) -> list[str]:
 
     from nexus_sli.exporter.serving.search import ModelChoice
 
-    given = [f"--{f.name}" for f in fields(ModelChoice) if getattr(args, f.name) != f.default]
+    given = [f"--{f.name.replace('_', '-')}" for f in fields(ModelChoice) if getattr(args, f.name) != f.default]
     return given + (["--no-search"] if args.no_search else [])
 
 

@@ -59,7 +59,8 @@ def test_a_config_that_is_not_a_json_object_is_one_line(tmp_path, capsys, text, 
 @pytest.mark.parametrize("args, message", [
     (["--precision", "fp16"], "no cpu target serves precision 'fp16'"),
     (["--backend", "onnxruntime", "--precision", "bf16"], "not 'bf16'"),
-    (["--backend", "onnxruntime-tensorrt"], "backend 'onnxruntime-tensorrt' runs on gpu"),
+    (["--backend", "onnxruntime-tensorrt"], "--backend onnxruntime-tensorrt runs on a GPU, and serve exports for "
+                                            "this machine's CPU: export for the GPU first (make export TARGET=gpu"),
     (["--task", "summarization"], "unknown task 'summarization'"),
 ])
 def test_serve_refuses_the_searchs_options_before_the_first_export(tmp_path, capsys, args, message):
@@ -91,6 +92,21 @@ def test_serve_refuses_one_port_given_for_two_listeners(tmp_path, capsys):
     assert main(["serve", "--model-repository", str(tmp_path), "--http-port", str(http), "--grpc-port", str(http),
                  "--metrics-port", str(metrics), "--gateway-port", "0"]) == 2
     assert f"HTTP (--http-port) and gRPC (--grpc-port) are both {http}: each needs a port of its own" in _error(capsys)
+
+
+@pytest.mark.parametrize("command", ["serve", "validate"])
+def test_a_config_the_schema_does_not_read_is_one_line(tmp_path, capsys, command):
+    model = tmp_path / "repo" / "tiny_encoder"
+    model.mkdir(parents=True)
+    (model / "config.pbtxt").write_text('name: "tiny_encoder"\nnewer_field: 1\n')  # a field newer than the schema
+    ports = [str(p) for p in free_ports(3)]
+    args = {"serve": ["serve", "--model-repository", str(tmp_path / "repo"), "--http-port", ports[0], "--grpc-port",
+                      ports[1], "--metrics-port", ports[2], "--gateway-port", "0"],
+            "validate": ["validate", "--repository", str(tmp_path / "repo"), "--model", "tiny"]}[command]
+    assert main(args) == 2
+    error = _error(capsys)
+    assert f"{model / 'config.pbtxt'} is not a model configuration Triton's schema reads" in error
+    assert 'has no field named "newer_field"' in error
 
 
 def test_an_error_of_the_system_is_one_line(tmp_path, capsys):

@@ -96,3 +96,15 @@ def test_a_repository_exported_before_pooling_moved_into_the_graph_validates_aga
     shutil.copyfile(repo / "fp32_encoder" / "1" / "model.onnx", copy / "legacy_encoder" / "1" / "model.onnx")
     with pytest.raises(ValidationError, match="graph outputs \\['EMBEDDING', 'TOKEN_EMBEDDINGS'\\]"):
         revalidate(copy, "legacy")
+
+
+def test_a_model_serve_swapped_in_validates_at_its_version(repo, tmp_path, capsys):
+    """serve's search swaps its winner in at the next version folder, and the served one is the newest."""
+    copy = tmp_path / "repo"
+    shutil.copytree(repo / "fp32_encoder", copy / "fp32_encoder")
+    (copy / "fp32_encoder" / "1").rename(copy / "fp32_encoder" / "2")  # as the swap leaves it
+    assert main(["validate", "--repository", str(copy), "--model", "fp32"]) == 0
+    assert json.loads((copy / "fp32_encoder" / RECORD).read_text())["passed"]
+    shutil.rmtree(copy / "fp32_encoder" / "2")
+    with pytest.raises(NexusError, match="holds no version folder"):
+        revalidate(copy, "fp32")

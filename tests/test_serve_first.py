@@ -281,6 +281,12 @@ def test_the_first_export_is_onnxruntime_fp32_without_a_search(first):
     assert at == ({"--backend": "onnxruntime", "--precision": "fp32", "--name": "tiny"} if first else
                   {"--backend": "openvino", "--precision": "bf16", "--name": "tiny"})
     assert ("--no-search" in command) is first
+    assert "--allow-pickle" not in command
+    asked = ModelChoice(model="m", allow_pickle=True, no_truncate=True, no_cache=True,
+                        max_batch_size=128).export_command(Path("out"), "tiny", first)
+    # both exports get the options serve was given for them (BGE-M3's heads are pickles, for one)
+    assert {"--allow-pickle", "--no-truncate", "--no-cache"} <= set(asked)
+    assert asked[asked.index("--max-batch-size") + 1] == "128"
 
 
 class _Answer:

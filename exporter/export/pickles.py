@@ -33,7 +33,7 @@ def read_state_dict(file: Path, allow_pickle: bool) -> dict[str, Any]:
     if not allow_pickle:
         raise UnsafeCheckpointError(
             f"{file} is a pickle file; loading pickle can run arbitrary code. Convert it to safetensors, or pass "
-            "--allow-pickle if you trust the source (it is then read as tensors only)")
+            "--allow-pickle (make: ALLOW_PICKLE=1) if you trust the source (it is then read as tensors only)")
     import pickle
 
     import torch

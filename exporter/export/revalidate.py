@@ -18,7 +18,7 @@ from nexus_sli.exporter.errors import NexusError, ValidationError
 from nexus_sli.exporter.targets import TARGETS, serving_target
 from nexus_sli.exporter.targets.onnxruntime_gpu import OnnxRuntimeGPU
 from nexus_sli.exporter.triton import config as tc
-from nexus_sli.exporter.triton.folders import check_name
+from nexus_sli.exporter.triton.folders import check_name, newest_version
 from nexus_sli.tasks import get_task
 from nexus_sli.tasks.model_parameters import message_strings
 
@@ -45,7 +45,10 @@ def revalidate(repository: Path, name: str) -> dict:
     # included), not the ones the target would write
     served = ({"config": json_format.MessageToDict(config, preserving_proto_field_name=True)}
               if isinstance(target, OnnxRuntimeGPU) else {})
-    model_file = folder / "1" / (config.default_model_filename or "model.onnx")
+    version = newest_version(folder)  # 1 as exported; later where serve's search swapped a faster graph in
+    if not version:
+        raise NexusError(f"{folder} holds no version folder: is {name!r} a model of {repository}?")
+    model_file = folder / str(version) / (config.default_model_filename or "model.onnx")
     runner = target.open(model_file, message_strings(config.parameters), **served)
     report = against_reference(folder, runner, target.name, target.trims_padding, scales_per_batch(model_file))
     record = {**report.to_dict(), "host": platform.node(), "providers": _providers(runner)}

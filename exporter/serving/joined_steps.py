@@ -36,6 +36,7 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from nexus_sli.exporter.triton import config as tc
+from nexus_sli.exporter.triton.folders import newest_version
 from nexus_sli.tasks.model_parameters import JOINED_BACKENDS, JOINED_SCHEDULE, JOINED_STEPS, TASK, write
 from nexus_sli.tasks.spec import TOKEN_TASK
 
@@ -86,10 +87,10 @@ def _version(model_dir: Path, wanted: int) -> str:
     """The version folder a step's ``model_version`` picks: itself, or the newest for -1."""
     if wanted > 0:
         return str(wanted)
-    numbers = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()]
-    if not numbers:
+    newest = newest_version(model_dir)
+    if not newest:
         raise FileNotFoundError(f"{model_dir} has no version folder")
-    return str(max(numbers))
+    return str(newest)
 
 
 def _shim(config: tc.pb.ModelConfig) -> str | None:

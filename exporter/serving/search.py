@@ -57,6 +57,10 @@ class ModelChoice:
     backend: str = "auto"
     precision: str = "auto"
     optimize: str = "balanced"
+    allow_pickle: bool = False
+    no_truncate: bool = False
+    no_cache: bool = False
+    max_batch_size: int | None = None
 
     def export_command(self, out: Path, name: str = "", first: bool = False) -> list[str]:
         """``nexus-sli export`` of this model into ``out``: the first export, or the search's."""
@@ -65,7 +69,9 @@ class ModelChoice:
                 "--precision", precision, "--optimize", self.optimize, "--out", str(out),
                 *(["--model", self.model] if self.model else []),
                 *(["--name", name or self.name] if name or self.name else []),
-                *(["--no-search"] if first else [])]
+                *(["--max-batch-size", str(self.max_batch_size)] if self.max_batch_size else []),
+                *[flag for flag, given in (("--allow-pickle", self.allow_pickle), ("--no-truncate", self.no_truncate),
+                                           ("--no-cache", self.no_cache), ("--no-search", first)) if given]]
 
 
 def holds_a_model(repository: Path) -> bool:

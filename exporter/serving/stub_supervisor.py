@@ -22,6 +22,7 @@ from pathlib import Path
 from google.protobuf.text_format import ParseError
 
 from nexus_sli.exporter.triton.config import read as read_config
+from nexus_sli.exporter.triton.folders import newest_version
 
 from .backend_folders import STUB_EXECUTABLE
 from .flags import ADMIN_HEADER, is_remote
@@ -229,7 +230,7 @@ class StubSupervisor(threading.Thread):
 
         try:
             version = Path(process.cmdline()[1]).parent
-            newest = max((int(p.name) for p in version.parent.iterdir() if p.name.isdigit()), default=0)
+            newest = newest_version(version.parent)
         except (psutil.Error, IndexError, OSError):  # OSError: its model's folder is gone, so no newer version
             return False
         return version.name.isdigit() and int(version.name) < newest

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from nexus_sli.exporter.errors import RepositoryError
 from nexus_sli.exporter.triton import config as tc
+from nexus_sli.exporter.triton.folders import newest_version
 from nexus_sli.exporter.triton.staging import Renames
 
 from .joined_steps import refresh
@@ -67,10 +68,6 @@ def _folder_stamp(folder: Path) -> tuple:
     return (identity, *digests)
 
 
-def _newest_version(folder: Path) -> int:
-    return max((int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit()), default=0)
-
-
 def _load_order(repository: Path, names: list[str]) -> list[str]:
     """``names`` with the ensembles last: an ensemble is loaded once the steps it calls are."""
     return sorted(names, key=lambda name: (tc.read(repository / name / "config.pbtxt").platform == "ensemble", name))
@@ -83,7 +80,7 @@ def swap_in(found: Path, repository: Path, server) -> list[str]:
     :class:`RepositoryError` where the folders cannot be moved (the repository as it was, or where the old
     models then are)."""
     names = models_in(found)
-    version = 1 + max((_newest_version(repository / name) for name in names if (repository / name).is_dir()),
+    version = 1 + max((newest_version(repository / name) for name in names if (repository / name).is_dir()),
                       default=0)
     for name in names:  # every model of the set at one new version: the number clients compare
         for old in [p for p in (found / name).iterdir() if p.is_dir() and p.name.isdigit()]:

@@ -15,6 +15,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
 from nexus_sli.client.error_codes import DECODED_OUTPUT, IDS_INPUT, TOKEN_COUNT_OUTPUT, TOKENS_OUTPUT
+from nexus_sli.exporter.errors import NexusError
 from nexus_sli.tasks import get_task, spec
 from nexus_sli.tasks.model_parameters import TASK, Prompts, TokenizerParameters
 
@@ -394,5 +395,13 @@ def write(config: pb.ModelConfig, model_dir: Path) -> Path:
     return path
 
 
+class ConfigError(NexusError, text_format.ParseError):
+    """A ``config.pbtxt`` that Triton's configuration schema, as this install has it, does not read: one line
+    from the CLI, and still a ``ParseError`` to the code that skips such configs."""
+
+
 def read(path: Path) -> pb.ModelConfig:
-    return text_format.Parse(path.read_text(), pb.ModelConfig())
+    try:
+        return text_format.Parse(path.read_text(), pb.ModelConfig())
+    except text_format.ParseError as exc:
+        raise ConfigError(f"{path} is not a model configuration Triton's schema reads: {exc}") from exc

@@ -36,6 +36,12 @@ def check_name(name: str) -> str:
     return name
 
 
+def newest_version(model_dir: Path) -> int:
+    """The newest version folder of a model (the number), 0 where it has none.  An export writes version 1;
+    ``nexus-sli serve``'s swap moves its search's winner in at the next version."""
+    return max((int(p.name) for p in Path(model_dir).iterdir() if p.is_dir() and p.name.isdigit()), default=0)
+
+
 def written_by(name: str) -> set[str]:
     """Every folder an export of ``name`` may write or replace."""
     return {name, name + TOKEN_MODEL_SUFFIX, *(name + suffix for suffix in STEP_SUFFIXES)}

@@ -35,8 +35,8 @@ REPOSITORY_README = """\
 Each model `NAME` is an ensemble: raw strings in (TYPE_STRING), the task's
 answer out (`parameters {{ task: ... }}` in its config says which task).
 It chains `NAME_tokenizer` (python backend, `tokenizers`), `NAME_encoder`
-(`onnxruntime_onnx`, or the `openvino` backend where exported with
-`--backend openvino`) and `NAME_postprocess` (python backend, numpy). An
+(`onnxruntime_onnx`, or the `openvino` backend where the export chose
+OpenVINO; its `validation.json` says which) and `NAME_postprocess` (python backend, numpy). An
 embedding model has no `NAME_postprocess`: its encoder graph ends in the
 pooling and normalisation and answers `EMBEDDING` itself (the ensemble answers
 `TOKEN_COUNT` too, each text's tokens, from `NAME_tokenizer`); beside it, the
