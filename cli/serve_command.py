@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .arguments import port, port_or_0
+from .interrupts import interrupt_on_sigterm
 
 
 def add_parser(commands) -> None:
@@ -60,7 +61,7 @@ def _add_first_export_options(serve: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nexus_sli.exporter.serving.ports import check_free
-    from nexus_sli.exporter.serving.search import BackgroundSearch, ModelChoice, export_first, holds_a_model
+    from nexus_sli.exporter.serving.search import FIRST, BackgroundSearch, ModelChoice, export_first, holds_a_model
     from nexus_sli.exporter.serving.server import is_remote, serve_forever
 
     # Started in the background by a shell without job control (a script's `&`), serve inherits SIGINT ignored,
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # SIGTERM (a process manager's stop) from the start: the first export and Triton's start stop their children
     # on the interrupt as they do on Ctrl-C, where the default action would leave them running
-    signal.signal(signal.SIGTERM, _interrupt)
+    interrupt_on_sigterm()
 
     # Path() would fold the '//' of an s3:// URL
     repository = args.model_repository if is_remote(args.model_repository) else Path(args.model_repository)
@@ -83,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
     if first_export:
         # even --backend onnxruntime --precision fp32 searches: it times the fused graph beside the first export's
         _check_choice(choice, searches=not args.no_search)
+        unused = [f"--{k}" for k in ("backend", "precision", "optimize") if getattr(args, k) != getattr(ModelChoice, k)]
+        if args.no_search and unused:
+            print(f"nexus-sli: {', '.join(unused)} only apply to the search, and --no-search runs none: serving "
+                  f"{' '.join(FIRST)}", file=sys.stderr, flush=True)
     gateway = gateway_command(args)
     check_free(args.host, {"HTTP (--http-port)": args.http_port, "gRPC (--grpc-port)": args.grpc_port,
                            "metrics (--metrics-port)": args.metrics_port,
@@ -111,10 +116,6 @@ def _check_choice(choice, searches: bool) -> None:
         configurations_for(choice.backend, choice.precision, device="cpu")
 
 
-def _interrupt(*_) -> None:
-    raise KeyboardInterrupt
-
-
 def _first_export_options(args: argparse.Namespace) -> list[str]:
     """The options for a folder with no model given other values than their defaults (ModelChoice's)."""
     from dataclasses import fields
@@ -140,9 +141,12 @@ def gateway_command(args: argparse.Namespace) -> list[str] | None:
     turned off or when the gateway's packages are not installed (said, not fatal)."""
     if not args.gateway_port:
         return None
-    if not all(importlib.util.find_spec(name) for name in ("starlette", "uvicorn", "prometheus_client")):
-        print("nexus-sli: the HTTP gateway is not started: its packages are missing "
-              "(pip install 'nexus-sli[gateway]')", file=sys.stderr, flush=True)
+    from nexus_sli.gateway import REQUIRED_MODULES
+
+    missing = [name for name in REQUIRED_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"nexus-sli: the HTTP gateway is not started: its packages are missing ({', '.join(missing)}; "
+              "pip install 'nexus-sli[gateway]')", file=sys.stderr, flush=True)
         return None
     from nexus_sli.exporter.serving.server import client_host
 

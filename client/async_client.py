@@ -67,9 +67,11 @@ class AsyncEncoderClient:
         #: the version each model last answered with: another one drops its description (:func:`p.note_version`)
         self._versions: dict[str, str] = {}
 
-    async def _on_replicas(self, model: str, send):
+    async def on_replicas(self, model: str, send):
         """``await send(tritonclient)`` on the replicas in turn until one answers or a non-retryable
-        error; passes over them again, after pauses, while the call's retry budget lasts."""
+        error; passes over them again, after pauses, while the call's retry budget lasts.  The typed calls
+        are made through it, and so can any raw tritonclient call (the gateway's discovery, its tokenizer
+        calls); ``model`` names the model in errors ("" for none)."""
         retries, tried = Retries(self.retry_s), []
         while (pause := retries.next_pause()) is not None:
             if pause:  # the first pass goes at once, without a turn of the event loop
@@ -113,7 +115,7 @@ class AsyncEncoderClient:
                     found = found.with_tokenizer_step(await client.get_model_config(found.tokenizer, **kwargs))
                 return found, await client.get_model_metadata(model, **kwargs)
 
-            info, metadata = await self._on_replicas(model, read)
+            info, metadata = await self.on_replicas(model, read)
             self._info[model] = info
             if version := p.newest_version(metadata):  # the version described: an answer from another drops it
                 self._versions[model] = version
@@ -134,7 +136,7 @@ class AsyncEncoderClient:
         kwargs = {**self._deadline, **p.queue_timeout(self.timeout_s),
                   **({"parameters": parameters} if (parameters := call.parameters_of(index)) else {})}
         try:
-            result = await self._on_replicas(model, lambda client: client.infer(model, inputs, outputs=outputs,
+            result = await self.on_replicas(model, lambda client: client.infer(model, inputs, outputs=outputs,
                                                                               **kwargs))
         except Exception as exc:
             self._info.pop(model, None)  # the model may come back changed

@@ -130,9 +130,10 @@ class EncoderClient:
         #: the version each model last answered with: another one drops its description (:func:`p.note_version`)
         self._versions: dict[str, str] = {}
 
-    def _on_replicas(self, model: str, send):
+    def on_replicas(self, model: str, send):
         """``send(tritonclient)`` on the replicas in turn until one answers or a non-retryable error;
-        passes over them again, after pauses, while the call's retry budget lasts."""
+        passes over them again, after pauses, while the call's retry budget lasts.  The typed calls are made
+        through it, and so can any raw tritonclient call; ``model`` names the model in errors ("" for none)."""
         retries, tried = Retries(self.retry_s), []
         while (pause := retries.next_pause()) is not None:
             if pause:  # the first pass goes at once: even sleep(0) gives up the CPU
@@ -187,7 +188,7 @@ class EncoderClient:
                     found = found.with_tokenizer_step(client.get_model_config(found.tokenizer, **kwargs))
                 return found, client.get_model_metadata(model, **kwargs)
 
-            info, metadata = self._on_replicas(model, read)
+            info, metadata = self.on_replicas(model, read)
             self._info[model] = info
             if version := p.newest_version(metadata):  # the version described: an answer from another drops it
                 self._versions[model] = version
@@ -218,7 +219,7 @@ class EncoderClient:
             kwargs["parameters"] = parameters
         outputs = [self._triton.InferRequestedOutput(output) for output in call.outputs]
         try:
-            result = self._on_replicas(model, lambda client: client.infer(model, inputs, outputs=outputs, **kwargs))
+            result = self.on_replicas(model, lambda client: client.infer(model, inputs, outputs=outputs, **kwargs))
         except Exception as exc:
             self._info.pop(model, None)  # the model may come back changed
             raise call.located(index, exc) from None

@@ -10,7 +10,11 @@ repository changes.  docs/gateway.md describes the routes, limits and errors.
 
 from .config import API_KEY_ENV, GatewayConfig
 
-__all__ = ["API_KEY_ENV", "GatewayConfig", "create_app", "serve"]
+__all__ = ["API_KEY_ENV", "REQUIRED_MODULES", "GatewayConfig", "create_app", "serve"]
+
+#: The modules of the ``gateway`` extra the gateway imports beyond the client's: ``nexus-sli serve`` looks for
+#: them (without importing them) before it starts a gateway beside Triton.
+REQUIRED_MODULES = ("starlette", "uvicorn", "prometheus_client", "orjson")
 
 
 def __getattr__(name: str):

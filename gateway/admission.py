@@ -55,7 +55,7 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.limit:
-            self.metrics.refused.labels(self.metrics.route(path)).inc()
+            self.metrics.refused.labels(self.metrics.route(scope)).inc()
             await render(overloaded(self.limit), api_of(path))(scope, receive, send)
             return
         self.in_flight += 1

@@ -43,7 +43,7 @@ def create_app(config: GatewayConfig, resolve: Resolve | None = None) -> Starlet
     system's resolver)."""
     probes = [Route(path, health, methods=["GET"]) for path in sorted(OPEN_PATHS)]
     routes = [*openai_routes.ROUTES, *tei_routes.ROUTES, *probes, Route("/metrics", metrics, methods=["GET"])]
-    counters = Metrics({route.path for route in routes})
+    counters = Metrics(routes)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):

@@ -34,7 +34,7 @@ from nexus_sli.client.error_codes import (
     TOKENS_OUTPUT,
 )
 from nexus_sli.client.model_info import ModelInfo
-from nexus_sli.client.protocol import chunks, strings, translate
+from nexus_sli.client.protocol import chunks, strings
 from nexus_sli.client.replicas import Fleet, Resolve
 
 from .discovery import Catalog
@@ -45,10 +45,9 @@ CONTROL_TIMEOUT_S = 10.0
 
 
 class AnyReplica:
-    """tritonclient's asyncio gRPC client calls (readiness, discovery, token counts) made on the first
-    replica of ``fleet`` that answers, each replica tried once, without pauses: these calls have
-    their own deadlines and must answer fast (a health probe).  The last replica's exception is
-    raised as tritonclient raised it."""
+    """tritonclient's asyncio gRPC client calls (readiness) made on the first replica of ``fleet`` that
+    answers, each replica tried once, without pauses: a health probe must answer fast, not retry for
+    ``--triton-retry``.  The last replica's exception is raised as tritonclient raised it."""
 
     def __init__(self, fleet: Fleet):
         self._fleet = fleet
@@ -86,7 +85,11 @@ class Backend:
         self.control_timeout_s = min(timeout_s, CONTROL_TIMEOUT_S)
         self.client = AsyncEncoderClient(url, protocol="grpc", timeout_s=timeout_s, retry_s=retry_s, resolve=resolve)
         self.triton = AnyReplica(self.client.fleet)
-        self.catalog = Catalog(self.triton, ttl_s, self.control_timeout_s)
+        # discovery's reads (the model list, then each config) on one replica at a time, retried as the client
+        # retries an inference (--triton-retry): a Triton restarting costs a request latency, not a 503.  The
+        # client's own loop, shared rather than written twice: its replica turns, probes, pauses and budget
+        self.catalog = Catalog(self.triton, ttl_s, self.control_timeout_s,
+                               on_replicas=lambda read: self.client.on_replicas("", read))
 
     async def ready(self) -> bool:
         try:
@@ -148,11 +151,11 @@ class Backend:
 
     async def _tokenizer_call(self, tokenizer: str, tensor: grpc_types.InferInput, output: str,
                               parameters: dict | None) -> np.ndarray:
-        try:
-            result = await self.triton.infer(tokenizer, [tensor], client_timeout=self.timeout_s, parameters=parameters,
-                                             outputs=[grpc_types.InferRequestedOutput(output)])
-        except Exception as exc:  # noqa: BLE001
-            raise translate(exc, tokenizer) from None
+        """``output`` of the tokenizer step for ``tensor``, on the replicas with the client's own passes and
+        retries (--triton-retry), its errors the client's: as the inference calls beside it."""
+        outputs = [grpc_types.InferRequestedOutput(output)]
+        result = await self.client.on_replicas(tokenizer, lambda triton: triton.infer(
+            tokenizer, [tensor], client_timeout=self.timeout_s, parameters=parameters, outputs=outputs))
         return result.as_numpy(output)
 
     async def close(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from nexus_sli.client import ModelNotFoundError, ModelUnavailableError
 from nexus_sli.client.model_info import ModelInfo
@@ -87,10 +88,14 @@ MISS_REFRESH_S = 1.0
 
 
 class Catalog:
-    """The served models, read again after ``ttl_s`` or when a request names one not seen yet."""
+    """The served models, read again after ``ttl_s`` or when a request names one not seen yet.  ``on_replicas``:
+    how a read is made, ``await on_replicas(read)`` running ``read(connection)`` on Triton's replicas in turn,
+    again after pauses while a retry budget lasts (the gateway's client's retries); by default once, on ``triton``."""
 
-    def __init__(self, triton, ttl_s: float, timeout_s: float | None = None):
-        self._triton, self._ttl_s, self._timeout_s = triton, ttl_s, timeout_s
+    def __init__(self, triton, ttl_s: float, timeout_s: float | None = None,
+                 on_replicas: Callable[[Callable[[object], Awaitable]], Awaitable] | None = None):
+        self._ttl_s, self._timeout_s = ttl_s, timeout_s
+        self._on_replicas = on_replicas or (lambda read: read(triton))
         self._models: dict[str, ModelInfo] = {}
         #: model -> (the model, when a list last had it).  One missing from a later list is being reloaded
         #: (a worker that died, a new version): requests for it are a 503 to retry, not a 404 no client
@@ -98,6 +103,9 @@ class Catalog:
         self._seen: dict[str, tuple[ModelInfo, float]] = {}
         self._read_at = float("-inf")
         self._lock = asyncio.Lock()
+        #: the last read that failed, and when: the requests that waited for it are answered its error
+        self._failure: Exception | None = None
+        self._failed_at = float("-inf")
 
     def _stale(self, max_age_s: float) -> bool:
         return time.monotonic() - self._read_at > max_age_s
@@ -108,9 +116,18 @@ class Catalog:
         # a fresh list is answered without the lock: requests never wait behind a discovery they do not need
         if not self._stale(max_age_s):
             return self._models
+        waiting_since = time.monotonic()
         async with self._lock:  # one read for every request that finds the list stale at once
+            # a read that failed while this request waited has spent its retries: reading again would make
+            # each request behind it wait one more retry budget
+            if self._failure is not None and self._failed_at >= waiting_since:
+                raise self._failure.with_traceback(None)
             if self._stale(max_age_s):  # again: another request may have read it while this one waited
-                self._models = await discover(self._triton, self._timeout_s)
+                try:
+                    self._models = await self._on_replicas(lambda triton: discover(triton, self._timeout_s))
+                except Exception as exc:
+                    self._failure, self._failed_at = exc, time.monotonic()
+                    raise
                 self._seen.update({n: (m, time.monotonic()) for n, m in self._models.items()})
                 self._read_at = time.monotonic()
         return self._models
@@ -128,13 +145,19 @@ class Catalog:
         return ModelUnavailableError(f"model {name!r} was served here and is not ready now (being reloaded, or "
                                      "its worker restarted); retry shortly")
 
-    async def get(self, name: str, task: Tasks | None) -> ModelInfo:
-        """The model ``name``, checked to serve ``task`` (one of them, for a tuple; None: any): 404 if unknown,
-        400 naming its task if another."""
+    async def _looked_up(self, name: str) -> dict[str, ModelInfo]:
+        """The models, read again where ``name`` is not among them (perhaps loaded since the list was read); the
+        503 of :meth:`check_not_reloading`."""
         models = await self.models()
         if name not in models:
             models = await self.models(max_age_s=MISS_REFRESH_S)
         self.check_not_reloading(name, models)
+        return models
+
+    async def get(self, name: str, task: Tasks | None) -> ModelInfo:
+        """The model ``name``, checked to serve ``task`` (one of them, for a tuple; None: any): 404 if unknown,
+        400 naming its task if another."""
+        models = await self._looked_up(name)
         if name not in models:
             served = ", ".join(sorted(models)) or "none"
             raise GatewayError("not_found", f"model {name!r} is not served here; served models: {served}",
@@ -144,6 +167,19 @@ class Catalog:
             raise GatewayError("wrong_task", f"model {name!r} serves task {model.task!r}, not {named(task)}; "
                                f"{_route_hint(model)}", param="model", code="wrong_task")
         return model
+
+    async def pinned(self, name: str, task: Tasks | None) -> ModelInfo:
+        """The gateway's ``--tei-model`` ``name``, of any task: a 404 naming the flag where it is not served (a
+        misspelt flag must not quietly route to another model), the 503 of :meth:`check_not_reloading`.
+        ``task``: the route's, whose models the 404 lists (None: every model)."""
+        models = await self._looked_up(name)
+        if name not in models:
+            fitting = sorted(n for n, m in models.items() if (serving(m, task) if task else m.task != TOKEN_TASK))
+            which = f"models serving {named(task)}" if task else "served models"
+            raise GatewayError("not_found", f"the gateway's --tei-model {name!r} is not served here; {which}: "
+                               f"{', '.join(fitting) or 'none'}. Restart the gateway with one of them, or name one "
+                               "with the request field \"model\"", param="model", code="model_not_found")
+        return models[name]
 
     async def only_for(self, task: Tasks) -> ModelInfo:
         """TEI's routes name no model: the one model serving ``task`` (one of them, for a tuple), else a 400

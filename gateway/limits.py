@@ -62,6 +62,15 @@ def check_token_vectors(texts: list, model: ModelInfo, config: GatewayConfig, ro
                        + advice, param="inputs", code="too_many_inputs")
 
 
+def check_tokens_answered(tokens: int, config: GatewayConfig, route: str) -> None:
+    """The error of :func:`check_token_vectors` where an answer of ``tokens`` tokens, counted once the tokenizer
+    made them (``/tokenize``: untruncated, so no model's length bounds them), is past ``config.max_token_vectors``."""
+    if tokens > config.max_token_vectors:
+        raise GatewayError("invalid", f"{route} would answer {tokens} tokens for these texts, more than this "
+                           f"gateway's --max-token-vectors {config.max_token_vectors}: split them into several "
+                           "requests", param="inputs", code="too_many_inputs")
+
+
 def check_count(items: list, config: GatewayConfig, param: str, item: str = "item") -> list:
     """``items`` if there are some (else TEI's ``Empty``) and at most ``config.max_inputs``."""
     if not items:

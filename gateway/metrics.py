@@ -1,8 +1,9 @@
 """Request counts, latency histograms and requests in flight, in Prometheus' text format at ``/metrics``.
 
 Each app has its own registry, so two gateways in one process (tests) never
-share counts.  Routes are labelled by their path for the routes the gateway
-has, and ``other`` for anything else; methods by name for HTTP's own, and
+share counts.  Requests are labelled by the path pattern of the route the
+gateway has for them (``/v1/models/{model:path}``, one series for every model
+asked), and ``other`` for any other path; methods by name for HTTP's own, and
 ``other`` for any other token a client sends; so a scanner cannot grow the
 label set.
 """
@@ -10,9 +11,11 @@ label set.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.responses import Response
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .auth import is_probe
@@ -28,8 +31,8 @@ SCRAPE_PATH = "/metrics"
 
 
 class Metrics:
-    def __init__(self, routes: set[str]):
-        self.routes = routes
+    def __init__(self, routes: Iterable[Route]):
+        self.routes = list(routes)
         self.registry = CollectorRegistry()
         self.requests = Counter("nexus_sli_gateway_requests", "HTTP requests answered, by route and status",
                                 ["route", "method", "status"], registry=self.registry)
@@ -47,8 +50,17 @@ class Metrics:
         self.in_flight = Gauge("nexus_sli_gateway_requests_in_flight",
                                "HTTP requests being answered now (probes and scrapes left out)", registry=self.registry)
 
-    def route(self, path: str) -> str:
-        return path if path in self.routes else "other"
+    def route(self, scope: Scope) -> str:
+        """The path pattern of the route that takes ``scope``'s path, matched as the router matches it (a route
+        of its path taking another method: the 405's); ``other`` where none does."""
+        partial = None
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return route.path
+            if match == Match.PARTIAL and partial is None:
+                partial = route.path
+        return partial or "other"
 
     @staticmethod
     def method(name: str) -> str:
@@ -88,6 +100,6 @@ class MetricsMiddleware:
         finally:
             if counted:
                 self.metrics.in_flight.dec()
-            route, named = self.metrics.route(path), self.metrics.method(method)
+            route, named = self.metrics.route(scope), self.metrics.method(method)
             self.metrics.latency.labels(route, named).observe(time.perf_counter() - start)
             self.metrics.requests.labels(route, named, str(status)).inc()

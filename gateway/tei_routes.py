@@ -24,7 +24,7 @@ from nexus_sli.tasks.multi_vector import DOCUMENT
 
 from . import tei_info, tei_tokens
 from .answers import answer
-from .discovery import MISS_REFRESH_S, Tasks, named, serving
+from .discovery import Tasks, named, serving
 from .embeddings import check_dimensions, check_input_type, check_prompt
 from .errors import GatewayError
 from .limits import check_count, check_texts, check_token_vectors, flag, read_json, text_list
@@ -41,23 +41,14 @@ async def _model(request: Request, body: dict, task: Tasks):
         pinned = request.app.state.config.tei_model
         if pinned is None:
             return await catalog.only_for(task)
-        models = await catalog.models()
-        if pinned not in models:  # perhaps loaded since the list was read
-            models = await catalog.models(max_age_s=MISS_REFRESH_S)
-        if pinned in models and serving(models[pinned], task):
-            return models[pinned]
-        catalog.check_not_reloading(pinned, models)
-        if pinned not in models:  # a misspelt flag must not quietly route to another model
-            fitting = ", ".join(sorted(n for n, m in models.items() if serving(m, task))) or "none"
-            raise GatewayError("not_found", f"the gateway's --tei-model {pinned!r} is not served here; models "
-                               f"serving {named(task)}: {fitting}. Restart the gateway with one of them, or name one "
-                               "with the request field \"model\"", param="model", code="model_not_found")
+        model = await catalog.pinned(pinned, task)
+        if serving(model, task):
+            return model
         # the pinned model serves another task (one pin for /embed): this route takes its task's only model
         try:
             return await catalog.only_for(task)
         except GatewayError as exc:
-            exc.message += (f" (the gateway's --tei-model {pinned!r} serves {models[pinned].task!r}, not "
-                            f"{named(task)})")
+            exc.message += f" (the gateway's --tei-model {pinned!r} serves {model.task!r}, not {named(task)})"
             raise
     if not isinstance(name, str):
         raise GatewayError("invalid", "model must be a string", param="model")
@@ -242,7 +233,8 @@ async def similarity(request: Request) -> Response:
     texts = check_count([source, *sentences], state.config, "inputs")  # the source counts against the limit
     check_texts([source], state.config, "inputs.source_sentence")
     check_texts(sentences, state.config, "inputs.sentences")
-    parameters = body.get("parameters") or {}
+    # only absent or null is none: 0, "", [] or false is refused, not read as {}
+    parameters = {} if body.get("parameters") is None else body["parameters"]
     if not isinstance(parameters, dict):
         raise GatewayError("invalid", "parameters must be an object", param="parameters")
     check_direction(parameters)
@@ -275,7 +267,7 @@ async def info(request: Request) -> JSONResponse:
 # TEI answers ``POST /`` too (for an embedding model: embed); huggingface_hub's InferenceClient posts there
 ROUTES = [Route("/", embed, methods=["POST"]), Route("/embed", embed, methods=["POST"]),
           Route("/embed_sparse", embed_sparse, methods=["POST"]), Route("/embed_all", embed_all, methods=["POST"]),
-          Route("/embed_multi_vector", embed_multi_vector, methods=["POST"]), Route("/rerank", rerank, methods=["POST"]),
-          Route("/predict", predict, methods=["POST"]),
+          Route("/embed_multi_vector", embed_multi_vector, methods=["POST"]),
+          Route("/rerank", rerank, methods=["POST"]), Route("/predict", predict, methods=["POST"]),
           Route("/similarity", similarity, methods=["POST"]), Route("/info", info, methods=["GET"]),
           *tei_tokens.ROUTES]

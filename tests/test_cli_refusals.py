@@ -87,6 +87,18 @@ def test_serve_refuses_a_port_in_use_before_the_first_export(tmp_path, capsys, t
     assert not any(repository.iterdir())  # nothing exported
 
 
+def test_serve_says_the_searchs_options_go_unused_with_no_search(tmp_path, capsys):
+    http, grpc = free_ports(2)
+    with socket.socket() as server:  # a port in use stops serve right after the options are read
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert main(["serve", "--model-repository", str(tmp_path / "empty"), "--no-search", "--backend", "openvino",
+                     "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port",
+                     str(server.getsockname()[1]), "--gateway-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--backend only apply to the search, and --no-search runs none: serving onnxruntime fp32" in err
+
+
 def test_serve_refuses_one_port_given_for_two_listeners(tmp_path, capsys):
     http, metrics = free_ports(2)
     assert main(["serve", "--model-repository", str(tmp_path), "--http-port", str(http), "--grpc-port", str(http),

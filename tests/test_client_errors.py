@@ -189,9 +189,9 @@ def test_the_first_pass_goes_at_once_and_only_retries_pause(monkeypatch):
     pauses = []
     monkeypatch.setattr(sync_client.time, "sleep", pauses.append)
     with EncoderClient("127.0.0.1:1", retry_s=5) as client:
-        assert client._on_replicas("m", lambda tritonclient: "answer") == "answer"
+        assert client.on_replicas("m", lambda tritonclient: "answer") == "answer"
         assert pauses == []
-        assert client._on_replicas("m", _refused_once()) == "answer"
+        assert client.on_replicas("m", _refused_once()) == "answer"
     assert len(pauses) == 1 and pauses[0] > 0
 
 
@@ -216,9 +216,9 @@ def test_the_async_clients_first_pass_goes_at_once_and_only_retries_pause(monkey
             return send(tritonclient)
 
         async with AsyncEncoderClient("127.0.0.1:1", retry_s=5) as client:
-            assert await client._on_replicas("m", answer) == "answer"
+            assert await client.on_replicas("m", answer) == "answer"
             assert pauses == []
-            assert await client._on_replicas("m", refused_once) == "answer"
+            assert await client.on_replicas("m", refused_once) == "answer"
 
     asyncio.run(calls())
     assert len(pauses) == 1 and pauses[0] > 0
@@ -238,7 +238,7 @@ def test_an_http_503_is_the_outage_grpcs_unavailable_is_and_is_sent_again(messag
             raise refusal
         return "answer"
     with EncoderClient("127.0.0.1:1", protocol="http", retry_s=5) as client:
-        assert client._on_replicas("m", send) == "answer"
+        assert client.on_replicas("m", send) == "answer"
 
 
 def test_a_proxys_504_is_a_passed_deadline_not_sent_again():
@@ -251,7 +251,7 @@ def test_a_proxys_504_is_a_passed_deadline_not_sent_again():
         raise server_error("<html>504 Gateway Time-out</html>", "504")
     with EncoderClient("127.0.0.1:1", protocol="http", retry_s=5) as client:
         with pytest.raises(DeadlineExceededError):
-            client._on_replicas("m", send)
+            client.on_replicas("m", send)
     assert len(sent) == 1
 
 

@@ -15,6 +15,7 @@ import json
 
 import numpy as np
 import pytest
+from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from helpers.fake_triton import ConfigTriton
@@ -22,6 +23,7 @@ from helpers.http_api import schema_problems, tei_schema
 from nexus_sli.client.error_codes import DECODED_OUTPUT, IDS_INPUT, TOKENS_OUTPUT
 from nexus_sli.gateway import GatewayConfig, create_app
 from nexus_sli.gateway import backend as gateway_backend
+from nexus_sli.gateway import tei_tokens
 from nexus_sli.gateway.admission import AdmissionMiddleware
 from nexus_sli.gateway.discovery import Catalog
 from nexus_sli.gateway.metrics import Metrics
@@ -161,6 +163,21 @@ def test_tokenize_of_an_export_without_bytes_falls_back_to_character_offsets():
     assert [(t["start"], t["stop"]) for t in found if not t["special"]] == [(0, 1), (2, 6)]
 
 
+
+def test_tokenize_refuses_an_answer_past_max_token_vectors_before_building_it(monkeypatch):
+    """/tokenize answers a dict per token, built on the event loop: bounded as /embed_all's vectors are, by the
+    tokens the step made (untruncated: no model's length bounds them)."""
+    built = []
+    monkeypatch.setattr(tei_tokens, "_simple_tokens", lambda tokens: built.append(tokens) or [])
+    gateway = _gateway(GatewayConfig(max_inputs=4, max_input_chars=100, max_token_vectors=8))
+    six_words = "a b c d e f"  # [CLS], six words, [SEP]: 8 tokens
+    assert gateway.post("/tokenize", json={"inputs": six_words, "model": "emb"}).status_code == 200
+    built.clear()
+    _tei(gateway.post("/tokenize", json={"inputs": [six_words, "g"], "model": "emb"}), 422, "Validation",
+         "/tokenize would answer 11 tokens for these texts, more than this gateway's --max-token-vectors 8")
+    assert built == []
+
+
 # --- /predict's inputs -----------------------------------------------------------------------------
 
 def test_predict_reads_a_one_string_list_as_one_input_and_refuses_a_pair_or_more():
@@ -201,6 +218,16 @@ def test_decode_takes_the_largest_u32():
     assert backend.sent == [("decode", "emb", [[2**32 - 1]])]
 
 
+
+@pytest.mark.parametrize("ids, words", [
+    ([], "ids is empty"), ([[]], "ids[0] is empty"), ([[1], []], "ids[1] is empty"),
+])
+def test_decode_of_no_ids_is_teis_empty_error_as_tokenize_of_no_inputs_is(ids, words):
+    backend = _Backend()
+    _tei(_gateway(backend=backend).post("/decode", json={"ids": ids, "model": "emb"}), 400, "Empty", words)
+    assert backend.sent == []
+
+
 # --- statuses: TEI's own on its routes, OpenAI's 400 on its ----------------------------------------
 
 @pytest.mark.parametrize("route, body", [
@@ -233,6 +260,17 @@ def test_a_model_of_another_task_stays_a_400_on_openais_route():
 def test_tei_answers_validation_with_422_and_no_inputs_with_400_empty(route, body, status, error_type, words):
     gateway = _gateway(GatewayConfig(max_inputs=4, max_input_chars=100, tei_model="emb"))
     _tei(gateway.post(route, json=body), status, error_type, words)
+
+
+
+@pytest.mark.parametrize("method, route, body", [
+    ("GET", "/info", None), ("POST", "/tokenize", {"inputs": "a"}), ("POST", "/decode", {"ids": [1]}),
+    ("POST", "/embed", {"inputs": "a"}),
+])
+def test_a_tei_model_that_is_not_served_is_a_404_naming_the_flag_on_every_route(method, route, body):
+    gateway = _gateway(GatewayConfig(tei_model="nope"))
+    _tei(gateway.request(method, route, json=body), 404, "Validation",
+         "the gateway's --tei-model 'nope' is not served here")
 
 
 class _NonFiniteClient(_Client):
@@ -411,6 +449,16 @@ def test_the_probes_are_open_without_the_key_and_post_root_is_not():
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
 
 
+
+@pytest.mark.parametrize("header, status", [
+    ("Bearer k", 200), ("bearer k", 200), ("Bearer   k", 200), ("bEaReR  k", 200),  # RFC 9110: any case, 1*SP
+    ("Bearer k2", 401), ("Bearer kk", 401), ("Basic k", 401), ("Bearerk", 401), ("k", 401), ("Bearer", 401),
+])
+def test_the_bearer_scheme_is_read_in_any_case_and_the_key_exactly(header, status):
+    response = _gateway(GatewayConfig(api_key="k")).get("/v1/models", headers={"Authorization": header})
+    assert response.status_code == status, response.json()
+
+
 def test_admission_bounds_post_root_and_never_a_probe_on_the_same_path():
     answered = []
 
@@ -429,7 +477,8 @@ def test_admission_bounds_post_root_and_never_a_probe_on_the_same_path():
         await admission(scope, None, send)
         return sent[0]["status"]
 
-    admission = AdmissionMiddleware(app, limit=1, paths=frozenset({"/"}), metrics=Metrics({"/"}))
+    metrics = Metrics([Route("/", app, methods=["GET", "POST"])])
+    admission = AdmissionMiddleware(app, limit=1, paths=frozenset({"/"}), metrics=metrics)
     admission.in_flight = 1  # one inference request being answered
     assert asyncio.run(call("GET")) == 200 and asyncio.run(call("POST")) == 429
     assert answered == [("GET", "/")]
@@ -462,6 +511,17 @@ def test_similarity_names_a_too_long_sentence_by_its_own_list():
          "Validation", "inputs.source_sentence[0] has 101 characters")  # check_texts numbers a list of one
     _tei(gateway.post("/similarity", json={"inputs": {"source_sentence": "a", "sentences": ["b", "c", "d", "e"]}}),
          422, "Validation", "inputs has 5 items; this gateway takes at most 4")
+
+
+
+@pytest.mark.parametrize("parameters", [0, "", [], False, 1, "x", [{"truncate": True}]])
+def test_similarity_parameters_are_an_object_or_none_and_no_falsy_value_passes_as_one(parameters):
+    body = {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "model": "emb"}
+    gateway = _gateway()
+    _tei(gateway.post("/similarity", json={**body, "parameters": parameters}), 422, "Validation",
+         "parameters must be an object")
+    for fine in ({}, {"parameters": None}, {"parameters": {}}):
+        assert gateway.post("/similarity", json={**body, **fine}).status_code == 200, fine
 
 
 def test_rerank_texts_must_be_a_list_as_in_tei():
