@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from .arguments import http_url
+from .interrupts import interrupt_on_sigterm
 
 
 def add_parser(commands) -> None:
@@ -30,6 +31,7 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from nexus_sli.exporter.triton.publish import Destination, plan_publish, publish
 
+    interrupt_on_sigterm()  # the lock is deleted as after a Ctrl-C: left, it would refuse every later publish
     destination = Destination.parse(args.to, args.endpoint_url)
     if args.dry_run:
         result = plan_publish(Path(args.repository), destination, prune=args.prune)

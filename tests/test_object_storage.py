@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import shutil
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -236,6 +238,70 @@ def test_a_publish_stopped_while_switching_keeps_one_consistent_set_and_is_finis
     folders = {tuple(key.split("/")[1:3]) for key in _keys(s3, "switching") if key.count("/") >= 3}
     assert folders == {(m, v) for m in STEPS for v in ("3", "4")} | {("embedder", "4"), ("embedder_tokens", "4")}
     assert "deleted (served by no config)" in "\n".join(done.describe())
+
+
+def test_files_beside_the_configs_that_a_stopped_publish_left_old_are_uploaded_by_the_next(s3, exports):
+    destination = _destination(s3, "sides")
+    pub.publish(exports["a"]["repo"], destination)
+
+    def stop_after_the_switch(key: str) -> None:  # the last ensemble's config; the files beside the configs go after
+        if key == "sides/embedder_tokens/config.pbtxt":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pub.publish(exports["b"]["repo"], destination, after_upload=stop_after_the_switch)
+    assert [s.model_version for s in _config(s3, "sides", "embedder").ensemble_scheduling.step] == [2, 2]
+    fresh = (exports["b"]["repo"] / "embedder_encoder" / "validation.json").read_bytes()
+    assert _extras(s3, "sides") != fresh  # the version served is b's, the report beside it a's
+    plan = pub.plan_publish(exports["b"]["repo"], destination)
+    assert plan.groups == [] and "sides/embedder_encoder/validation.json" in [key for _, key, _ in plan.refreshed]
+    assert "  ~ sides/embedder_encoder/validation.json (differs from the store's)" in plan.describe()
+    pub.publish(exports["b"]["repo"], destination)
+    assert _extras(s3, "sides") == fresh
+    assert pub.plan_publish(exports["b"]["repo"], destination).refreshed == []
+
+
+def test_a_check_that_fails_in_one_group_switches_no_group(s3, exports, tiny_tokenizer, tmp_path):
+    from helpers.tiny_models import build_tiny
+
+    repos = {}
+    for label, seed in (("a", 2), ("b", 3)):  # the embedder of each export, and a second model beside it
+        repos[label] = tmp_path / f"two_{label}"
+        shutil.copytree(exports[label]["repo"], repos[label])
+        checkpoint = build_tiny("bert", tmp_path / f"second_{label}", tiny_tokenizer, seed=seed)
+        run_export(ExportOptions(model=str(checkpoint), name="second", out=repos[label]))
+    destination = _destination(s3, "groups")
+    assert [g.version for g in pub.publish(repos["a"], destination).groups] == [1, 1]
+    before = {m: _config(s3, "groups", m) for m in ("embedder", "second")}
+    client = s3.client()
+
+    def tamper(key: str) -> None:  # the second group's graph, replaced between upload and check
+        if key.endswith("second_encoder/2/model.onnx"):
+            client.put_object(Bucket=BUCKET, Key=key, Body=b"not the model")
+
+    with pytest.raises(pub.PublishError, match="nothing was switched, the previous versions still serve"):
+        pub.publish(repos["b"], destination, after_upload=tamper)
+    assert {m: _config(s3, "groups", m) for m in ("embedder", "second")} == before  # the first group too
+
+
+def test_a_publish_stopped_by_sigterm_releases_its_lock(s3, exports):
+    # a CI job's timeout or a deleted Kubernetes Job stops it with SIGTERM, here right after it uploaded a graph
+    code = ("import os, signal, sys\n"
+            "from nexus_sli.cli.main import main\n"
+            "from nexus_sli.exporter.triton import publish\n"
+            "put = publish.Store.put\n"
+            "def put_then_terminated(self, key, *args, **kwargs):\n"
+            "    put(self, key, *args, **kwargs)\n"
+            "    if key.endswith('model.onnx'):\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "publish.Store.put = put_then_terminated\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    result = subprocess.run([sys.executable, "-c", code, "publish", "--repository", str(exports["a"]["repo"]), "--to",
+                             f"s3://{BUCKET}/terminated", "--endpoint-url", s3.endpoint],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 130, result.stderr
+    keys = _keys(s3, "terminated")
+    assert any(key.endswith("model.onnx") for key in keys) and f"terminated/{pub.LOCK}" not in keys
 
 
 def _folder_lines(out: str, before: str, after: str) -> dict[str, str]:

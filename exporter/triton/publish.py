@@ -19,6 +19,7 @@ whole on S3):
    configs one model at a time, so a server starting during a publish may read
    the ensemble before the switch and a step after it, and must find the
    version the ensemble pins either way;
+   (step 1 for every group before step 2 for any, so a failed check switches nothing);
 3. the files beside config.pbtxt (validation data, not read by Triton); those the
    store holds beside a published model's config and the repository does not
    (an older export's) are deleted; with ``prune``, so are the version folders
@@ -168,6 +169,9 @@ class PublishPlan:
     unserved: dict[str, list[int]] = field(default_factory=dict)
     #: keys of files beside a published model's config.pbtxt that the repository lacks: deleted after the switch
     stale: list[str] = field(default_factory=list)
+    #: files beside an unchanged model's config.pbtxt that differ from the store's (an earlier publish stopped
+    #: before it uploaded them, or only they changed): uploaded after the switch
+    refreshed: list[tuple[Path, str, str]] = field(default_factory=list)
     #: whether the publish deletes :attr:`unserved` (``--prune``)
     prune: bool = False
     #: version folders deleted after the switch (``--prune``): none a config serves
@@ -188,6 +192,7 @@ class PublishPlan:
                              + (f" (was {group.previous[model]})" if group.previous.get(model) else ""))
             lines += [f"  ~ {key} (after the switch)" for _, key, _ in group.extras]
         lines += [f"{name}: unchanged (serving version {', '.join(map(str, v))})" for name, v in self.unchanged.items()]
+        lines += [f"  ~ {key} (differs from the store's)" for _, key, _ in self.refreshed]
         lines += [f"  - {key} ({'deleted' if self.published else 'would delete'}: not in the repository)"
                   for key in self.stale]
         for name, versions in sorted(self.unserved.items()):
@@ -427,7 +432,7 @@ def plan_publish(repository: Path, destination: Destination, store: Store | None
     store = store or Store(destination)
     local = read_local(repository)
     remote = read_remote(store, list(local))
-    groups, unchanged = [], {}
+    groups, unchanged, refreshed = [], {}, []
     for names in groups_of(local):
         reasons = {n: _changed(store, local[n], remote[n]) for n in names}
         changed = [f"{n}: {r}" for n, r in reasons.items() if r]
@@ -435,6 +440,9 @@ def plan_publish(repository: Path, destination: Destination, store: Store | None
             changed = ["an earlier publish stopped while switching the configs"]
         if not changed:
             unchanged.update({n: remote[n].served for n in names})
+            refreshed += [(local[n].folder / rel, destination.key(n, rel), sha) for n in names
+                          for rel, sha in local[n].extras.items()
+                          if rel not in remote[n].extras or store.checksum(destination.key(n, rel)) != sha]
             continue
         # one number for the group, above every folder on the store, partial ones included
         version = 1 + max((v for n in names for v in remote[n].versions), default=0)
@@ -464,7 +472,7 @@ def plan_publish(repository: Path, destination: Destination, store: Store | None
     unreferenced = {n: sorted(r.versions - set(r.served)) for n, r in remote.items() if r.versions - set(r.served)}
     stale = [destination.key(n, f) for n in local for f in sorted(remote[n].extras - set(local[n].extras))]
     return PublishPlan(destination, groups, unchanged, unreferenced, local, _unserved(remote, groups, unchanged),
-                       stale, prune)
+                       stale, refreshed, prune)
 
 
 def _unserved(remote: dict[str, RemoteModel], groups: list[PublishGroup],
@@ -530,10 +538,14 @@ def publish(repository: Path, destination: Destination, store: Store | None = No
             "is (one was killed), delete that object and publish again") from None
     try:
         result = plan_publish(repository, destination, store, prune)
+        for group in result.groups:  # every group's folders verified before any config changes
+            _upload(store, group.uploads, after_upload, create=True)
+            log.info("%s: version %d, %d files uploaded and verified", ", ".join(group.models), group.version,
+                     len(group.uploads))
         for group in result.groups:
-            _upload(store, group.uploads, group, after_upload, create=True)
             _switch(store, group, result.local, after_upload)
-            _upload(store, group.extras, group, after_upload)
+        _upload(store, [*(f for group in result.groups for f in group.extras), *result.refreshed], after_upload,
+                switched=True)
         for key in result.stale:
             store.delete(key)
             log.info("deleted %s (not in the repository)", key)
@@ -567,8 +579,9 @@ def _prune(store: Store, unserved: dict[str, list[int]]) -> dict[str, list[int]]
     return dict(unserved)
 
 
-def _upload(store: Store, uploads: list, group: PublishGroup, after_upload: UploadHook | None,
-            create: bool = False) -> None:
+def _upload(store: Store, uploads: list, after_upload: UploadHook | None, create: bool = False,
+            switched: bool = False) -> None:
+    """Upload, then verify each object; ``switched``: the files beside the configs, after every switch."""
     for path, key, sha in uploads:
         store.put(key, path if isinstance(path, bytes) else path.read_bytes(), sha, create=create)
         if after_upload is not None:
@@ -576,10 +589,9 @@ def _upload(store: Store, uploads: list, group: PublishGroup, after_upload: Uplo
     for _, key, sha in uploads:
         stored = store.verify(key)
         if stored != sha:
-            raise PublishError(f"{key} on the store has SHA-256 {stored}, not {sha} as uploaded; nothing was "
-                               "switched, the previous versions still serve")
-    log.info("%s: version %d, %d files uploaded and verified", ", ".join(group.models), group.version,
-             len(uploads))
+            where = ("the new versions serve, and the files beside their configs may be an older export's: publish "
+                     "again" if switched else "nothing was switched, the previous versions still serve")
+            raise PublishError(f"{key} on the store has SHA-256 {stored}, not {sha} as uploaded; {where}")
 
 
 def _switch(store: Store, group: PublishGroup, local: dict[str, LocalModel], after_upload: UploadHook | None) -> None:
