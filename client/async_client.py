@@ -15,8 +15,8 @@ from . import calls, fan_out
 from . import protocol as p
 from .client import client_kwargs, default_url
 from .model_info import ModelInfo
-from .replicas import (REFRESH_S, RETRY_S, Fleet, Resolve, Retries, attempts_for, check_attempts, gave_up,
-                       probe_async, retry_budget, retryable, unresolved)
+from .replicas import (REFRESH_S, RETRY_S, Fleet, Resolve, Retries, attempts_for, check_attempts, check_timeout,
+                       gave_up, probe_async, retry_budget, retryable, unresolved)
 
 
 def _module(protocol: str):
@@ -45,11 +45,16 @@ class AsyncEncoderClient:
                  attempts: int | None = None, timeout_s: float | None = 60.0, retry_s: float = RETRY_S,
                  resolve: Resolve | None = None, refresh_s: float = REFRESH_S):
         self.protocol = protocol
-        self.timeout_s = timeout_s
         self.model = model
         self._types, aio = _module(protocol)
         # the arguments are checked before any connection is made (an asyncio one needs a running loop)
+        self.timeout_s = check_timeout(timeout_s)
         retry_s = retry_budget(retry_s, check_attempts(attempts))
+        try:  # the connections belong to the loop they are made in: gRPC's, made outside, fail every call later
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError("AsyncEncoderClient is made inside the event loop that uses it (in an async function: "
+                               "`async with AsyncEncoderClient(...) as c:`); outside one, use EncoderClient") from None
         options = client_kwargs(self._types, protocol)
         if protocol == "http":
             # aiohttp's total time per request; None is no bound, given explicitly (tritonclient's default is 60 s)

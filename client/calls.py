@@ -265,6 +265,8 @@ def late_rerank(query: str, documents: list[str], info: ModelInfo, top_k: int | 
     """The documents by the late-interaction model's own score (its ``similarity``: MaxSim or MeanMaxSim) of
     the query's vectors (query side) against each document's (document side), best first."""
     similarity, spec = info.similarity, get_task("multi-vector")
+    if not documents:  # nothing to rank: the query is not sent either (as a cross-encoder sends nothing)
+        return Call(spec.name, [], (spec.client_output,), lambda answers: [])
     if similarity not in late_interaction.SIMILARITIES:
         raise WrongTaskError(f"model {info.name!r} names no late-interaction similarity (its similarity "
                              f"parameter is {similarity!r}): it cannot rank by it")

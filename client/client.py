@@ -15,8 +15,8 @@ from nexus_sli.tasks.multi_vector import DOCUMENT
 from . import calls, fan_out
 from . import protocol as p
 from .model_info import ModelInfo
-from .replicas import (REFRESH_S, RETRY_S, Fleet, Resolve, Retries, attempts_for, check_attempts, gave_up, probe,
-                       retry_budget, retryable, unresolved)
+from .replicas import (REFRESH_S, RETRY_S, Fleet, Resolve, Retries, attempts_for, check_attempts, check_timeout,
+                       gave_up, probe, retry_budget, retryable, unresolved)
 
 
 def _module(protocol: str):
@@ -100,7 +100,7 @@ class EncoderClient:
         self._triton = _module(protocol)
         # the arguments are checked before any connection is made (an asyncio one needs a running loop)
         retry_s = retry_budget(retry_s, check_attempts(attempts))
-        self.timeout_s = timeout_s
+        self.timeout_s = check_timeout(timeout_s)
         options = client_kwargs(self._triton, protocol)
         if protocol == "http":
             # a connection for each request of a call in flight (tritonclient's default, one, would send a
@@ -283,7 +283,8 @@ class EncoderClient:
         return self._call(model, lambda info: calls.ner(texts, info))
 
     def answer(self, question: str, context: str, model: str | None = None, top_k: int = 1):
-        """Best answer spans (text, start, end, score) in ``context``."""
+        """Best answer spans (text, start, end, score) in ``context``, at most ``top_k``: the server's
+        post-processing keeps its 20 best (``TOP_ANSWERS``), so a larger ``top_k``, or None, gives at most 20."""
         return self._call(model, lambda info: calls.answer(question, context, info, top_k))
 
     def rerank(self, query: str, documents, model: str | None = None, top_k: int | None = None):

@@ -246,6 +246,15 @@ def check_attempts(attempts: int | None) -> int | None:
     return attempts
 
 
+def check_timeout(timeout_s: float | None) -> float | None:
+    """``timeout_s`` if it is None (no bound) or a number of seconds > 0, else a ValueError: 0 would refuse every
+    connection as too slow, and a negative number fails in tritonclient as a server error would."""
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not timeout_s > 0):
+        raise ValueError(f"timeout_s must be a number of seconds > 0 (or None: no bound), got {timeout_s!r}")
+    return timeout_s
+
+
 def retry_budget(retry_s: float, attempts: int | None) -> float:
     """Seconds a call keeps retrying: ``retry_s`` (>= 0), none when the caller allowed one attempt."""
     if isinstance(retry_s, bool) or not isinstance(retry_s, (int, float)) or retry_s < 0:

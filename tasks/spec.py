@@ -10,6 +10,8 @@ and parses the answer with it.  Adding a task is one module of this package
 
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -131,7 +133,8 @@ class TaskSpec:
 def check_top_k(top_k: Any, every: str) -> None:
     """Refuse a ``top_k`` that is not a positive integer or None (``every`` result, as the message says), as
     ``embed_sparse`` does: a slice by 0 or a negative number would drop results without a word."""
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+    # numbers.Integral: numpy's integers too (a top_k read from an array)
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None ({every}), got {top_k!r}")
 
 

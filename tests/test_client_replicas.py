@@ -128,12 +128,12 @@ def test_a_retired_connection_stays_open_while_another_pass_holds_it():
 
 
 def test_the_async_client_fails_over_past_a_replica_retired_during_its_pass():
-    fleet = _fleet(AsyncEncoderClient, _AsyncPod)
-
     async def call():
+        fleet = _fleet(AsyncEncoderClient, _AsyncPod)  # made in the loop that uses it
         async with fleet["client"] as client:
             vectors = await client.embed("7")
             assert _closed(fleet) == {FIRST: 0, SCALED_AWAY: 1, LAST: 0}
-            return vectors
-    _check(fleet, asyncio.run(call()))
+            return fleet, vectors
+    fleet, vectors = asyncio.run(call())
+    _check(fleet, vectors)
     assert _closed(fleet) == {FIRST: 1, SCALED_AWAY: 1, LAST: 1}

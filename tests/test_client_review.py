@@ -9,6 +9,7 @@ import socket
 import threading
 
 import aiohttp
+import numpy as np
 import pytest
 
 from nexus_sli.client import AsyncEncoderClient, EncoderClient, ServerUnavailableError, WrongTaskError
@@ -93,3 +94,40 @@ def test_a_model_of_another_task_is_the_error_not_an_option_it_would_refuse(task
         client._info["m"] = ModelInfo("m", task, 4, dimensions=3)
         with pytest.raises(WrongTaskError, match=f"serves task '{task}', not"):
             call(client)
+
+
+def test_a_late_interaction_rerank_of_no_documents_sends_nothing():
+    """As a cross-encoder's: the query's vectors are not asked for when there is nothing to rank them against."""
+    from nexus_sli.tasks.model_parameters import SIMILARITY
+
+    with EncoderClient("127.0.0.1:1", model="colbert") as client:
+        client.fleet.clients["127.0.0.1:1"] = _Unused()
+        client._info["colbert"] = ModelInfo("colbert", "multi-vector", 4, params={SIMILARITY.key: "maxsim"})
+        assert client.rerank("a query", []) == []
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "5"])
+def test_a_timeout_that_is_not_a_positive_number_is_refused_when_the_client_is_made(bad):
+    with pytest.raises(ValueError, match="timeout_s must be a number of seconds > 0"):
+        EncoderClient("127.0.0.1:1", timeout_s=bad)
+
+    async def made():
+        AsyncEncoderClient("127.0.0.1:1", timeout_s=bad)
+
+    with pytest.raises(ValueError, match="timeout_s must be a number of seconds > 0"):
+        asyncio.run(made())
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_an_async_client_made_outside_an_event_loop_says_where_to_make_it(protocol):
+    # gRPC's connections, made outside, would fail every call in asyncio.run's loop as a server error
+    with pytest.raises(RuntimeError, match="made inside the event loop that uses it"):
+        AsyncEncoderClient("127.0.0.1:1", protocol=protocol)
+
+
+def test_top_k_may_be_a_numpy_integer():
+    from nexus_sli.tasks.spec import check_top_k
+
+    check_top_k(np.int64(2), "every label")
+    with pytest.raises(ValueError, match="top_k must be a positive integer"):
+        check_top_k(np.int64(0), "every label")
