@@ -559,6 +559,17 @@ _INFERENCE_SERVICE_KEYS = {
 }
 
 
+def test_the_kserve_service_account_lists_the_secret_the_docs_create():
+    account = yaml.safe_load((K8S / "kserve" / "serviceaccount.yaml").read_text())
+    service = yaml.safe_load((K8S / "kserve" / "inferenceservice.yaml").read_text())
+    assert (account["apiVersion"], account["kind"]) == ("v1", "ServiceAccount")
+    kubernetes_validate.validate(account, K8S_VERSION, strict=True)
+    assert account["metadata"]["name"] == service["spec"]["predictor"]["serviceAccountName"]
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    assert [s["name"] for s in account["secrets"]] == ["nexus-sli-object-store"]
+    assert "kubectl create secret generic nexus-sli-object-store" in docs
+
+
 def test_the_kserve_inference_service_field_by_field():
     service = yaml.safe_load((K8S / "kserve" / "inferenceservice.yaml").read_text())
     for path, keys in _INFERENCE_SERVICE_KEYS.items():

@@ -80,6 +80,8 @@ def test_destinations_parse_as_triton_names_them():
     assert pub.Destination.parse("s3://x:1/b/p", "http://x:1/").endpoint_url == "http://x:1"  # the same store twice
     with pytest.raises(pub.PublishError, match="names the store http://x:1 and --endpoint-url http://y:2"):
         pub.Destination.parse("s3://x:1/b/p", "http://y:2")
+    with pytest.raises(pub.PublishError, match="without its port"):  # else "store.example" would be the bucket
+        pub.Destination.parse("s3://https://store.example/bucket/prefix")
     for bad in ("/local/folder", "s3://", "gs://bucket/p"):
         with pytest.raises(pub.PublishError):
             pub.Destination.parse(bad)

@@ -76,11 +76,14 @@ class Destination:
         if not url.startswith("s3://"):
             raise PublishError(f"--to must be an s3:// URL (s3://bucket/prefix), got {url!r}")
         rest = url[len("s3://"):]
-        scheme = "http"
+        scheme, named_scheme = "http", False
         for given in ("https://", "http://"):
             if rest.startswith(given):
-                scheme, rest = given[:-3], rest[len(given):]
+                scheme, rest, named_scheme = given[:-3], rest[len(given):], True
         parts = [p for p in rest.split("/") if p]
+        if named_scheme and not (parts and ":" in parts[0]):  # else the host would be read as the bucket
+            raise PublishError(f"{url!r} names a {scheme} store without its port: Triton's form is "
+                               f"s3://{scheme}://HOST:PORT/bucket/prefix (or give --endpoint-url {scheme}://HOST)")
         if parts and ":" in parts[0]:  # s3://HOST:PORT/bucket/prefix, as Triton names a non-AWS store
             named = f"{scheme}://{parts.pop(0)}"
             if endpoint_url and endpoint_url.rstrip("/") != named:  # which store is meant is not ours to guess
