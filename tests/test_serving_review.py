@@ -55,6 +55,30 @@ def test_a_start_again_that_fails_with_any_error_leaves_the_server_down_with_an_
         kept.stop(grace=0)
 
 
+def test_a_server_the_keeper_started_again_is_not_signalled_when_the_keeper_stops_keeping():
+    """serve arms each server to end with the thread that started it (parent_death): a server started again
+    comes from the keeper's thread, which must outlive it, or it would be stopped before the gateway is."""
+    from nexus_sli.exporter.serving.parent_death import dies_with_parent
+
+    launched = []
+
+    def launch():
+        launched.append(subprocess.Popen(["sleep", "600"], preexec_fn=dies_with_parent()))
+        launched[-1].supervisor = None
+        return launched[-1]
+
+    kept = KeptServer(launch, interval=0.05)
+    try:
+        launched[0].kill()
+        wait_until(lambda: len(launched) == 2 and kept.process is launched[1], "a start again", 10)
+        kept.stop_keeping()
+        time.sleep(0.5)  # ten of the keeper's intervals: its thread, were it to end now, would have
+        assert launched[1].poll() is None, "the server started again was stopped with the keeper's thread"
+    finally:
+        kept.stop(grace=0)
+    assert launched[1].poll() is not None
+
+
 @pytest.fixture
 def launched(monkeypatch):
     """The stand-ins :func:`serve.serve_forever` starts, in order (stopped after the test); serve's SIGTERM

@@ -30,7 +30,7 @@ from nexus_sli.exporter.serving.stub_supervisor import StubSupervisor
 from helpers.waiting import wait_until
 
 MODEL = "encoder"
-INDEX, HEALTH = "/v2/repository/index", "/v2/health/ready"
+INDEX, HEALTH, READY = "/v2/repository/index", "/v2/health/live", "/v2/health/ready"
 UNLOAD, LOAD = f"/v2/repository/models/{MODEL}/unload", f"/v2/repository/models/{MODEL}/load"
 #: seconds between two checks: short, since every test waits for checks
 INTERVAL = 0.02
@@ -99,7 +99,7 @@ class TritonStandIn(http.server.ThreadingHTTPServer):
     def __init__(self):
         super().__init__(("127.0.0.1", 0), Handler)
         self.answers = {INDEX: json.dumps([{"name": MODEL, "version": "1", "state": "READY"}]).encode(),
-                        HEALTH: b"", UNLOAD: b"", LOAD: b""}
+                        HEALTH: b"", READY: b"", UNLOAD: b"", LOAD: b""}
         self.faults: dict[str, list] = {}
         self.requests: list[tuple[float, str]] = []
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
@@ -243,3 +243,33 @@ def test_a_failed_swaps_error_is_the_one_raised_when_the_ready_models_go_unanswe
 def test_the_wait_between_checks_stays_bounded(triton, server, repository):
     supervisor = StubSupervisor(server, repository, triton.url, "secret", interval=0.5)
     assert [supervisor._backoff(failures) for failures in (0, 3, 6, 5000)] == [0.5, 4.0, 30.0, 30.0]
+
+
+def not_ready(handler, body: bytes) -> None:
+    handler.send_response(503)
+    handler.send_header("Content-Length", "0")
+    handler.end_headers()
+
+
+def test_a_reload_that_failed_is_tried_again_though_the_server_is_not_ready(triton, server, repository):
+    """Triton is not ready while a model is unavailable (its failed load): the next reload must not wait for it."""
+    with supervising(server, repository, triton, faults={LOAD: [not_http], READY: [not_ready] * 1000}) as supervisor:
+        restarts = reloaded_or_ended(supervisor)
+    assert restarts[0][1] == MODEL and triton.routes().count(LOAD) >= 2
+
+
+def test_a_check_that_finds_every_worker_ends_the_backoff(triton, server, repository):
+    supervisor = StubSupervisor(server, repository, triton.url, "secret", interval=INTERVAL)
+    assert supervisor._check(failures=5) == 0  # else every later check would come 16 times later
+
+
+def test_a_worker_that_dies_during_a_swap_is_reloaded_after_it(triton, server, repository):
+    supervisor = StubSupervisor(server, repository, triton.url, "secret", interval=INTERVAL)
+    with supervisor.swapping():  # the supervisor checks nothing meanwhile
+        os.kill(workers(server)[0].pid, signal.SIGKILL)
+    assert supervisor._expected == {MODEL: 1}
+    supervisor.start()
+    try:
+        assert reloaded_or_ended(supervisor)[0][1] == MODEL
+    finally:
+        supervisor.stop()

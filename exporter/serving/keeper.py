@@ -82,7 +82,10 @@ class KeptServer:
         while True:
             process = self.process
             why = self._why_restart(process)
-            if why is None:  # stopped
+            if why is None:
+                # stopped: this thread ends once the server has, since a server it started is signalled when it
+                # ends (parent_death), which would be before serve has stopped the gateway and the search
+                process.wait()
                 return
             if not self._may_restart():
                 log.error("tritonserver %s; it was started again %d times in the last %.0f s: leaving it down",

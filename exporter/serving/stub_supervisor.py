@@ -158,11 +158,13 @@ class StubSupervisor(threading.Thread):
         return [entry["name"] for entry in index]
 
     def _serving(self) -> bool:
-        """Ready and not shutting down (Triton closes its endpoints when asked to stop)."""
+        """Live and not shutting down (Triton closes its endpoints when asked to stop).  Not "ready": with a
+        model that failed to load (a reload that failed), Triton is not ready until it loads, which only a reload
+        can do."""
         if self._stopping.is_set() or self.server.poll() is not None:
             return False
         try:
-            with urllib.request.urlopen(self._base + "/v2/health/ready", timeout=2) as response:
+            with urllib.request.urlopen(self._base + "/v2/health/live", timeout=2) as response:
                 return response.status == 200
         except (OSError, http.client.HTTPException):  # refused, dropped, or cut short: a server going away
             return False
@@ -205,7 +207,10 @@ class StubSupervisor(threading.Thread):
                 yield self
             finally:
                 self._wait_old_versions_gone()
-                self._expected = self.stub_counts()
+                # a model's workers as many as before at least: one that died during the swap is still lost
+                counts = self.stub_counts()
+                self._expected = {m: max(counts.get(m, 0), self._expected.get(m, 0))
+                                  for m in {*counts, *self._expected}}
                 try:
                     self._ready = set(self._ready_models())
                 except _UNANSWERED as exc:
@@ -260,7 +265,9 @@ class StubSupervisor(threading.Thread):
         try:
             counts = self.stub_counts()
             lost = [m for m, n in self._expected.items() if counts.get(m, 0) < n]
-            if not lost or not self._serving():
+            if not lost:  # a check that finds every worker: the next comes after the interval again
+                return 0
+            if not self._serving():
                 return failures
             for model in lost:
                 doing = f"reload model {model}"
