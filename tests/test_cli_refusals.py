@@ -4,6 +4,7 @@ work, and an error of the system (a full disk, a path that is a file) is one lin
 from __future__ import annotations
 
 import re
+import shutil
 import socket
 
 import pytest
@@ -119,6 +120,22 @@ def test_a_config_the_schema_does_not_read_is_one_line(tmp_path, capsys, command
     error = _error(capsys)
     assert f"{model / 'config.pbtxt'} is not a model configuration Triton's schema reads" in error
     assert 'has no field named "newer_field"' in error
+
+
+LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 711396\n"
+
+
+@pytest.mark.parametrize("file", ["tokenizer.json", "tokenizer_config.json", "modules.json"])
+def test_a_model_file_that_is_no_json_is_one_line_naming_it(tiny_checkpoint, tmp_path, capsys, file):
+    """A truncated download or a Git LFS pointer in place of the file, as a clone without LFS leaves it."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint("bert"), folder)
+    (folder / file).write_text(LFS_POINTER)
+    out = tmp_path / "repo"
+    assert main(["export", "--model", str(folder), "--out", str(out), "--no-cache"]) == 2
+    error = _error(capsys)
+    assert str(folder / file) in error and "Git LFS pointer" in error
+    assert not out.exists()
 
 
 def test_an_error_of_the_system_is_one_line(tmp_path, capsys):

@@ -77,6 +77,21 @@ def test_allow_degraded_is_recorded(tmp_path, monkeypatch, tiny_checkpoint):
     assert report.validation.passed is False and report.allow_degraded is True and report.validation.failures
 
 
+def test_a_configuration_whose_graphs_cannot_be_made_is_left_out_of_auto(tmp_path, monkeypatch, tiny_checkpoint,
+                                                                          caplog):
+    def broken(self, graph, precision):
+        raise RuntimeError("the quantizer failed on this graph")
+
+    monkeypatch.setattr(type(TARGETS["openvino"]), "candidates", broken)
+    model = str(tiny_checkpoint("bert"))
+    result = run_export(ExportOptions(model=model, out=tmp_path, name="auto", precision="fp32", backend="auto"))
+    assert result.report.validation.backend == "onnxruntime"  # ONNX Runtime fp32 still answers
+    assert "openvino fp32: its graphs could not be made or validated" in caplog.text
+    assert "the quantizer failed on this graph" in caplog.text  # its traceback, logged
+    with pytest.raises(RuntimeError, match="the quantizer failed"):  # asked for alone: its error is the export's
+        run_export(ExportOptions(model=model, out=tmp_path, name="alone", precision="fp32", backend="openvino"))
+
+
 def test_cli_reports_bad_input_clearly(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:  # argparse lists the registered choices
         main(["export", "--precision", "fp8", "--out", str(tmp_path)])

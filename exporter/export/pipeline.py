@@ -167,9 +167,8 @@ def run_export(options: ExportOptions) -> ExportResult:
                  prepared.task.name, ", then ".join(c.describe() for c in configurations))
         # a candidate that misses a bar stops there, unless the closest of failing ones may be kept: that
         # choice reads every text's figures
-        attempts = [try_configuration(configuration, prepared, stop_early=not options.allow_degraded,
-                                      first_only=not options.search)
-                    for configuration in configurations]
+        attempts = _attempts(configurations, prepared, stop_early=not options.allow_degraded,
+                             first_only=not options.search)
         fastest, timing = _time(attempts, prepared.workloads, options.optimize)
         attempt, chosen = _choose(attempts, fastest, options.allow_degraded)
         _log_table(attempts, chosen)
@@ -321,6 +320,25 @@ def _pad_id(config, tokenizer) -> int:
         if tokenizer.token_to_id(token) is not None:
             return tokenizer.token_to_id(token)
     return 0
+
+
+def _attempts(configurations: list[Configuration], prepared: Prepared, stop_early: bool,
+              first_only: bool) -> list[Attempt]:
+    """Each configuration tried in turn.  Where several are (``auto``), one whose graphs cannot be made or run (a
+    quantizer or a runtime that fails on this graph) is logged with its traceback and left out, so that the
+    others, ONNX Runtime fp32 among them, still answer; one asked for alone fails the export with its error."""
+    attempts = []
+    for configuration in configurations:
+        try:
+            attempts.append(try_configuration(configuration, prepared, stop_early, first_only))
+        except Exception:
+            if len(configurations) == 1:
+                raise
+            log.exception("%s: its graphs could not be made or validated; left out, the other configurations "
+                          "go on", configuration.describe())
+    if not attempts:
+        raise ExportError("no configuration's graphs could be made or validated (each one's error is logged above)")
+    return attempts
 
 
 def try_configuration(configuration: Configuration, prepared: Prepared, stop_early: bool = True,

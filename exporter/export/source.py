@@ -142,6 +142,7 @@ def lowercased(file: Path, staging: Path) -> Path:
 def _tokenizer_json(path: Path, staging: Path) -> Path:
     found = path / "tokenizer.json"
     if found.is_file():
+        _check_readable(found)
         return _bert_normalizer_as_configured(found, path, staging)
     if not any(next(path.glob(pattern), None) for pattern in _SLOW_TOKENIZER_FILES):
         # transformers would build a tokenizer of its special tokens alone, which reads every text as [UNK]s:
@@ -160,6 +161,18 @@ def _tokenizer_json(path: Path, staging: Path) -> Path:
         raise ModelSourceError(
             f"{path} has no tokenizer.json and its tokenizer files could not be converted ({exc})"
         ) from exc
+
+
+def _check_readable(file: Path) -> None:
+    """A ModelSourceError naming ``file`` where the tokenizers library cannot read it (a truncated download, a Git
+    LFS pointer in place of the file), not the library's own exception out of the export."""
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(file))
+    except Exception as exc:  # noqa: BLE001 - the library raises plain Exception for a file it cannot read
+        raise ModelSourceError(f"{file} is not a tokenizer the tokenizers library reads ({exc}): a truncated "
+                               "download, or a Git LFS pointer? Fetch the file again") from None
 
 
 #: tokenizer_config.json's keys -> the BertNormalizer settings transformers sets from them

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nexus_sli.exporter.errors import CheckpointError, NexusError
+from nexus_sli.exporter.errors import CheckpointError, ModelSourceError, NexusError
 # the served code's modes: what the export accepts is what the server can do
 from nexus_sli.exporter.triton.python_models.encoding import POOLING_MODES, SPLADE_ACTIVATIONS, SPLADE_STRATEGIES
 
@@ -53,8 +53,14 @@ SPARSE_TRANSFORMERS = ("MLMTransformer", "Transformer")
 
 
 def read_json(file: Path) -> dict:
-    """A JSON file of the folder; empty where it is absent."""
-    return json.loads(file.read_text()) if file.is_file() else {}
+    """A JSON file of the folder; empty where it is absent; a ModelSourceError naming it where it is no JSON."""
+    if not file.is_file():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelSourceError(f"{file} is not valid JSON ({exc}): a truncated download, or a Git LFS pointer? "
+                               "Fetch the file again") from None
 
 
 @dataclass(frozen=True)
