@@ -343,6 +343,8 @@ STEP_CASES = [
       "end_logits": np.zeros((2, 3), np.float32), "offsets": np.zeros((1, 3, 2), np.int64),
       "context_mask": np.ones((1, 3), np.int64), "word_spans": np.zeros((1, 3, 2), np.int64)},
      r"question-answering post-processing failed for this request"),
+    ("embedder_encoder", "negative token id", {**_ids(4), "input_ids": np.array([[2, -1, 3, 0]])},
+     r"input_ids holds a negative token id \(-1\)"),
 ]
 
 

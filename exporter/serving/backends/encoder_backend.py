@@ -89,6 +89,9 @@ class EncoderBackend(ABC):
         rows, length = next(iter(shapes.values()))
         if rows and not length:  # a row runs at least one token (its real length counts from 1)
             raise ValueError(f"inputs must hold at least one token per row; got {shapes}")
+        ids = feeds.get("input_ids")
+        if ids is not None and ids.size and ids.min() < 0:  # a runtime's Gather would read it from the end
+            raise ValueError(f"input_ids holds a negative token id ({int(ids.min())}): ids count from 0")
         return feeds
 
     def _wanted(self, request):
