@@ -126,7 +126,8 @@ class Checkpoint:
         if not allow_pickle:
             raise UnsafeCheckpointError(
                 f"{self.directory} has only pickle weights ({files[0].name}); loading pickle can run "
-                "arbitrary code. Convert it to safetensors, or pass --allow-pickle (make: ALLOW_PICKLE=1) if you trust the source."
+                "arbitrary code. Convert it to safetensors, or pass --allow-pickle (make: ALLOW_PICKLE=1) if you "
+                "trust the source."
             )
         for file in files:
             for key, tensor in read_state_dict(file, allow_pickle).items():

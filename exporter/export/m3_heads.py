@@ -113,8 +113,8 @@ def read_m3_heads(path: Path, hidden_size: int, allow_pickle: bool) -> M3Heads:
     if not allow_pickle:
         raise UnsafeCheckpointError(
             f"{path} keeps BGE-M3's heads as pickles ({SPARSE_HEAD}, {COLBERT_HEAD}); loading pickle can run "
-            "arbitrary code. Pass --allow-pickle (make: ALLOW_PICKLE=1) if you trust the source (they are then read as tensors only), or "
-            "--task embedding to export the dense embeddings alone.")
+            "arbitrary code. Pass --allow-pickle (make: ALLOW_PICKLE=1) if you trust the source (they are then "
+            "read as tensors only), or --task embedding to export the dense embeddings alone.")
     sparse = state_dict(path / SPARSE_HEAD, {"weight": (1, hidden_size), "bias": (1,)}, allow_pickle)
     colbert = state_dict(path / COLBERT_HEAD, {"weight": (None, hidden_size), "bias": (None,)}, allow_pickle)
     dim = colbert["weight"].shape[0]
