@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 
 from nexus_sli.exporter.errors import NexusError
 from nexus_sli.tasks import TaskError
@@ -50,22 +51,37 @@ def _missing(commands, module, extra: str, exc: ImportError) -> None:
     commands.add_parser(name, help=f"(not installed: pip install 'nexus-sli[{extra}]')").set_defaults(run=run)
 
 
-#: How long after Python swallowed an interrupt it is raised again (:func:`_interrupt_again`)
+#: How often the thread that raises a swallowed interrupt again looks whether the main thread has left the hook
 INTERRUPT_AGAIN_S = 0.001
 
 
 def _interrupt_again(unraisable) -> None:
     """Python only prints an exception raised where it cannot propagate (a weakref callback or a ``__del__``, such
     as an import's module-lock callback): a Ctrl-C, or the SIGINT that serve stops its export with, landing there
-    would be lost, and the command would run on to its end.  It is raised again a moment later on the main thread,
-    by then past the code that swallowed it (raised from this hook, it would be swallowed again)."""
+    would be lost, and the command would run on to its end.  It is raised again on the main thread once that has
+    left this hook (raised inside it, it would be swallowed again)."""
     if isinstance(unraisable.exc_value, KeyboardInterrupt):
-        # a signal to the main thread, not a flag: it also ends a wait in progress there (a sleep, a pipe's read)
-        again = threading.Timer(INTERRUPT_AGAIN_S, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
-        again.daemon = True  # a command ending meanwhile does not wait for it
-        again.start()
+        # a thread, not a flag: the signal also ends a wait in progress there (a sleep, a pipe's read)
+        again = threading.Thread(target=_signal_once_out, args=(threading.main_thread().ident,), daemon=True)
+        again.start()  # daemon: a command ending meanwhile does not wait for it
     else:
         sys.__unraisablehook__(unraisable)
+
+
+def _signal_once_out(main: int) -> None:
+    """SIGINT to the thread ``main`` once no frame of :func:`_interrupt_again` is on its stack.  Not after a fixed
+    delay: on a busy machine the main thread may still be in the hook then (starting this thread)."""
+    while _in_hook(sys._current_frames().get(main)):
+        time.sleep(INTERRUPT_AGAIN_S)
+    signal.pthread_kill(main, signal.SIGINT)
+
+
+def _in_hook(frame) -> bool:
+    while frame is not None:
+        if frame.f_code is _interrupt_again.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -331,10 +331,21 @@ sys.exit(cli.main([]))
 """
 
 
-def test_an_interrupt_python_would_swallow_still_stops_the_command():
+#: A busy machine: the main thread comes back late from starting a thread (here, the one that raises the interrupt
+#: again, while the main thread is still in the hook that swallowed it)
+SLOW_THREADS = """
+import threading, time
+start = threading.Thread.start
+threading.Thread.start = lambda self: (start(self), time.sleep(0.05))[0]
+"""
+
+
+@pytest.mark.parametrize("machine", ["idle", "busy"])
+def test_an_interrupt_python_would_swallow_still_stops_the_command(machine):
     """A SIGINT that lands in a weakref callback or a ``__del__`` (an import's module-lock callback, as the export
     serve stopped once met it) is only printed by Python, and the export ran on to write its model: the command
-    line raises it again."""
-    done = subprocess.run([sys.executable, "-c", SWALLOWED], capture_output=True, text=True, timeout=60)
+    line raises it again, once out of the hook (raised in it, Python would swallow it again)."""
+    script = (SLOW_THREADS if machine == "busy" else "") + SWALLOWED
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (130, ""), (done.stdout, done.stderr)
     assert "nexus-sli: interrupted" in done.stderr
