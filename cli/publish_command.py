@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from .arguments import http_url
-from .interrupts import interrupt_on_sigterm
+from .interrupts import sigterm_as_interrupt
 
 
 def add_parser(commands) -> None:
@@ -31,12 +31,12 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from nexus_sli.exporter.triton.publish import Destination, plan_publish, publish
 
-    interrupt_on_sigterm()  # the lock is deleted as after a Ctrl-C: left, it would refuse every later publish
     destination = Destination.parse(args.to, args.endpoint_url)
     if args.dry_run:
         result = plan_publish(Path(args.repository), destination, prune=args.prune)
     else:
-        result = publish(Path(args.repository), destination, prune=args.prune)
+        with sigterm_as_interrupt():  # the lock is deleted as after a Ctrl-C: left, it would refuse every later one
+            result = publish(Path(args.repository), destination, prune=args.prune)
     print(f"{'would publish' if args.dry_run else 'published'} {args.repository} -> {destination}")
     for line in result.describe():
         print(line)

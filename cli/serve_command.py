@@ -61,7 +61,8 @@ def _add_first_export_options(serve: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nexus_sli.exporter.serving.ports import check_free
-    from nexus_sli.exporter.serving.search import FIRST, BackgroundSearch, ModelChoice, export_first, holds_a_model
+    from nexus_sli.exporter.serving.search import (FIRST, BackgroundSearch, ModelChoice, export_first, holds_a_model,
+                                                   remove_abandoned_searches)
     from nexus_sli.exporter.serving.server import is_remote, serve_forever
 
     # Started in the background by a shell without job control (a script's `&`), serve inherits SIGINT ignored,
@@ -75,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     # Path() would fold the '//' of an s3:// URL
     repository = args.model_repository if is_remote(args.model_repository) else Path(args.model_repository)
     search = None
+    if not is_remote(repository):
+        remove_abandoned_searches(repository)
     first_export = not is_remote(repository) and not holds_a_model(repository)
     if not first_export and _first_export_options(args):
         print(f"nexus-sli: {repository} holds a model: served as it is ({', '.join(_first_export_options(args))} "

@@ -88,6 +88,26 @@ def test_serve_refuses_a_port_in_use_before_the_first_export(tmp_path, capsys, t
     assert not any(repository.iterdir())  # nothing exported
 
 
+def test_serve_on_localhost_refuses_a_port_another_server_holds_on_127_0_0_1(tmp_path, capsys, monkeypatch):
+    # localhost names ::1 too, often first (not on every machine: here it does, whatever this one's resolver says)
+    resolve = socket.getaddrinfo
+
+    def ipv6_first(host, port, *args, **kwargs):
+        found = resolve(host, port, *args, **kwargs)
+        ipv6 = (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0))
+        return [ipv6, *found] if host == "localhost" else found
+
+    monkeypatch.setattr(socket, "getaddrinfo", ipv6_first)
+    http, grpc = free_ports(2)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert main(["serve", "--model-repository", str(tmp_path), "--host", "localhost", "--http-port", str(http),
+                     "--grpc-port", str(grpc), "--metrics-port", str(port), "--gateway-port", "0"]) == 2
+    assert f"cannot listen on localhost:{port} for metrics (--metrics-port): the port is in use" in _error(capsys)
+
+
 def test_serve_says_the_searchs_options_go_unused_with_no_search(tmp_path, capsys):
     http, grpc = free_ports(2)
     with socket.socket() as server:  # a port in use stops serve right after the options are read

@@ -86,6 +86,10 @@ def test_a_configuration_whose_graphs_cannot_be_made_is_left_out_of_auto(tmp_pat
     model = str(tiny_checkpoint("bert"))
     result = run_export(ExportOptions(model=model, out=tmp_path, name="auto", precision="fp32", backend="auto"))
     assert result.report.validation.backend == "onnxruntime"  # ONNX Runtime fp32 still answers
+    recorded = {(a.backend, a.passed): a.failures for a in _report(tmp_path, "auto").attempts}
+    assert list(recorded) == [("onnxruntime", True), ("openvino", False)]  # in the order tried
+    assert recorded[("openvino", False)] == ["its graphs could not be made or validated: RuntimeError: the "
+                                             "quantizer failed on this graph"]
     assert "openvino fp32: its graphs could not be made or validated" in caplog.text
     assert "the quantizer failed on this graph" in caplog.text  # its traceback, logged
     with pytest.raises(RuntimeError, match="the quantizer failed"):  # asked for alone: its error is the export's

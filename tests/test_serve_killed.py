@@ -15,12 +15,12 @@ from helpers.waiting import wait_until
 PREFIX = "serve-folder-"
 
 
-def _made_by_another_process(parent: Path) -> tuple[subprocess.Popen, Path]:
+def _made_by_another_process(parent: Path, prefix: str = PREFIX) -> tuple[subprocess.Popen, Path]:
     """A process that makes a folder in ``parent`` and lives on; the folder."""
     process = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\n"
         "from nexus_sli.exporter.serving import temporary_folders\n"
-        f"print(temporary_folders.make({PREFIX!r}, {str(parent)!r}), flush=True)\n"
+        f"print(temporary_folders.make({prefix!r}, {str(parent)!r}), flush=True)\n"
         "time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
     return process, Path(process.stdout.readline().strip())
 
@@ -72,3 +72,19 @@ def test_a_child_armed_to_die_with_its_parent_gets_the_signal_asked_for(tmp_path
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_the_next_serve_removes_a_killed_serves_search_and_its_dead_exports_staging(tmp_path):
+    from nexus_sli.exporter.serving.search import remove_abandoned_searches
+
+    repository = tmp_path / "repo"
+    repository.mkdir()
+    process, search = _made_by_another_process(tmp_path, prefix=".repo-search-")
+    ended = subprocess.Popen([sys.executable, "-c", ""])  # the search's export, gone too
+    ended.wait()
+    staging = tmp_path / f".{search.name}.staging-{ended.pid}-abc"
+    staging.mkdir()
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    remove_abandoned_searches(repository)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]

@@ -263,11 +263,15 @@ def test_a_check_that_finds_every_worker_ends_the_backoff(triton, server, reposi
     assert supervisor._check(failures=5) == 0  # else every later check would come 16 times later
 
 
-def test_a_worker_that_dies_during_a_swap_is_reloaded_after_it(triton, server, repository):
+def test_a_worker_that_dies_during_a_swap_of_other_models_is_reloaded_after_it(triton, server, repository):
     supervisor = StubSupervisor(server, repository, triton.url, "secret", interval=INTERVAL)
-    with supervisor.swapping():  # the supervisor checks nothing meanwhile
+    with supervisor.swapping(["another_model"]):  # the supervisor checks nothing meanwhile
         os.kill(workers(server)[0].pid, signal.SIGKILL)
     assert supervisor._expected == {MODEL: 1}
+    with supervisor.swapping([MODEL]):  # a model swapped in: its workers are the new ones, as many as run now
+        pass
+    assert supervisor._expected == {MODEL: 0}
+    supervisor._expected = {MODEL: 1}
     supervisor.start()
     try:
         assert reloaded_or_ended(supervisor)[0][1] == MODEL

@@ -57,7 +57,7 @@ class _Server:
         self.failing = set(failing)
 
     @contextlib.contextmanager
-    def swapping(self):
+    def swapping(self, names=()):
         yield self
 
     def load(self, name: str) -> None:

@@ -167,12 +167,12 @@ def run_export(options: ExportOptions) -> ExportResult:
                  prepared.task.name, ", then ".join(c.describe() for c in configurations))
         # a candidate that misses a bar stops there, unless the closest of failing ones may be kept: that
         # choice reads every text's figures
-        attempts = _attempts(configurations, prepared, stop_early=not options.allow_degraded,
-                             first_only=not options.search)
+        attempts, tried = _attempts(configurations, prepared, stop_early=not options.allow_degraded,
+                                    first_only=not options.search)
         fastest, timing = _time(attempts, prepared.workloads, options.optimize)
         attempt, chosen = _choose(attempts, fastest, options.allow_degraded)
         _log_table(attempts, chosen)
-        report = _report(options, prepared, attempts, attempt, chosen, timing)
+        report = _report(options, prepared, attempts, attempt, chosen, timing, tried)
         if report.kept_because:
             log.info("kept %s", report.kept_because)
         ensembles = _write(stage.root, name, prepared, attempt, chosen, report, options.max_batch_size)
@@ -323,22 +323,28 @@ def _pad_id(config, tokenizer) -> int:
 
 
 def _attempts(configurations: list[Configuration], prepared: Prepared, stop_early: bool,
-              first_only: bool) -> list[Attempt]:
-    """Each configuration tried in turn.  Where several are (``auto``), one whose graphs cannot be made or run (a
-    quantizer or a runtime that fails on this graph) is logged with its traceback and left out, so that the
-    others, ONNX Runtime fp32 among them, still answer; one asked for alone fails the export with its error."""
-    attempts = []
+              first_only: bool) -> tuple[list[Attempt], list[AttemptRecord]]:
+    """Each configuration tried in turn: the attempts, and every configuration's record in the order tried.  Where
+    several are (``auto``), one whose graphs cannot be made or run (a quantizer or a runtime that fails on this
+    graph) is logged with its traceback and recorded as failed with its error, so that the others, ONNX Runtime
+    fp32 among them, still answer; one asked for alone fails the export with its error."""
+    attempts, tried = [], []
     for configuration in configurations:
         try:
             attempts.append(try_configuration(configuration, prepared, stop_early, first_only))
-        except Exception:
+            tried.append(attempts[-1].record())
+        except Exception as exc:
             if len(configurations) == 1:
                 raise
             log.exception("%s: its graphs could not be made or validated; left out, the other configurations "
                           "go on", configuration.describe())
+            tried.append(AttemptRecord(backend=configuration.target.name, precision=configuration.precision,
+                                       reason=configuration.reason, passed=False,
+                                       failures=[f"its graphs could not be made or validated: "
+                                                 f"{type(exc).__name__}: {exc}"]))
     if not attempts:
         raise ExportError("no configuration's graphs could be made or validated (each one's error is logged above)")
-    return attempts
+    return attempts, tried
 
 
 def try_configuration(configuration: Configuration, prepared: Prepared, stop_early: bool = True,
@@ -484,7 +490,7 @@ def _closeness(report: ValidationReport) -> float:
 
 
 def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt], attempt: Attempt,
-            chosen: Candidate, timing: Timing | None) -> ExportReport:
+            chosen: Candidate, timing: Timing | None, tried: list[AttemptRecord]) -> ExportReport:
     """validation.json: the chosen graph's validation, every configuration tried, and the export's facts
     (:class:`export_report.ExportReport` documents each)."""
     embedder, graph = prepared.embedder, prepared.graph
@@ -492,7 +498,7 @@ def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt],
         validation=chosen.report, model=prepared.source.model_id, model_type=prepared.family.model_type,
         task=prepared.task.name, graph=chosen.graph, requested_backend=options.backend,
         requested_precision=options.precision, device=attempt.configuration.target.device,
-        validated_on=attempt.configuration.target.validated_on, attempts=[a.record() for a in attempts],
+        validated_on=attempt.configuration.target.validated_on, attempts=tried,
         allow_degraded=options.allow_degraded,
         candidates=[CandidateRecord(graph=c.graph, passed=c.report.passed, latency_ms=_rounded(c.latency_ms, 3),
                                     score=_rounded(c.score, 4), max_abs_diff=c.report.max_abs_diff,

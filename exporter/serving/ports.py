@@ -29,20 +29,24 @@ def check_free(host: str, ports: dict[str, int]) -> None:
 
 
 def _cannot_listen(host: str, port: int) -> str | None:
-    """Why a server could not listen on ``host``:``port`` now, or None."""
+    """Why a server could not listen on ``host``:``port`` now, or None.  Every address ``host`` names is tried
+    (``localhost``: ::1 and 127.0.0.1), since which one a server binds is its own choice: one in use is refused,
+    and so is a host none of whose addresses can be bound."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        addresses = {info[:3] + (info[4][:2],) for info in socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)}
     except socket.gaierror as exc:
         return f"{host!r} is not an address of this machine ({exc.strerror})"
-    with socket.socket(family, kind, proto) as probe:
-        # as servers bind: a connection closed a moment ago (TIME_WAIT) does not hold the port
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return ("the port is in use (is a server running there already? `ss -ltnp` names the process); "
-                        "choose another port, or stop it")
-            return exc.strerror or str(exc)
-    return None
+    problems = []
+    for family, kind, proto, address in sorted(addresses, key=str):
+        with socket.socket(family, kind, proto) as probe:
+            # as servers bind: a connection closed a moment ago (TIME_WAIT) does not hold the port
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return ("the port is in use (is a server running there already? `ss -ltnp` names the "
+                            "process); choose another port, or stop it")
+                problems.append(exc.strerror or str(exc))
+    return problems[0] if len(problems) == len(addresses) else None

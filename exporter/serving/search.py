@@ -28,6 +28,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from nexus_sli.exporter.triton.staging import remove_dead_stagings
+
 from . import temporary_folders
 from .binary import ServerError
 from .parent_death import dies_with_parent
@@ -72,6 +74,19 @@ class ModelChoice:
                 *(["--max-batch-size", str(self.max_batch_size)] if self.max_batch_size else []),
                 *[flag for flag, given in (("--allow-pickle", self.allow_pickle), ("--no-truncate", self.no_truncate),
                                            ("--no-cache", self.no_cache), ("--no-search", first)) if given]]
+
+
+def _search_prefix(repository: Path) -> str:
+    """The name of a search's folder beside ``repository``, before its random part."""
+    return f".{repository.name}-search-"
+
+
+def remove_abandoned_searches(repository: Path) -> None:
+    """What the searches of serves killed outright left beside ``repository`` (a whole export, where one was
+    killed between its export and the swap): every serve of a local repository removes it, searching or not."""
+    repository = Path(repository).resolve()
+    for folder in temporary_folders.remove_abandoned(_search_prefix(repository), repository.parent):
+        remove_dead_stagings(folder)  # its export's, where that was killed before it could remove it
 
 
 def holds_a_model(repository: Path) -> bool:
@@ -138,11 +153,8 @@ class BackgroundSearch(threading.Thread):
         super().__init__(name="nexus-sli-search", daemon=True)
         self.threads = threads or {}
         self.choice, self.repository, self.model_name, self.server = choice, Path(repository).resolve(), name, server
-        # where the search exports, beside the repository: Triton never reads it; what the searches of serves
-        # killed outright left there goes first
-        prefix = f".{self.repository.name}-search-"
-        temporary_folders.remove_abandoned(prefix, self.repository.parent)
-        self.out = temporary_folders.make(prefix, self.repository.parent)
+        # where the search exports, beside the repository: Triton never reads it
+        self.out = temporary_folders.make(_search_prefix(self.repository), self.repository.parent)
         self.outcome: str | None = None
         self.served_stamp = stamp(self.repository)
         self._process: subprocess.Popen | None = None

@@ -197,9 +197,9 @@ class StubSupervisor(threading.Thread):
         log.warning("model %s reloaded", model)
 
     @contextmanager
-    def swapping(self):
-        """While models are swapped for new ones (:mod:`swap`): no reload, since the old models' processes
-        go on purpose; then the new processes and ready models are the ones expected.  A server that does not
+    def swapping(self, names=()):
+        """While the models ``names`` are swapped for new ones (:mod:`swap`): no reload, since the old models'
+        processes go on purpose; then the new processes and ready models are the ones expected.  A server that does not
         answer for its ready models then (it stops, or restarts) leaves the names ready before, which a swap
         keeps: the swap's own outcome, or its error, is what the caller gets."""
         with self._checking:
@@ -207,9 +207,10 @@ class StubSupervisor(threading.Thread):
                 yield self
             finally:
                 self._wait_old_versions_gone()
-                # a model's workers as many as before at least: one that died during the swap is still lost
+                # the swapped models' workers as they are now; every other model's as many as before at least,
+                # so one that died during the swap is still lost
                 counts = self.stub_counts()
-                self._expected = {m: max(counts.get(m, 0), self._expected.get(m, 0))
+                self._expected = {m: counts.get(m, 0) if m in names else max(counts.get(m, 0), self._expected.get(m, 0))
                                   for m in {*counts, *self._expected}}
                 try:
                     self._ready = set(self._ready_models())

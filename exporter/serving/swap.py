@@ -98,7 +98,7 @@ def swap_in(found: Path, repository: Path, server) -> list[str]:
             raise RepositoryError(f"cannot swap the new {', '.join(names)} into {repository}: {exc}; the "
                                   "repository is as it was, and the server serves what it served") from exc
         raise
-    with server.supervisor.swapping():
+    with server.supervisor.swapping(names):
         try:
             _load(repository, names, server)
         except BaseException as exc:

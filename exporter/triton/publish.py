@@ -548,7 +548,7 @@ def publish(repository: Path, destination: Destination, store: Store | None = No
         for group in result.groups:
             _switch(store, group, result.local, after_upload)
         _upload(store, [*(f for group in result.groups for f in group.extras), *result.refreshed], after_upload,
-                switched=True)
+                switched=bool(result.groups))
         for key in result.stale:
             store.delete(key)
             log.info("deleted %s (not in the repository)", key)

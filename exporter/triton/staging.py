@@ -26,6 +26,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 from nexus_sli.exporter.errors import RepositoryError
 
@@ -80,6 +81,31 @@ def _claim(folder: Path) -> tuple[bool, int | None]:
     return not _pid_alive(int(pid)), None
 
 
+def _dead_stagings(out: Path) -> Iterator[Path]:
+    """Each staging folder of a dead export into ``out``, its lock held on the dead export's behalf until the next
+    is asked for (one export alone clears it)."""
+    prefix = f".{out.name}{_STAGING}"
+    # escaped: a repository's name may hold glob characters ("repo[1]"); matched whole: another repository's
+    # name may start like this one's (".repo.staging-1" beside "repo")
+    for stale in Path(out).resolve().parent.glob(glob.escape(prefix) + "*"):
+        if not re.fullmatch(re.escape(prefix) + r"\d+-[a-z0-9_]+", stale.name):
+            continue
+        dead, lock = _claim(stale)
+        try:
+            if dead:
+                yield stale
+        finally:
+            if lock is not None:
+                os.close(lock)
+
+
+def remove_dead_stagings(out: Path) -> None:
+    """The staging folders of dead exports into ``out``, removed without finishing a publish: for a repository
+    that goes itself (the search's of a serve killed outright, whose export may have been killed mid-way)."""
+    for stale in _dead_stagings(out):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 class Staging:
     """``with Staging(out) as stage: ...; stage.publish()``"""
 
@@ -113,19 +139,9 @@ class Staging:
     def _remove_stale(self) -> None:
         """Remove the staging folders of dead exports into this repository, first finishing the publish of one
         killed while it moved its models in."""
-        prefix = f".{self.out.name}{_STAGING}"
-        # escaped: a repository's name may hold glob characters ("repo[1]"); matched whole: another repository's
-        # name may start like this one's (".repo.staging-1" beside "repo")
-        for stale in self.out.resolve().parent.glob(glob.escape(prefix) + "*"):
-            if not re.fullmatch(re.escape(prefix) + r"\d+-[a-z0-9_]+", stale.name):
-                continue
-            dead, lock = _claim(stale)
-            try:
-                if dead and self._finish(stale):
-                    shutil.rmtree(stale, ignore_errors=True)
-            finally:
-                if lock is not None:
-                    os.close(lock)
+        for stale in _dead_stagings(self.out):
+            if self._finish(stale):
+                shutil.rmtree(stale, ignore_errors=True)
 
     def _finish(self, stale: Path) -> bool:
         """Move in what a killed export had left to publish; whether ``stale`` may go."""

@@ -84,7 +84,7 @@ def end_now(process) -> None:
 def end_serve(process) -> None:
     """A ``nexus-sli serve`` process a failed test left running, with what it started (Triton, the gateway, a
     background search): Ctrl-C to its process group (started with ``start_new_session``), as a terminal sends
-    it, then SIGKILL to the group.  SIGKILL to serve alone would leave the others running."""
+    it, then SIGKILL to the group: all at once, without the seconds of Triton's own stop on its parent's death."""
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGINT)
         try:
