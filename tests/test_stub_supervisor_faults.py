@@ -277,3 +277,21 @@ def test_a_worker_that_dies_during_a_swap_of_other_models_is_reloaded_after_it(t
         assert reloaded_or_ended(supervisor)[0][1] == MODEL
     finally:
         supervisor.stop()
+
+
+def test_a_reloaded_model_is_expected_to_have_the_workers_its_load_started(triton, server, repository):
+    """The stand-in's load starts no worker, as a re-export with fewer instances starts fewer: once reloaded, the
+    model has what its configuration asks, and reloading it again and again would take it down each time."""
+    supervisor = StubSupervisor(server, repository, triton.url, "secret", interval=INTERVAL)
+    checks, check = [], supervisor._check
+    supervisor._check = lambda failures: checks.append(failures) or check(failures)
+    supervisor.start()
+    try:
+        os.kill(workers(server)[0].pid, signal.SIGKILL)
+        reloaded_or_ended(supervisor)
+        seen = len(checks)
+        wait_until(lambda: len(checks) >= seen + 10, "ten more checks", timeout=5, poll_s=0.01)
+    finally:
+        supervisor.stop()
+    assert [model for _, model in supervisor.restarts] == [MODEL]
+    assert supervisor._expected == {MODEL: 0}

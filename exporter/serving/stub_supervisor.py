@@ -191,8 +191,13 @@ class StubSupervisor(threading.Thread):
         others = self._ready if remote else self._ready - set(self._ready_models())
         for other in sorted(others - {model}, key=lambda m: (m in ensembles, m)):
             self._post(f"/v2/repository/models/{other}/load")
-        if remote:  # the store's versions may differ from the ones loaded at start
-            self._expected = self.stub_counts()
+        # as many workers as the loads started: the store's versions, or a re-export's instance count, may differ
+        # from the ones loaded before (expecting the old count would reload such a model again and again)
+        counts = self.stub_counts()
+        if remote:
+            self._expected = counts
+        else:  # another model that lost a worker meanwhile is still expected to have it
+            self._expected.update({m: counts.get(m, 0) for m in others | {model}})
         self.restarts.append((time.time(), model))
         log.warning("model %s reloaded", model)
 
