@@ -19,7 +19,7 @@ from .admission import AdmissionMiddleware, inference_paths
 from .auth import OPEN_PATHS, ApiKeyMiddleware
 from .backend import Backend
 from .config import GatewayConfig
-from .errors import GatewayError, api_of, from_client, from_http, render
+from .errors import UNFORESEEN, GatewayError, api_of, from_client, from_http, render, status_of, unforeseen
 from .metrics import Metrics, MetricsMiddleware
 
 
@@ -65,14 +65,13 @@ def create_app(config: GatewayConfig, resolve: Resolve | None = None) -> Starlet
         return render(from_http(exc, request), api_of(request.url.path))
 
     async def unexpected(request: Request, exc: Exception) -> Response:
-        # a bug, not a caller's mistake: still the API's shape (Starlette logs the traceback)
-        error = GatewayError("backend", f"the gateway failed on this request: {type(exc).__name__}: {exc}",
-                             code="internal_error")
-        return render(error, api_of(request.url.path))
+        # still the API's shape (Starlette logs the traceback)
+        return render(unforeseen(exc), api_of(request.url.path))
 
     # metrics outermost: a request refused for its API key or for load is counted too; the key is
     # checked before admission, so a caller without one never takes an admitted request's place
-    middleware = [Middleware(MetricsMiddleware, metrics=counters)]
+    middleware = [Middleware(MetricsMiddleware, metrics=counters,
+                             unforeseen_status=lambda path: status_of(UNFORESEEN, api_of(path)))]
     if config.api_key:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key))
     if config.max_concurrent_requests:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
+from starlette.routing import Match
 
 from nexus_sli.client import (
     ClientError,
@@ -76,8 +77,20 @@ class GatewayError(Exception):
         self.allow = allow
 
     def status(self, api: str) -> int:
-        kind = KINDS[self.kind]
-        return kind.tei_status if api == "tei" else kind.openai_status
+        return status_of(self.kind, api)
+
+
+def status_of(kind: str, api: str) -> int:
+    return KINDS[kind].tei_status if api == "tei" else KINDS[kind].openai_status
+
+
+#: how an exception no route foresaw (a bug, not a caller's mistake) is answered
+UNFORESEEN = "backend"
+
+
+def unforeseen(exc: Exception) -> GatewayError:
+    return GatewayError(UNFORESEEN, f"the gateway failed on this request: {type(exc).__name__}: {exc}",
+                        code="internal_error")
 
 
 def from_client(exc: ClientError, retry_after: int) -> GatewayError:
@@ -102,7 +115,7 @@ def from_http(exc: HTTPException, request) -> GatewayError:
     """Starlette's own refusals (404 no such route, 405 wrong method) as gateway errors.
     Only those two reach here: the routes raise :class:`GatewayError` themselves."""
     if exc.status_code == 405:
-        allowed = exc.headers.get("Allow", "") if exc.headers else ""
+        allowed = _allowed_methods(request)
         return GatewayError("method_not_allowed", f"{request.method} {request.url.path} is not served; use "
                             f"{allowed or 'another method'}", code="method_not_allowed",
                             allow=allowed or None)
@@ -111,6 +124,16 @@ def from_http(exc: HTTPException, request) -> GatewayError:
                             "/v1/models, TEI's POST /embed, /rerank, /predict (docs/gateway.md)",
                             code="unknown_url")
     return GatewayError("invalid", str(exc.detail))
+
+
+def _allowed_methods(request) -> str:
+    """Every method some route of the path takes: Starlette's 405 names the first such route's alone (``/`` is
+    TEI's POST and a GET probe)."""
+    methods = set()
+    for route in request.app.routes:
+        if route.matches({**request.scope, "method": ""})[0] != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
 
 
 #: OpenAI's routes outside /v1: TEI's alias of its embeddings route.

@@ -11,7 +11,7 @@ label set.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.responses import Response
@@ -76,15 +76,18 @@ class MetricsMiddleware:
     task and memory streams of its own, which a short query pays for (bench/data/tried.md, "The
     gateway's HTTP stack")."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics):
+    def __init__(self, app: ASGIApp, metrics: Metrics, unforeseen_status: Callable[[str], int] = lambda path: 500):
         self.app, self.metrics = app, metrics
+        #: the status of a path's answer to an exception no handler inside took: the app's handler of every
+        #: other exception answers it outside this middleware (in Starlette's ServerErrorMiddleware)
+        self.unforeseen_status = unforeseen_status
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path, method, start = scope["path"], scope["method"], time.perf_counter()
-        status = 500  # an exception no handler answered: the server error Starlette answers
+        status = None
         counted = path != SCRAPE_PATH and not is_probe(method, path)
 
         async def sending(message: Message) -> None:
@@ -100,6 +103,8 @@ class MetricsMiddleware:
         finally:
             if counted:
                 self.metrics.in_flight.dec()
+            if status is None:  # an exception, answered outside
+                status = self.unforeseen_status(path)
             route, named = self.metrics.route(scope), self.metrics.method(method)
             self.metrics.latency.labels(route, named).observe(time.perf_counter() - start)
             self.metrics.requests.labels(route, named, str(status)).inc()

@@ -203,3 +203,26 @@ def test_serve_starts_no_gateway_without_a_package_the_gateway_imports(monkeypat
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "orjson" else real(name, *a))
     assert gateway_command(args) is None
     assert "missing (orjson;" in capsys.readouterr().err
+
+
+class _Failing(_Backend):
+    async def embed(self, model, texts, prompt_name=None):
+        raise RuntimeError("a bug")
+
+
+def test_an_unforeseen_failure_is_counted_with_the_status_it_is_answered_with():
+    """Starlette answers an exception no route foresaw outside the metrics' middleware: TEI's 424, OpenAI's 500."""
+    gateway = _gateway(backend=_Failing())
+    assert gateway.post("/embed", json={"inputs": "x", "model": "emb"}).status_code == 424
+    assert gateway.post("/v1/embeddings", json={"input": "x", "model": "emb"}).status_code == 500
+    counted = [line for line in gateway.get("/metrics").text.splitlines()
+               if line.startswith("nexus_sli_gateway_requests_total{")]
+    assert 'nexus_sli_gateway_requests_total{method="POST",route="/embed",status="424"} 1.0' in counted
+    assert 'nexus_sli_gateway_requests_total{method="POST",route="/v1/embeddings",status="500"} 1.0' in counted
+
+
+def test_a_405_names_every_method_the_path_takes():
+    """``/`` is TEI's POST and a GET probe: a PUT must learn both."""
+    response = _gateway().put("/")
+    assert response.status_code == 405 and response.headers["Allow"] == "GET, HEAD, POST"
+    assert "GET, HEAD, POST" in response.json()["error"]
