@@ -76,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
     from nexus_sli.exporter.export.pipeline import ExportOptions, run_export
 
     backend = accelerated_backend(args.backend, args.accelerator, args.target)
+    if args.no_cache and args.cache_dir:
+        from nexus_sli.exporter.errors import NexusError
+
+        raise NexusError(f"--no-cache reads and writes no cache, so --cache-dir {args.cache_dir} would go unused: "
+                         "drop one of them")
     result = run_export(ExportOptions(
         model=args.model or None, task=args.task, precision=args.precision, backend=backend, device=args.target,
         name=args.name or None, out=Path(args.out), allow_pickle=args.allow_pickle,

@@ -37,8 +37,9 @@ def test_a_backend_of_another_device_than_the_target_is_refused(backend, device)
      "--accelerator cuda names the backend onnxruntime-cuda, not openvino"),
     (["--target", "gpu", "--backend", "onnxruntime", "--precision", "fp32"],
      "backend 'onnxruntime' runs on cpu, not on the gpu this export is for"),
+    (["--no-cache", "--cache-dir", "/tmp/layers"], "--cache-dir /tmp/layers would go unused: drop one of them"),
 ])
-def test_export_refuses_contradicting_device_options_before_any_work(tmp_path, capsys, args, message):
+def test_export_refuses_contradicting_options_before_any_work(tmp_path, capsys, args, message):
     out = tmp_path / "repo"
     assert main(["export", *args, "--out", str(out)]) == 2
     assert message in _error(capsys)
