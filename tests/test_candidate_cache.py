@@ -120,16 +120,27 @@ def test_a_damaged_entry_is_a_miss_made_again(tiny_checkpoint, tmp_path, quantiz
     assert not list((tmp_path / "warm").rglob(".*.restoring"))
 
 
-def test_no_cache_neither_reads_nor_fills_it(tiny_checkpoint, tmp_path, quantized):
+def test_no_cache_neither_reads_nor_fills_it(tiny_checkpoint, tmp_path, quantized, monkeypatch):
     directory, cache = tiny_checkpoint("bert"), tmp_path / "cache"
     _export(directory, tmp_path / "cold", cache, backend="onnxruntime")
     before = {entry: entry.stat().st_mtime_ns for entry in (cache / FOLDER).iterdir()}  # a hit touches its entry
     quantized.clear()
+    monkeypatch.setenv("NEXUS_SLI_CACHE_DIR", str(cache))  # the default cache (--cache-dir beside --no-cache: refused)
     assert main(["export", "--model", str(directory), "--task", "embedding", "--name", "q", "--backend", "onnxruntime",
-                 "--precision", "int8", "--no-cache", "--cache-dir", str(cache), "--out", str(tmp_path / "repo")]) == 0
+                 "--precision", "int8", "--no-cache", "--out", str(tmp_path / "repo")]) == 0
     assert len(quantized) == 4  # every graph made, though the cache holds each
     assert {entry: entry.stat().st_mtime_ns for entry in (cache / FOLDER).iterdir()} == before
     assert export_report.read(tmp_path / "repo" / "q_encoder").validation.passed
+
+
+@pytest.mark.parametrize("backend, made", [("openvino", ["plain.ov-int8-sq-attn-out-fp32.xml"]),
+                                           ("onnxruntime", ["plain.int8.onnx"])])
+def test_an_export_without_a_search_quantizes_only_the_graph_it_keeps(tiny_checkpoint, tmp_path, quantized,
+                                                                      backend, made):
+    report = run_export(ExportOptions(model=str(tiny_checkpoint("bert")), task="embedding", name="q",
+                                      out=tmp_path / "repo", cache=False, backend=backend, precision="int8",
+                                      search=False)).report
+    assert quantized == made and len(report.candidates) == 1
 
 
 # ----------------------------------------------------------------------------- the cache alone, no export

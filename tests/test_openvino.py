@@ -121,11 +121,14 @@ def test_openvino_int8_is_an_nncf_ir_held_to_the_static_thresholds(tiny_checkpoi
                                                            "plain+sq0.75+attn-ffn-out-fp32"]
 
 
-@pytest.mark.parametrize("task, made", [
-    ("embedding", ["-sq-attn-out-fp32", "-sq-attn-ffn-out-fp32"]),
+@pytest.mark.parametrize("task, first_only, made", [
+    ("embedding", False, ["-sq-attn-out-fp32", "-sq-attn-ffn-out-fp32"]),
     # no kept run measured a classifier (held to its own int8 bar): every variant
-    ("classification", ["", "-ffn-fp32", "-sq-attn-out-fp32", "-sq-attn-ffn-out-fp32"])])
-def test_openvino_int8_variants_made_by_task(task, made, tiny_checkpoint, tmp_path, monkeypatch):
+    ("classification", False, ["", "-ffn-fp32", "-sq-attn-out-fp32", "-sq-attn-ffn-out-fp32"]),
+    # --no-search keeps the first: each other would be an NNCF run for nothing
+    ("embedding", True, ["-sq-attn-out-fp32"]),
+    ("classification", True, [""])])
+def test_openvino_int8_variants_made_by_task(task, first_only, made, tiny_checkpoint, tmp_path, monkeypatch):
     from dataclasses import replace
 
     from nexus_sli.exporter.export.pipeline import prepare
@@ -137,7 +140,7 @@ def test_openvino_int8_variants_made_by_task(task, made, tiny_checkpoint, tmp_pa
     graph = prepare(options, resolve_model(options.model), tmp_path).graph
     quantized = []
     monkeypatch.setattr(openvino_cpu, "quantize_ir", lambda source, target, *args: quantized.append(target.name))
-    openvino_cpu.OpenVINOCPU().candidates(replace(graph, task=get_task(task)), "int8")
+    openvino_cpu.OpenVINOCPU().candidates(replace(graph, task=get_task(task), first_only=first_only), "int8")
     assert quantized == [f"plain.ov-int8{suffix}.xml" for suffix in made]
 
 

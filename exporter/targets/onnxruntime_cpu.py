@@ -40,8 +40,10 @@ class OnnxRuntimeCPU(Target):
     precisions = ("fp32", "int8")
 
     def candidates(self, graph: ExportedGraph, precision: str) -> list[Candidate]:
-        static = self._static_int8(graph) if precision == "int8" else []
-        if static and graph.task.name == MEASURED_TASK:  # the dynamic variants never kept the auto bar there
+        measured = graph.task.name == MEASURED_TASK
+        # the static graph comes first where it is made for the measured task, last (unwanted alone) elsewhere
+        static = self._static_int8(graph) if precision == "int8" and (measured or not graph.first_only) else []
+        if static and measured:  # the dynamic variants never kept the auto bar there
             return [Candidate(c.graph, graph.trimmed(c.path)) for c in static]
         graphs = [Candidate("plain", graph.plain), *([] if graph.first_only else self._fused(graph))]
         if precision == "int8":
@@ -62,7 +64,7 @@ class OnnxRuntimeCPU(Target):
     def _int8_variants(graph: ExportedGraph, source: Candidate) -> list[Candidate]:
         log.info("int8 of the %s graph (ONNX Runtime, dynamic; made, or restored from the cache)", source.graph)
         variants = [(source.graph, ".int8.onnx", [])]
-        ffn = graph.ffn_outputs(source.path)
+        ffn = [] if graph.first_only else graph.ffn_outputs(source.path)
         if ffn:
             variants.append((f"{source.graph}+ffn-out-fp32", ".int8-ffn-fp32.onnx", ffn))
         made = []

@@ -124,6 +124,8 @@ class OpenVINOCPU(Target):
             variants = [v for v in variants if v[0] == LARGE_MODEL_VARIANT] or variants[:1]
         elif graph.task.name == MEASURED_TASK:  # held to the auto bar, named or not (STATIC_INT8_THRESHOLDS)
             variants = [v for v in variants if v[0] not in NEVER_KEPT_THE_AUTO_BAR] or variants
+        if graph.first_only:  # each variant is an NNCF run: only the one kept is made
+            variants = variants[:1]
         # NNCF calibrates the trimmed graph, which reads the inputs its pooling adds too
         calibration = [graph.complete(feeds) for feeds in calibration_feeds(
             graph.tokenizer, graph.input_names, graph.pad_id, graph.max_length, graph.task.pair,
