@@ -38,7 +38,7 @@ class _Sleeper(subprocess.Popen):
         super().__init__(["sleep", "600"])
 
 
-def test_a_start_again_that_fails_with_any_error_leaves_the_server_down_with_an_exit_code():
+def test_starts_again_that_fail_with_any_error_are_tried_within_the_limit_then_leave_the_server_down():
     launched = []
 
     def launch():
@@ -47,10 +47,30 @@ def test_a_start_again_that_fails_with_any_error_leaves_the_server_down_with_an_
         launched.append(_Sleeper())
         return launched[-1]
 
-    kept = KeptServer(launch, interval=0.05)
+    kept = KeptServer(launch, max_restarts=3, interval=0.05, retry_pause_s=0.05)
     try:
         launched[0].kill()  # dies by itself; starting it again fails
         assert kept.wait(10) == -signal.SIGKILL  # down for good, said: serve exits instead of waiting on it
+        assert len(kept.failed_starts) == 3 and kept.restarts == []
+    finally:
+        kept.stop(grace=0)
+
+
+def test_a_start_again_that_failed_once_is_tried_again_and_serves():
+    launched, failures = [], [FileNotFoundError("tiny_encoder/config.pbtxt")]
+
+    def launch():
+        if launched and failures:
+            raise failures.pop()
+        launched.append(_Sleeper())
+        return launched[-1]
+
+    kept = KeptServer(launch, interval=0.05, retry_pause_s=0.05)
+    try:
+        launched[0].kill()
+        wait_until(lambda: kept.restarts, "the second start again", 10)
+        assert kept.process is launched[1] and kept.poll() is None and len(kept.failed_starts) == 1
+        assert kept.restarts[0][1] == "exited by itself (signal 9)"
     finally:
         kept.stop(grace=0)
 

@@ -28,6 +28,9 @@ MAX_DEAD_WORKERS = 16
 #: A server that had to be started again this many times within :data:`RESTART_WINDOW_S` is left down (a
 #: repository that crashes it at once would otherwise be started forever).
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 600.0
+#: Seconds before a start that failed is tried again (it counts as one of :data:`MAX_RESTARTS`): what fails it
+#: may pass (a repository read in the middle of an export, the port not yet released).
+RETRY_PAUSE_S = 2.0
 #: What a server stopped for its dead workers gives its requests in flight before it is killed: the rest of
 #: Triton's own exit timeout would go on waiting for the dead workers' models, which never unload, while
 #: every client waits for the server to be back (bench/data/tried.md, "A killed joined worker under load").
@@ -38,16 +41,20 @@ class KeptServer:
     """The server ``launch()`` returns, started again by ``launch()`` whenever it ends without :meth:`stop`.
 
     ``process``: the :class:`TritonServer` running now; ``restarts``: ``(time.time(), why)`` for each start
-    after the first; ``returncode``: None while it is kept, else the exit code of the server it gave up on
-    (after ``max_restarts`` starts within ``window_s`` seconds), or of the one :meth:`stop` stopped.
+    after the first; ``failed_starts``: ``time.time()`` of each start again that failed (tried again after
+    ``retry_pause_s``); ``returncode``: None while it is kept, else the exit code of the server it gave up on
+    (after ``max_restarts`` starts, failed ones included, within ``window_s`` seconds), or of the one
+    :meth:`stop` stopped.
     """
 
     def __init__(self, launch: Callable[[], TritonServer], max_dead_workers: int = MAX_DEAD_WORKERS,
-                 max_restarts: int = MAX_RESTARTS, window_s: float = RESTART_WINDOW_S, interval: float = 0.5):
+                 max_restarts: int = MAX_RESTARTS, window_s: float = RESTART_WINDOW_S, interval: float = 0.5,
+                 retry_pause_s: float = RETRY_PAUSE_S):
         self._launch, self.max_dead_workers, self._interval = launch, max_dead_workers, interval
-        self._max_restarts, self._window_s = max_restarts, window_s
+        self._max_restarts, self._window_s, self._retry_pause_s = max_restarts, window_s, retry_pause_s
         self.process = launch()
         self.restarts: list[tuple[float, str]] = []
+        self.failed_starts: list[float] = []
         self.returncode: int | None = None
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -79,18 +86,19 @@ class KeptServer:
             self.returncode = process.returncode
 
     def _watch(self) -> None:
+        why = None  # kept while a start that failed is tried again
         while True:
             process = self.process
-            why = self._why_restart(process)
+            why = why or self._why_restart(process)
             if why is None:
                 # stopped: this thread ends once the server has, since a server it started is signalled when it
                 # ends (parent_death), which would be before serve has stopped the gateway and the search
                 process.wait()
                 return
             if not self._may_restart():
-                log.error("tritonserver %s; it was started again %d times in the last %.0f s: leaving it down",
-                          why, self._max_restarts, self._window_s)
-                self.returncode = process.returncode
+                log.error("tritonserver %s; it was started again, or tried, %d times in the last %.0f s: leaving "
+                          "it down", why, self._max_restarts, self._window_s)
+                self.returncode = process.returncode or 1
                 return
             log.error("tritonserver %s; starting it again on the same ports", why)
             # the supervisor, the server, what is left of it: its workers and their shared memory
@@ -102,15 +110,19 @@ class KeptServer:
             # Any failure, not only a ServerError (a repository read in the middle of an export, a GPU export put
             # there meanwhile): a watcher ended by an exception would leave serve waiting on a server that is gone.
             except Exception as exc:  # noqa: BLE001
-                log.error("tritonserver could not be started again: %s", exc)
-                self.returncode = process.returncode or 1
-                return
+                self.failed_starts.append(time.time())
+                log.error("tritonserver could not be started again: %s; trying again in %.0f s", exc,
+                          self._retry_pause_s)
+                if self._stopping.wait(self._retry_pause_s):
+                    return
+                continue
             with self._lock:
                 if self._stopping.is_set():
                     stop(started)
                     return
                 self.process = started
             self.restarts.append((time.time(), why))
+            why = None
             log.warning("tritonserver is ready again (start %d)", len(self.restarts) + 1)
 
     def _why_restart(self, process: TritonServer) -> str | None:
@@ -130,5 +142,5 @@ class KeptServer:
         return None
 
     def _may_restart(self) -> bool:
-        recent = [t for t, _ in self.restarts if time.time() - t < self._window_s]
-        return len(recent) < self._max_restarts
+        starts = [t for t, _ in self.restarts] + self.failed_starts
+        return sum(time.time() - t < self._window_s for t in starts) < self._max_restarts
