@@ -2,18 +2,19 @@
 repository), marked as this process's while it lives, so that a later serve removes those of one killed outright.
 
 A serve killed by SIGKILL removes nothing: :mod:`parent_death` stops what it started, but its folders stay.  The
-mark is a lock (``flock``) on a file in the folder, which the kernel frees when the process dies: a live serve's
-folder is told from a dead one's even where process ids mean nothing (another container's namespace, a reused id).
+mark is a lock on a file in the folder (:mod:`nexus_sli.exporter.triton.owner_lock`), which the kernel frees when
+the process dies.
 """
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from nexus_sli.exporter.triton import owner_lock
 
 #: the names in the temporary folder of those :func:`server.start` makes (its backend folder; the shadows of the
 #: repository: GPU models moved to the CPU, each batched ensemble's steps joined)
@@ -30,11 +31,8 @@ def make(prefix: str, parent: Path | None = None) -> Path:
     """A new folder (``tempfile.mkdtemp``'s), this process's until :func:`remove`."""
     folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     pending = folder / f"{MARK}.new"
-    fd = os.open(pending, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # a file system without locks: left unmarked, so no other serve ever removes it
-        os.close(fd)
+    fd = owner_lock.hold(pending)
+    if fd is None:  # a file system without locks: left unmarked, so no other serve ever removes it
         return folder
     os.rename(pending, folder / MARK)  # only a mark already locked is ever seen under its name
     _held[folder] = fd
@@ -54,17 +52,9 @@ def remove_abandoned(prefix: str, parent: Path | None = None) -> list[Path]:
     folders removed.  A folder without a mark is left: one being made, or not made by :func:`make`."""
     removed = []
     for folder in Path(parent or tempfile.gettempdir()).glob(glob.escape(prefix) + "*"):
-        try:
-            fd = os.open(folder / MARK, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken: its owner is gone (held: it lives, this one too)
-        except OSError:
-            continue
-        else:
+        state, fd = owner_lock.owner(folder / MARK)
+        if state == owner_lock.DEAD:
             shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-        finally:
             os.close(fd)
+            removed.append(folder)
     return removed

@@ -17,7 +17,6 @@ is then empty).
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import json
 import logging
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 from nexus_sli.exporter.errors import RepositoryError
+from nexus_sli.exporter.triton import owner_lock
 
 _STAGING = ".staging-"
 #: the file in a staging folder its export holds a lock on while it runs
@@ -49,34 +49,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _hold(path: Path) -> int | None:
-    """A lock on ``path`` (created), held until the returned descriptor is closed or the process dies; None on a
-    file system without locks (the process id in the folder's name then tells whether its export lives)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def _claim(folder: Path) -> tuple[bool, int | None]:
     """(dead, lock): whether the export of the staging ``folder`` has died, by its lock, else by the process id
     in its name (a folder made just before its lock, by an older export, or on a file system without locks);
     where dead, the lock now held on its behalf (None where it has none), so that one export alone clears it."""
-    try:
-        fd = os.open(folder / _LOCK, os.O_RDONLY)
-    except OSError:
-        fd = None
-    if fd is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True, fd
-        except OSError as exc:
-            os.close(fd)
-            if isinstance(exc, BlockingIOError):
-                return False, None
+    state, fd = owner_lock.owner(folder / _LOCK)
+    if state != owner_lock.UNMARKED:
+        return state == owner_lock.DEAD, fd
     pid = folder.name.rsplit(_STAGING, 1)[1].split("-")[0]
     return not _pid_alive(int(pid)), None
 
@@ -128,7 +107,7 @@ class Staging:
         prefix = f".{self.out.name}{_STAGING}{os.getpid()}-"
         try:
             self.root = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-            self._lock = _hold(self.root / _LOCK)
+            self._lock = owner_lock.hold(self.root / _LOCK)
         except OSError as exc:
             raise RepositoryError(f"cannot stage the export beside {self.out} ({exc}): an export builds each model "
                                   f"in {parent} and renames it in; make {parent} writable, or export into a "
