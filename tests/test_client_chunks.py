@@ -111,13 +111,10 @@ def test_a_calls_requests_go_at_once_and_answer_in_order(protocol):
 
     server = _Server(protocol, wait_s)
     with _client(protocol, server) as client:
-        started = time.monotonic()
         vectors = client.embed(_texts(requests))
-        took = time.monotonic() - started
     assert vectors[:, 0].tolist() == list(range(CHUNK * requests))
     assert server.sent == Counter(range(requests))  # each request once
     assert server.most == fan_out.IN_FLIGHT  # at once, up to the bound
-    assert took < sum(map(wait_s, range(requests))) / 2  # one after another: the sum of the waits (2.3 s)
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

@@ -42,18 +42,25 @@ def test_peak_and_fraction():
     assert peak_flops({"avx2"}, "AuthenticAMD", "bf16", cores=2, ghz=2.0) is None
 
 
-def test_the_summary_reads_the_packaged_model_and_rates_each_throughput_row():
+@pytest.mark.parametrize("clock", [{"cpu MHz": "2000.000"}, {}], ids=["clock", "no clock"])
+def test_the_summary_reads_the_packaged_model_and_rates_each_throughput_row(monkeypatch, clock):
     from nexus_sli.bench.compute_limit import encoder_shape, summary
     from nexus_sli.exporter.export.source import resolve_model
+    from nexus_sli.exporter.targets import cpu
 
+    # an AVX2 machine's /proc/cpuinfo, with and without the clock (many virtual machines report none)
+    monkeypatch.setattr(cpu, "cpuinfo", lambda: {"vendor_id": "AuthenticAMD", "cpu family": "23", **clock})
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2", "fma"})
     path = resolve_model(None).path
     assert encoder_shape(path) == MINILM  # all-MiniLM-L6-v2, read through its family handler
     rows = [{"path": "triton", "precision": "fp32", "protocol": "grpc", "mode": "batch32", "texts_per_s": 37.0},
             {"path": "triton", "precision": "fp32", "protocol": "grpc", "mode": "latency1", "texts_per_s": 50.0}]
     limit = summary(path, [20, 40], rows, ("batch32",))
     assert limit["flops_per_text"] == round(mean_flops(MINILM, [20, 40]))
-    if limit["clock_ghz"] is None:
-        pytest.skip("this machine's /proc/cpuinfo reports no clock: no peak to compare with")
+    if not clock:  # no peak to compare with: no share is made up
+        assert (limit["clock_ghz"], limit["peaks"], limit["rows"]) == (None, {}, [])
+        return
+    assert limit["clock_ghz"] == 2.0 and list(limit["peaks"]) == ["fp32"]
     assert [r["mode"] for r in limit["rows"]] == ["batch32"]
     row = limit["rows"][0]
     # a fraction kept to 4 decimals: exact to half its last digit, however small it is on a machine of many cores

@@ -159,8 +159,8 @@ def test_64_grpc_clients_for_60_seconds(server, expected, tmp_path):
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nload report ({path}):\n{json.dumps(report, indent=2)}")
 
-    assert elapsed >= DURATION_S
+    assert not [c for c in clients if c.is_alive()], "a client still waits on its request 120 s after the stop"
     assert not failures, f"{len(failures)} failed requests, e.g. {failures[:3]}"
     assert not mismatches, f"{len(mismatches)} answers are not their own text's embedding, e.g. {mismatches[:3]}"
-    assert latencies.size >= CLIENTS, "every client got answers"
+    assert all(c.latencies for c in clients), "every client got answers"
     assert last < first * 1.10, f"server RSS grew {last / first - 1:.1%} from the first to the last {WINDOW_S:.0f} s"

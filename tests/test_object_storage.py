@@ -351,11 +351,14 @@ def test_files_an_older_export_left_beside_a_config_are_deleted_after_the_switch
     assert f"  - {stale} (would delete: not in the repository)" in capsys.readouterr().out
     assert stale in _keys(s3, "extras")
 
+    at_switch = []
+
     def at_the_switch(key: str) -> None:  # the live export's files stay until the ensemble has switched
         if key == "extras/embedder/config.pbtxt":
-            assert stale in _keys(s3, "extras")
+            at_switch.append(stale in _keys(s3, "extras"))
 
     pub.publish(exports["b"]["repo"], destination, after_upload=at_the_switch)
+    assert at_switch == [True]  # the switch happened, and the stale file was still there
     keys = _keys(s3, "extras")
     assert stale not in keys and elsewhere in keys
     assert {"extras/embedder_encoder/validation.json", "extras/embedder_encoder/reference.npz"} <= keys

@@ -255,6 +255,8 @@ CASES = [
     ("reader", "NUL bytes", _qa("wh\x00at?", "they\x00 found water"), _ok_answers),
     ("reader", "invalid UTF-8", {"QUESTION": _bytes(["q"]), "CONTEXT": _bytes([b"\xffwater"])},
      r"CONTEXT item 0 is not valid UTF-8"),
+    ("reader", "invalid UTF-8 question", {"QUESTION": _bytes([b"\xc3\x28?"]), "CONTEXT": _bytes(["water"])},
+     r"QUESTION item 0 is not valid UTF-8"),
     ("reader", "wrong datatype", {"QUESTION": np.array([1.0], dtype=np.float32), "CONTEXT": _bytes(["c"])},
      r"data-type is 'FP32'"),
     ("reader", "wrong shape", {"QUESTION": _bytes(["a", "b"]), "CONTEXT": _bytes(["c"])}, r"unexpected shape"),
@@ -264,6 +266,7 @@ CASES = [
     ("reranker", "1 MB document", _rerank("q", [MB, "short"]), _ok_ranking(2)),
     ("reranker", "1 MB query", _rerank(MB, ["doc"]), _ok_ranking(1)),
     ("reranker", "NUL bytes", _rerank("\x00", ["a\x00", "\x00\x00"]), _ok_ranking(2)),
+    ("reranker", "invalid UTF-8 query", _rerank(b"\xff q", ["a"]), r"QUERY item 0 is not valid UTF-8"),
     ("reranker", "one bad document", _rerank("q", ["a", "b", b"\xe2\x82"]), r"DOCUMENTS item 2 is not valid UTF-8"),
     ("reranker", "more documents than max_batch_size", _rerank("q", ["d"] * (MAX_BATCH_SIZE + 1)),
      rf"DOCUMENTS has {MAX_BATCH_SIZE + 1} items and one request takes at most {MAX_BATCH_SIZE}"),
@@ -430,15 +433,17 @@ def _first_invalid(items):
 
 
 def _expect_clear(raw, model, inputs, invalid: tuple[str, int] | None):
-    """A success, or one of the tokenizer's clear errors; invalid UTF-8 must be named."""
+    """A success, or one of the tokenizer's clear errors; invalid UTF-8 must be refused, and named."""
     try:
-        return _infer(raw, "http", model, inputs)
+        out = _infer(raw, "http", model, inputs)
     except Exception as exc:  # noqa: BLE001 - what it says is what is checked
         message = str(exc)
         assert _CLEAR_ERRORS.search(message), message
         if invalid is not None:
             assert f"{invalid[0]} item {invalid[1]} is not valid UTF-8" in message, message
         return None
+    assert invalid is None, f"{invalid[0]} item {invalid[1]}, not valid UTF-8, was accepted"
+    return out
 
 
 @pytest.mark.parametrize("served", [SEPARATE], indirect=True)  # the tokenizer models, served alike on both paths
