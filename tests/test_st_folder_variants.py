@@ -286,23 +286,32 @@ def test_do_lower_case_is_served_as_sentence_transformers_tokenizes(tmp_path, pl
     assert (before != got) == cased  # a cased tokenizer reads other tokens unless the texts are lowercased
 
 
-@pytest.mark.parametrize("cased_file", ["tokenizer.json", "tokenizer_config.json"])
+@pytest.mark.parametrize("cased_file", ["tokenizer.json", "tokenizer.json, the config silent",
+                                       "tokenizer.json, accents kept", "tokenizer_config.json"])
 def test_a_bert_normalizer_is_served_as_tokenizer_config_states_it(tmp_path, plain, cased_file):
     """transformers sets a BERT tokenizer's normalizer from tokenizer_config.json, whatever tokenizer.json says:
-    where the two disagree on lowercasing, the served tokens are transformers' (and sentence-transformers')."""
+    where the two disagree on lowercasing or accents, the served tokens are transformers' (and
+    sentence-transformers'); a key the config leaves out is the tokenizer class's default."""
     from tokenizers import Tokenizer, normalizers
     from transformers import AutoTokenizer
 
     folder = tmp_path / "model"
     shutil.copytree(plain, folder)
-    if cased_file == "tokenizer.json":
+    if cased_file.startswith("tokenizer.json"):
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=False)
+        kept = cased_file.endswith("accents kept")
+        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=kept, strip_accents=False if kept else None)
         tokenizer.save(str(folder / "tokenizer.json"))
-        _edit(folder / "tokenizer_config.json", do_lower_case=True, tokenizer_class="BertTokenizer")
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        for key in ("do_lower_case", "strip_accents"):
+            config.pop(key, None)
+        config["tokenizer_class"] = "BertTokenizerFast"
+        if cased_file == "tokenizer.json":
+            config["do_lower_case"] = True
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
     else:
         _edit(folder / "tokenizer_config.json", do_lower_case=False, tokenizer_class="BertTokenizer")
-    texts = ["The QUICK Brown Fox", "ÉCOLE and Paris", "lower case words"]
+    texts = ["The QUICK Brown Fox", "ÉCOLE and Paris", "lower case words", "café crème"]
     raw = load_tokenizer(str(folder / "tokenizer.json"), POSITIONS)
     served = load_tokenizer(str(tokenizer_file(folder, tmp_path)), POSITIONS)
     expected = AutoTokenizer.from_pretrained(str(folder))(texts)["input_ids"]

@@ -178,16 +178,23 @@ def _check_readable(file: Path) -> None:
 #: tokenizer_config.json's keys -> the BertNormalizer settings transformers sets from them
 _BERT_NORMALIZER_KEYS = {"do_lower_case": "lowercase", "strip_accents": "strip_accents",
                          "tokenize_chinese_chars": "handle_chinese_chars"}
+#: transformers' BERT-style tokenizer classes (a ``...Fast`` name is the same class), which build the normalizer
+#: from those keys, and their constructors' defaults for a key the config leaves out
+_BERT_STYLE_CLASSES = frozenset({"BertTokenizer", "DistilBertTokenizer", "ElectraTokenizer", "MPNetTokenizer"})
+_BERT_STYLE_DEFAULTS = {"do_lower_case": True, "strip_accents": None, "tokenize_chinese_chars": True}
 
 
 def _bert_normalizer_as_configured(file: Path, path: Path, staging: Path) -> Path:
     """``file`` with its ``BertNormalizer`` set as the folder's ``tokenizer_config.json`` states it: transformers'
     BERT-style tokenizers (BERT, DistilBERT, ELECTRA, MPNet ...) set the normalizer's lowercasing, accent
     stripping and Chinese characters from those keys whatever ``tokenizer.json`` says, so where the two files
-    disagree the model was tokenized, and sentence-transformers tokenizes, as the config says.  Only the keys
-    the config states (not transformers' defaults for missing ones)."""
+    disagree the model was tokenized, and sentence-transformers tokenizes, as the config says.  A key the config
+    leaves out is the class's default where the config names one of those classes (a cased ``tokenizer.json``
+    beside a config without ``do_lower_case`` is lowercased), else what ``tokenizer.json`` says."""
     normalizer = json.loads(file.read_text()).get("normalizer") or {}
     config = read_json(path / "tokenizer_config.json")
+    if str(config.get("tokenizer_class") or "").removesuffix("Fast") in _BERT_STYLE_CLASSES:
+        config = {**_BERT_STYLE_DEFAULTS, **config}
     wanted = {setting: config[key] for key, setting in _BERT_NORMALIZER_KEYS.items() if key in config}
     if normalizer.get("type") != "BertNormalizer" or all(normalizer.get(k) == v for k, v in wanted.items()):
         return file
