@@ -73,8 +73,8 @@ def test_the_gpu_tokenizer_pads_to_buckets_not_to_one_width(minilm):
 
 
 def test_a_long_context_models_buckets_double_up_to_its_length():
-    """A graph that cuts no padding: a 600-token text of an 8192-token model pads its batch to 1024, not 8192;
-    a CPU repository keeps its one width, whose padding the graph cuts."""
+    """A 600-token text of an 8192-token model pads its batch to 1024, not 8192: on a GPU a graph that cuts no
+    padding; on a CPU one width for every text that fits in 512, whose padding the graph cuts, then doublings."""
     from nexus_sli.exporter.targets.onnxruntime_gpu import PAD_BUCKETS
 
     gpu = tc.EncoderServing(device="KIND_GPU", pad_widths=PAD_BUCKETS)
@@ -82,7 +82,9 @@ def test_a_long_context_models_buckets_double_up_to_its_length():
     assert widths == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
     assert padded_length(600, widths, 8192) == 1024 and padded_length(5000, widths, 8192) == 8192
     assert gpu.widths(600) == [16, 32, 64, 128, 256, 512, 600] and gpu.widths(256) == [16, 32, 64, 128, 256]
-    assert tc.EncoderServing().widths(8192) == [512]
+    assert tc.EncoderServing().widths(8192) == [512, 1024, 2048, 4096, 8192]
+    assert tc.EncoderServing().widths(512) == [512] and tc.EncoderServing().widths(128) == [128]
+    assert padded_length(600, tc.EncoderServing().widths(8192), 8192) == 1024
 
 
 def test_the_fp16_graph_keeps_normalisation_and_softmax_in_fp32(minilm):

@@ -55,9 +55,9 @@ MAX_QUEUE_SIZE = 2048
 #: client's and the gateway's default deadline for a whole call, so what is dropped is work its caller
 #: has stopped waiting for.  A request may ask for less (``allow_timeout_override``).
 QUEUE_TIMEOUT_US = 60_000_000
-#: Every token row is padded to this width (or the model's limit when shorter),
-#: so all requests share one shape and the encoder's batcher merges them all;
-#: the encoder cuts each batch to its longest real token before computing.
+#: Every token row that fits is padded to this width (or the model's limit when shorter),
+#: so all such requests share one shape and the encoder's batcher merges them; longer
+#: ones pad to the next doubling.  The encoder cuts each batch to its longest real token.
 PAD_WIDTH = 512
 #: Overlap, in tokens, between consecutive windows of a long QA context.
 QA_STRIDE = 32
@@ -101,8 +101,8 @@ class EncoderServing:
     #: the instance group's kind (``ModelInstanceGroup.Kind`` name)
     device: str = "KIND_CPU"
     accelerators: tuple[Accelerator, ...] = ()
-    #: the widths the tokenizer pads a batch to (the smallest that fits); empty: one fixed
-    #: width (:data:`PAD_WIDTH`) whose padding the graph cuts off itself
+    #: the widths the tokenizer pads a batch to (the smallest that fits); empty: :data:`PAD_WIDTH`, whose
+    #: padding the graph cuts off itself (each doubled up to the model's limit: :meth:`widths`)
     pad_widths: tuple[int, ...] = ()
     #: the rows asked for by the export (``--max-batch-size``); None: the device's default
     rows: int | None = None
@@ -126,15 +126,14 @@ class EncoderServing:
         return GPU_INSTANCES if self.device == "KIND_GPU" else 1
 
     def widths(self, max_length: int) -> list[int]:
-        """The tokenizer's pad widths for a model that takes ``max_length`` tokens.  Buckets (a graph that cuts no
-        padding) go on doubling past the largest up to ``max_length``: a 600-token text of an 8192-token model
-        pads its batch to 1024 positions, not 8192."""
+        """The tokenizer's pad widths for a model that takes ``max_length`` tokens.  They go on doubling past the
+        largest up to ``max_length``: a 600-token text of an 8192-token model pads its batch to 1024 positions,
+        not 8192 (the arrays each step passes on, and a CPU graph's padding the trim cuts, 8 times smaller)."""
         widths = {min(w, max_length) for w in self.pad_widths or (PAD_WIDTH,)}
-        if self.pad_widths:
-            width = max(widths)
-            while width < max_length:
-                width = min(2 * width, max_length)
-                widths.add(width)
+        width = max(widths)
+        while width < max_length:
+            width = min(2 * width, max_length)
+            widths.add(width)
         return sorted(widths)
 
 

@@ -161,10 +161,10 @@ def check_lengths(encodings, max_length: int) -> None:
 def padded_length(longest: int, widths: list[int], max_length: int) -> int:
     """The width a batch is padded to: the smallest of ``widths`` it fits in, else
     ``max_length``.  Triton's dynamic batcher merges only requests of equal shape.
-    On the CPU there is one width, so every request joins every execution and the
-    graph cuts the padding off; GPU graphs have no such cut (TensorRT may refuse
-    its data-dependent shape), so there the widths are buckets (16, 32, ... 512)
-    and requests of one bucket merge."""
+    On the CPU every request that fits in 512 tokens has one width, so it joins every
+    execution and the graph cuts the padding off; GPU graphs have no such cut (TensorRT
+    may refuse its data-dependent shape), so there the widths are buckets (16, 32, ...
+    512) and requests of one bucket merge.  Past 512 both double."""
     return next((width for width in sorted(widths) if longest <= width), max_length)
 
 
