@@ -350,3 +350,13 @@ def test_auto_keeps_the_fastest_configuration_that_passes(monkeypatch, tiny_chec
     assert failed and all(r.timings_ms == {} and r.score is None for r in failed)  # failures are not timed
     config = triton_config.read(out / "tiny_encoder" / "config.pbtxt")
     assert (config.platform, config.backend) == (platform, "openvino" if faster == "openvino" else "")
+
+
+@pytest.mark.parametrize("family", ["deberta", "mobilebert", "eurobert"])
+def test_an_output_whose_tensor_openvino_folds_into_another_keeps_its_name(family, tiny_checkpoint, tmp_path):
+    """These families' token states come out of a tensor OpenVINO folds into the last layer's: the compiled port
+    then bears that layer's inner names too, which sort first, and validation read them as the graph's output
+    names (the configuration failed, and auto served another)."""
+    result = run_export(ExportOptions(model=str(tiny_checkpoint(family)), task="embedding", out=tmp_path / "repo",
+                                      backend="openvino", precision="fp32", search=False, cache=False))
+    assert result.report.validation.passed and result.report.validation.backend == "openvino"

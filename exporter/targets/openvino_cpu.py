@@ -66,14 +66,18 @@ class OpenVINOSession:
         properties = compile_properties(params or {})
         if export_threads() and "INFERENCE_NUM_THREADS" not in properties:
             properties["INFERENCE_NUM_THREADS"] = export_threads()
-        self.compiled = core.compile_model(core.read_model(str(path)), "CPU", properties)
+        model = core.read_model(str(path))
+        # the graph's own names, read before compiling: the compiled ports bear every name of the tensors
+        # OpenVINO folded together, and a port's first (sorted) name may then be an inner tensor's
+        self._names = ([port.get_any_name() for port in model.inputs], [port.get_any_name() for port in model.outputs])
+        self.compiled = core.compile_model(model, "CPU", properties)
         self.request = self.compiled.create_infer_request()
 
     def get_inputs(self) -> list[_Port]:
-        return [_Port(port.get_any_name()) for port in self.compiled.inputs]
+        return [_Port(name) for name in self._names[0]]
 
     def get_outputs(self) -> list[_Port]:
-        return [_Port(port.get_any_name()) for port in self.compiled.outputs]
+        return [_Port(name) for name in self._names[1]]
 
     def run(self, output_names, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         results = self.request.infer(feeds)
