@@ -256,6 +256,27 @@ def test_openvino_backend_finds_an_output_by_its_graph_name_among_the_names_open
     np.testing.assert_array_equal(model.infer({"input_ids": ids}, ["logits"])["logits"], ids.astype(np.float32))
 
 
+def test_openvino_backend_refuses_a_token_id_past_the_vocabulary(openvino_shim, exported, tiny_checkpoint,
+                                                                 monkeypatch):
+    """OpenVINO's Gather answers zeros for an index past its table (ONNX Runtime fails the request): the shim
+    finds the vocabulary in the graph, past the position table that a range of the ids' length indexes."""
+    import json
+    import sys
+    from types import SimpleNamespace
+
+    vocab = json.loads((tiny_checkpoint("bert") / "config.json").read_text())["vocab_size"]
+    model = openvino_shim.TritonPythonModel()
+    model.load(exported / "ov_encoder" / "1" / "model.onnx", {"WARMUP_QUERY_TOKENS": "0"})
+    assert model.vocab_size == vocab
+    model.inputs = [port.get_any_name() for port in model.compiled.inputs]
+    mask = np.ones((1, 3), np.int64)
+    monkeypatch.setattr(sys.modules["encoder_backend"].pb_utils, "get_input_tensor_by_name", raising=False,
+                        value=lambda ids, name: SimpleNamespace(as_numpy=lambda: ids if name == "input_ids" else mask))
+    model._feeds(np.full((1, 3), vocab - 1))  # the last id is one
+    with pytest.raises(ValueError, match=f"token id {vocab}, outside the vocabulary's {vocab} ids"):
+        model._feeds(np.full((1, 3), vocab))
+
+
 def test_calibration_texts_are_not_validation_texts():
     calibration, validation = calibration_texts(), set(validation_texts())
     assert len(calibration) >= 300 and not validation.intersection(calibration)

@@ -54,6 +54,8 @@ def _joined(arrays):
 class EncoderBackend(ABC):
     #: The model file when the config names none (``default_model_filename``).
     default_filename = "model.onnx"
+    #: The ids ``input_ids`` may hold, where a subclass must check them itself (its runtime does not fail them)
+    vocab_size = None
 
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -92,6 +94,9 @@ class EncoderBackend(ABC):
         ids = feeds.get("input_ids")
         if ids is not None and ids.size and ids.min() < 0:  # a runtime's Gather would read it from the end
             raise ValueError(f"input_ids holds a negative token id ({int(ids.min())}): ids count from 0")
+        if ids is not None and ids.size and self.vocab_size is not None and ids.max() >= self.vocab_size:
+            raise ValueError(f"input_ids holds token id {int(ids.max())}, outside the vocabulary's "
+                             f"{self.vocab_size} ids")
         return feeds
 
     def _wanted(self, request):

@@ -36,10 +36,33 @@ from openvino_properties import compile_properties  # noqa: E402
 WARMUP_QUERY_TOKENS = 32
 
 
+def embedding_rows(model):
+    """The rows of the table ``input_ids`` index (the vocabulary), found by following the ids' values (not
+    their shape: a position table is indexed by a range of it) to a Gather of a 2-D table; None where none is."""
+    starts = [p for p in model.get_parameters() if "input_ids" in p.output(0).get_names()]
+    seen, waiting = set(), starts[:1]
+    while waiting:
+        node = waiting.pop()
+        for target in node.output(0).get_target_inputs():
+            consumer = target.get_node()
+            if consumer.get_type_name() == "Gather" and target.get_index() == 1:
+                table = consumer.input_value(0).get_partial_shape()
+                if table.rank.is_static and table.rank.get_length() == 2 and table[0].is_static:
+                    return table[0].get_length()
+            name = consumer.get_friendly_name()
+            if consumer.get_type_name() != "ShapeOf" and consumer.get_output_size() == 1 and name not in seen:
+                seen.add(name)
+                waiting.append(consumer)
+    return None
+
+
 class TritonPythonModel(EncoderBackend):
     def load(self, path, params):
         core = ov.Core()
-        self.compiled = core.compile_model(core.read_model(str(path)), "CPU", compile_properties(params))
+        model = core.read_model(str(path))
+        # OpenVINO's Gather answers zeros for an index past its table, where ONNX Runtime fails the request
+        self.vocab_size = embedding_rows(model)
+        self.compiled = core.compile_model(model, "CPU", compile_properties(params))
         self.request = self.compiled.create_infer_request()
         # by every name of each output: OpenVINO merges the names of the tensors its transformations fold
         # together (an ONNX output behind an Identity node also bears its producer's name), and its
