@@ -552,8 +552,9 @@ def _write(root: Path, name: str, prepared: Prepared, attempt: Attempt, chosen: 
 
 
 #: The tasks whose models may carry sentence-transformers prompts (SparseEncoder and MultiVectorEncoder
-#: folders have them too: a MultiVectorEncoder save's markers are its query and document prompts).
-PROMPTED_TASKS = ("embedding", "sparse-embedding", "multi-vector")
+#: folders have them too: a MultiVectorEncoder save's markers are its query and document prompts; a
+#: CrossEncoder's go in front of each pair's query).
+PROMPTED_TASKS = ("embedding", "sparse-embedding", "multi-vector", "rerank")
 
 
 def _retrieval(prepared: Prepared) -> tuple[Prompts, dict[str, str]]:

@@ -14,14 +14,14 @@ Its parameters are ``model_parameters.TokenizerParameters``.  Modes (the ``mode`
 Every row is padded to the smallest of the ``pad_widths`` its batch fits in
 (``max_length`` for the rare longer row), so the encoder's dynamic batcher can
 merge requests: Triton batches only equal shapes.  CPU repositories have one
-width, and the encoder cuts the padding off again; GPU repositories have
-buckets (:func:`encoding.padded_length`).
+width up to 512 tokens, then doublings, and the encoder cuts the padding off
+again; GPU repositories have buckets (:func:`encoding.padded_length`).
 
-An embedding model's named prompts (``prompts``, ``default_prompt_name``
+An embedding or rerank model's named prompts (``prompts``, ``default_prompt_name``
 parameters, from its sentence-transformers config) are applied here, as
 sentence-transformers applies them: the prompt of the request parameter
 ``prompt_name`` (else the default prompt, if the model has one) is put in
-front of each text before tokenising, so truncation counts it and every
+front of each text (mode ``pair``: the query) before tokenising, so truncation counts it and every
 client, whatever it sends through, gets the model's prompt.  In mode ``sided`` the
 side's prompt (its marker) takes the default prompt's place, and a ``prompt_name``
 replaces it, as in sentence-transformers' ``encode_query(prompt_name=...)``.
@@ -240,12 +240,13 @@ class TritonPythonModel:
 
     def _encodings(self, request):
         """A ``pair`` or ``qa`` request's encodings."""
-        self._prompt(request)  # prompts belong to embedding models: a prompt_name here is an error, not ignored
+        prompt = self._prompt(request)  # where the model has no prompts, a prompt_name is an error, not ignored
         if self.mode == "qa":
             return self._qa(request)
         query, documents = _strings(request, "QUERY"), _strings(request, "DOCUMENTS")
         if len(query) != 1:
             raise ValueError("send exactly one QUERY per request")
+        query = [prompt + query[0]]  # a cross-encoder's prompt: in front of the query, as CrossEncoder.predict puts it
         if not documents:
             raise ValueError("DOCUMENTS is empty: nothing to rerank")
         if self._too_many(len(documents)):
