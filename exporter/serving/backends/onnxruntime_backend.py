@@ -1,8 +1,8 @@
 """A Python-based Triton backend named ``onnxruntime``.
 
 The PyPI Triton build has no native ONNX Runtime backend; installed as
-``<backend-dir>/onnxruntime/model.py`` (with ``encoder_backend.py``,
-``batching.py`` and ``onnxruntime_providers.py`` beside it) this serves
+``<backend-dir>/onnxruntime/model.py`` (with the modules it shares beside it:
+``backend_folders._shim`` copies them) this serves
 ``platform: "onnxruntime_onnx"`` models with the onnxruntime package, so the
 very same repository runs unchanged on an NGC container with the native C++
 backend.  Like that backend it honours the config's instance kind and GPU

@@ -1,8 +1,8 @@
 """A Python-based Triton backend named ``openvino``.
 
 The PyPI Triton build has no native OpenVINO backend; installed as
-``<backend-dir>/openvino/model.py`` (with ``encoder_backend.py``,
-``batching.py`` and ``openvino_properties.py`` beside it) this serves ``backend: "openvino"`` models, an
+``<backend-dir>/openvino/model.py`` (with the modules it shares beside it:
+``backend_folders._shim`` copies them) this serves ``backend: "openvino"`` models, an
 ONNX file or an OpenVINO IR (``model.xml`` + ``model.bin``), with the
 openvino package.  It reads the parameters of Triton's native OpenVINO
 backend, so the same repository runs on an NGC container:
