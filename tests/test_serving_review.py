@@ -304,3 +304,13 @@ def test_a_zombie_of_this_process_is_reaped_once_waited_for():
     with pytest.raises(ChildProcessError):
         os.waitpid(child.pid, os.WNOHANG)  # reaped already
     child.returncode = -signal.SIGKILL  # Popen's own wait would look for it again
+
+
+def test_a_tensorrt_plan_is_refused_on_the_cpu_though_gpu_models_on_cpu_is_asked(tmp_path, monkeypatch):
+    """Triton has no TensorRT backend here: the shadow would make it fail to load the plan, and exit."""
+    config = tc.pb.ModelConfig(name="m_encoder", platform="tensorrt_plan", max_batch_size=64)
+    config.instance_group.add(kind=tc.pb.ModelInstanceGroup.KIND_GPU, count=1)
+    tc.write(config, tmp_path / "m_encoder")
+    monkeypatch.setattr(gpu_on_cpu, "gpu_visible", lambda: False)
+    with pytest.raises(gpu_on_cpu.NexusError, match="m_encoder: a TensorRT plan runs on a GPU only"):
+        gpu_on_cpu.servable(tmp_path, gpu_on_cpu=True)

@@ -44,6 +44,11 @@ def servable(repository: Path, gpu_on_cpu: bool) -> Path | None:
     if not gpu_on_cpu:
         raise NexusError(f"{', '.join(models)} ask for a GPU (KIND_GPU) and this machine has none; serve them "
                          "on a GPU host, or pass --gpu-models-on-cpu to try them here on the CPU")
+    plans = [m for m in models if tc.read(Path(repository) / m / "config.pbtxt").platform == "tensorrt_plan"]
+    if plans:  # Triton would fail to load them, and exit, without a TensorRT backend
+        raise NexusError(f"{', '.join(plans)}: a TensorRT plan runs on a GPU only, and --gpu-models-on-cpu moves "
+                         "ONNX graphs to the CPU; serve it on a GPU host, or export the model again (its fp16 "
+                         "ONNX graph) to try it here")
     return _shadow(Path(repository), models)
 
 
