@@ -26,6 +26,8 @@ else:  # a file copied beside model.py in a Triton repository
 #: Longest answer span considered, in tokens: transformers' run_qa.py's default ``max_answer_length``
 #: (its QuestionAnsweringPipeline's ``max_answer_len`` defaults to 15).
 MAX_ANSWER_TOKENS = 30
+#: The best-scoring (start, end) pairs of a window kept as candidates, out of every pair the pipeline scores
+SPAN_CANDIDATES = 400
 #: Answers the server returns per question (clients keep their ``top_k``).
 TOP_ANSWERS = 20
 
@@ -98,25 +100,22 @@ def entities(text: str, logits: np.ndarray, offsets: np.ndarray, mask: np.ndarra
 
 def answer_spans(context: str, start_logits: np.ndarray, end_logits: np.ndarray, offsets: np.ndarray,
                  context_mask: np.ndarray, top_k: int, word_spans: np.ndarray | None = None,
-                 impossible: bool = False, pipeline_top_k: int = TOP_ANSWERS) -> list[dict]:
-    """The ``top_k`` best answers over all windows of one (question, context) pair, as transformers'
-    QuestionAnsweringPipeline gives them with its ``top_k`` set to ``pipeline_top_k`` (the served head's: clients
-    keep the first of its answers).
+                 impossible: bool = False) -> list[dict]:
+    """Best answer spans over all windows of one (question, context) pair, as transformers'
+    QuestionAnsweringPipeline scores them.
 
     Per window, start and end probabilities are a softmax over the context tokens and the first token
     where it is a special one ([CLS]: "no answer"), whose probability is then set to 0; a span's score is
     p(start) * p(end), the end not before the start and at most MAX_ANSWER_TOKENS long.  A span covers
     its tokens' words (``word_spans``, the pipeline's ``align_to_words``; None: the tokens' own
-    ``offsets``).  The pipeline decodes the ``2 * pipeline_top_k + 10`` best spans of each window
-    (``pipeline_top_k`` without words) and merges those of one text, case aside, over all windows: the
-    first found keeps its place, the scores add up.  ``impossible``: the pipeline's
-    ``handle_impossible_answer``, the empty answer (0, 0) scored by the least p([CLS] start) * p([CLS] end)
-    over the windows, never merged.
+    ``offsets``).  Spans of one text, case aside, are one answer, as the pipeline merges them, over all
+    windows: the best-scoring span with its score.  The pipeline adds their scores instead, so a short text
+    repeated over a long context's many windows can outscore the answer, and a score past 1 is no probability.
+    ``impossible``: the pipeline's ``handle_impossible_answer``, the empty answer (0, 0) scored by the
+    least p([CLS] start) * p([CLS] end) over the windows.
     """
     spans = offsets if word_spans is None else word_spans
-    # widening to words merges spans, so the pipeline decodes more than it returns
-    decoded = pipeline_top_k * 2 + 10 if word_spans is not None else pipeline_top_k
-    answers: dict[str, dict] = {}  # lower-cased text -> its first span, scores added
+    best: dict[str, tuple[float, int, int]] = {}  # lower-cased text -> its best (score, start, end)
     null = None
     for window in range(start_logits.shape[0]):
         in_context = context_mask[window].astype(bool)
@@ -133,15 +132,15 @@ def answer_spans(context: str, start_logits: np.ndarray, end_logits: np.ndarray,
             p_start[0] = p_end[0] = 0.0
         starts, ends = _answer_pairs(in_context)
         scores = p_start[starts] * p_end[ends]
-        for pair in np.argsort(-scores, kind="stable")[:decoded]:
-            a, b = int(spans[window, starts[pair], 0]), int(spans[window, ends[pair], 1])
-            answer = answers.setdefault(context[a:b].lower(), {"text": context[a:b], "start": a, "end": b,
-                                                               "score": 0.0})
-            answer["score"] += float(scores[pair])
-    ranked = list(answers.values())
-    if impossible and null is not None:
-        ranked.append({"text": "", "start": 0, "end": 0, "score": null})
-    return sorted(ranked, key=lambda answer: -answer["score"])[:top_k]
+        for pair in np.argsort(-scores, kind="stable")[:SPAN_CANDIDATES]:
+            a, b, score = int(spans[window, starts[pair], 0]), int(spans[window, ends[pair], 1]), float(scores[pair])
+            key = context[a:b].lower()
+            if score > best.get(key, (-1.0,))[0]:
+                best[key] = (score, a, b)
+    ranked = sorted(best.values(), key=lambda found: -found[0])
+    if impossible and null is not None:  # never one with a text's answer: it has none
+        ranked = sorted([*ranked, (null, 0, 0)], key=lambda found: -found[0])
+    return [{"text": context[a:b], "start": a, "end": b, "score": score} for score, a, b in ranked[:top_k]]
 
 
 def _answer_pairs(in_context: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -210,9 +209,8 @@ def token_classification_head(x: dict, params: dict) -> dict:
 
 def question_answering_head(x: dict, params: dict) -> dict:
     context = x["CONTEXT"].reshape(-1)[0].decode("utf-8", "replace")
-    top_k = TOP_K.read(params, TOP_ANSWERS)
-    spans = answer_spans(context, x["start_logits"], x["end_logits"], x["offsets"], x["context_mask"], top_k,
-                         x["word_spans"], IMPOSSIBLE_ANSWER.read(params, False), pipeline_top_k=top_k)
+    spans = answer_spans(context, x["start_logits"], x["end_logits"], x["offsets"], x["context_mask"],
+                         TOP_K.read(params, TOP_ANSWERS), x["word_spans"], IMPOSSIBLE_ANSWER.read(params, False))
     return {"ANSWERS": _json_strings([spans])}
 
 
