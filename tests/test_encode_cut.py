@@ -17,12 +17,15 @@ from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.serving.joined_steps import triton_json
 from nexus_sli.exporter.triton import config as tc
-from nexus_sli.exporter.triton.python_models.encoding import CUT_CHARS_PER_TOKEN, cuts_safely, encode_cut
+from nexus_sli.exporter.triton.python_models.encoding import (CUT_BEFORE, CUT_CHARS_PER_TOKEN, cut_characters,
+                                                               cuts_safely, encode_cut)
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
 #: Characters a cut meets: words, runs of spaces, tabs and newlines, punctuation, digits, CJK (no spaces between
-#: words), combining accents, a control character, an emoji, a no-break space
-ALPHABET = "abcdefghij ABC     \t\n.,;:'!?0123456789中文字符éü\u0301\x00😀\u00a0-_"
+#: words), combining accents, a control character, an emoji, a no-break space, other whitespace (cut before:
+#: \r, \u3000, \u2028; not: \x0b, \x85, \x1c, which some tokenizers drop or keep in words)
+ALPHABET = ("abcdefghij ABC     \t\n.,;:'!?0123456789中文字符éü\u0301\x00😀\u00a0-_"
+            "\r\u3000\u2028\x0b\x85\x1c")
 
 
 def _template(tokenizer: Tokenizer) -> Tokenizer:
@@ -40,10 +43,12 @@ def _byte_level_bpe() -> Tokenizer:  # RoBERTa's and ModernBERT's kind
     return _template(tokenizer)
 
 
-def _metaspace_unigram() -> Tokenizer:  # sentencepiece's kind (XLM-RoBERTa, DeBERTa v3), with its replacements
+def _metaspace_unigram(nmt: bool = True) -> Tokenizer:  # sentencepiece's kind (XLM-RoBERTa, DeBERTa v3)
     tokenizer = Tokenizer(models.Unigram())
-    tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace("``", '"'),
-                                                 normalizers.Lowercase()])
+    # Nmt and NFKC: sentencepiece's nmt_nfkc, which makes a space of every whitespace the text is cut before;
+    # NFKC alone keeps newlines in words, which are then cut at spaces only
+    tokenizer.normalizer = normalizers.Sequence([*([normalizers.Nmt()] if nmt else []), normalizers.NFKC(),
+                                                 normalizers.Replace("``", '"'), normalizers.Lowercase()])
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.train_from_iterator(validation_texts(), trainers.UnigramTrainer(
         vocab_size=500, special_tokens=SPECIALS, unk_token="[UNK]"))
@@ -72,7 +77,8 @@ def _packaged() -> Tokenizer:  # all-MiniLM-L6-v2's WordPiece: BertNormalizer, B
 
 
 TOKENIZERS = {"wordpiece": _packaged, "byte-level-bpe": _byte_level_bpe, "metaspace-unigram": _metaspace_unigram,
-              "split-then-metaspace": _split_then_metaspace, "word-level": _word_level}
+              "metaspace-nfkc": lambda: _metaspace_unigram(nmt=False), "split-then-metaspace": _split_then_metaspace,
+              "word-level": _word_level}
 
 
 @pytest.fixture(scope="module", params=sorted(TOKENIZERS))
@@ -84,12 +90,14 @@ def tokenizer(request):
 
 
 def _described(encodings) -> list[tuple]:
-    return [(e.ids, e.type_ids, e.offsets, e.special_tokens_mask, e.word_ids, e.attention_mask) for e in encodings]
+    return [(e.ids, e.type_ids, e.offsets, e.special_tokens_mask, e.word_ids, e.attention_mask, bool(e.overflowing))
+            for e in encodings]
 
 
 #: Pieces of the texts drawn: short runs of the alphabet, spaces alone and in runs, and long words (one token
 #: or few for hundreds of characters: a first cut that holds too few tokens, so cut again)
-PIECES = st.one_of(st.text(ALPHABET, max_size=12), st.sampled_from([" ", "  ", " \t ", "\n ", " <mark> "]),
+PIECES = st.one_of(st.text(ALPHABET, max_size=12),
+                   st.sampled_from([" ", "  ", " \t ", "\n ", " <mark> ", "\n", "\t", "\r\n", "\u3000", "\n<mark>\n"]),
                    st.text("xy", min_size=90, max_size=400))
 
 
@@ -98,7 +106,7 @@ PIECES = st.one_of(st.text(ALPHABET, max_size=12), st.sampled_from([" ", "  ", "
        max_length=st.integers(4, 40))
 def test_a_cut_text_encodes_as_the_whole_text(tokenizer, texts, max_length):
     tokenizer.enable_truncation(max_length)
-    assert _described(encode_cut(tokenizer.encode_batch, texts, max_length)) == _described(
+    assert _described(encode_cut(tokenizer.encode_batch, texts, max_length, characters=cut_characters(tokenizer))) == _described(
         tokenizer.encode_batch(texts))
 
 
@@ -111,7 +119,8 @@ def test_a_cut_document_encodes_with_its_query_as_the_whole_document(tokenizer, 
     either side may be the shorter, or both be cut."""
     tokenizer.enable_truncation(max_length)
     first = (query, len(tokenizer.encode(query, add_special_tokens=False).ids))
-    assert _described(encode_cut(tokenizer.encode_batch, documents, max_length, first)) == _described(
+    assert _described(encode_cut(tokenizer.encode_batch, documents, max_length, first,
+                                     cut_characters(tokenizer))) == _described(
         tokenizer.encode_batch([(query, document) for document in documents]))
 
 
@@ -129,7 +138,7 @@ def test_a_long_text_is_tokenized_only_as_far_as_truncation_keeps(tokenizer):
             seen.extend(len(t) for t in texts)
             return tokenizer.encode_batch(texts)
 
-        assert _described(encode_cut(encode, [text], max_length)) == _described(tokenizer.encode_batch([text]))
+        assert _described(encode_cut(encode, [text], max_length, characters=cut_characters(tokenizer))) == _described(tokenizer.encode_batch([text]))
         assert seen and max(seen) < len(text) / 20, seen
     assert seen[0] == 3 * CUT_CHARS_PER_TOKEN * max_length  # up to the first space, not the whole text
 
@@ -140,6 +149,7 @@ def test_a_long_text_is_tokenized_only_as_far_as_truncation_keeps(tokenizer):
     (lambda t: setattr(t, "pre_tokenizer", pre_tokenizers.ByteLevel(use_regex=False)), "no split"),
     (lambda t: setattr(t, "pre_tokenizer", None), "no pre-tokenizer"),
     (lambda t: setattr(t, "normalizer", normalizers.Replace("a b", "ab")), "a replacement across a space"),
+    (lambda t: setattr(t, "normalizer", normalizers.Replace("a\nb", "ab")), "a replacement across a newline"),
     (lambda t: t.add_tokens(["new york"]), "an added token across a space"),
     (lambda t: t.add_tokens(["new\tyork"]), "an added token across a tab, a space once normalized"),
 ], ids=lambda value: value if isinstance(value, str) else "")
@@ -147,6 +157,103 @@ def test_a_tokenizer_whose_words_may_join_across_a_space_is_never_cut(change, wh
     tokenizer = _packaged()
     change(tokenizer)
     assert not cuts_safely(tokenizer), why
+
+
+#: Words apart by whitespace other than spaces: newlines, tabs, and mixed (with \x0b and \x85, not cut before)
+SEPARATED = {"newline": ["\n"], "tab": ["\t"], "crlf": ["\r\n", "\n\n"],
+             "mixed": ["\n", "\t", "\r\n", "\u3000", "\xa0", "\u2028", "\u2003", " \t\n", "\x0b\n", "\x85\t"]}
+
+
+def _separated(separators: list[str]) -> str:
+    """The validation texts' words (about 70,000 characters) apart by ``separators`` in turn, no space but theirs."""
+    words = " ".join(validation_texts()).split()
+    return "".join(word + separators[number % len(separators)] for number, word in enumerate(words))
+
+
+@pytest.mark.parametrize("separated", sorted(SEPARATED))
+def test_a_long_text_of_other_whitespace_is_cut_and_encodes_as_the_whole_text(tokenizer, separated):
+    """Cut before the newline, tab or other whitespace (:data:`CUT_BEFORE`) past the first cut, alone and as a
+    pair's second text: the same ids, offsets and overflow as the whole text, from its first characters."""
+    text, max_length = _separated(SEPARATED[separated]), 32
+    assert " " not in text or separated == "mixed"
+    tokenizer.enable_truncation(max_length)
+    query = "the weather"  # the shorter side, untruncated: else the whole document is tokenized
+    first = (query, len(tokenizer.encode(query, add_special_tokens=False).ids))
+    seen: list[int] = []
+
+    def encode(texts):
+        seen.extend(len(t if isinstance(t, str) else t[1]) for t in texts)
+        return tokenizer.encode_batch(texts)
+
+    characters = cut_characters(tokenizer)
+    assert _described(encode_cut(encode, [text, text[:3000]], max_length, characters=characters)) == _described(
+        tokenizer.encode_batch([text, text[:3000]]))
+    assert _described(encode_cut(encode, [text], max_length, first, characters)) == _described(
+        tokenizer.encode_batch([(query, text)]))
+    if any(character in characters for character in "".join(SEPARATED[separated])):
+        assert max(seen) <= CUT_CHARS_PER_TOKEN * max_length < len(text) / 200, seen
+    else:  # a separator that does not end this tokenizer's words (a Metaspace's newline): the whole text
+        assert max(seen) == len(text), seen
+
+
+def test_a_newline_separated_text_is_tokenized_only_from_its_start():
+    """Lines without spaces (a list, a log, a table) are cut at a newline, not tokenized whole."""
+    tokenizer = _packaged()
+    tokenizer.enable_truncation(128)
+    text = _separated(["\n"])
+    seen: list[int] = []
+
+    def encode(texts):
+        seen.extend(map(len, texts))
+        return tokenizer.encode_batch(texts)
+
+    assert _described(encode_cut(encode, [text], 128, characters=cut_characters(tokenizer))) == _described(tokenizer.encode_batch([text]))
+    assert seen == [len(text[:CUT_CHARS_PER_TOKEN * 128 + 1].rsplit("\n", 1)[0])], seen
+
+
+def test_every_cut_character_ends_a_word_as_a_space_does(tokenizer):
+    """Each of :data:`CUT_BEFORE` between two words, at a cut: the first word's tokens and offsets are the same
+    as with a space there, and as with nothing after it."""
+    tokenizer.no_truncation()
+    for character in cut_characters(tokenizer):
+        for word in ("weather", "it's", "(1987)", "naïve"):
+            whole = tokenizer.encode(f"the {word}{character}tomorrow", add_special_tokens=False)
+            cut = tokenizer.encode(f"the {word}", add_special_tokens=False)
+            assert (whole.ids[:len(cut.ids)], whole.offsets[:len(cut.offsets)]) == (cut.ids, cut.offsets), (
+                hex(ord(character)), word)
+
+
+def test_a_text_without_whitespace_is_tokenized_whole(tokenizer):
+    """CJK without spaces, or one long word, is not cut: within a run of letters a cut changes the tokens (a
+    byte-level BPE, a unigram or word-piece vocabulary joins characters across it), so truncation keeps the
+    whole text's."""
+    tokenizer.enable_truncation(16)
+    for text in ("中文字符" * 500, "x" * 2000, "中文。字符，" * 400):
+        seen: list[int] = []
+
+        def encode(texts):
+            seen.extend(map(len, texts))
+            return tokenizer.encode_batch(texts)
+
+        assert _described(encode_cut(encode, [text], 16, characters=cut_characters(tokenizer))) == _described(tokenizer.encode_batch([text]))
+        assert seen[-1] == len(text)
+
+
+def test_a_metaspace_that_keeps_newlines_is_cut_at_spaces_only():
+    """A Metaspace whose normalizer keeps newlines joins a word across one: the word's pieces before it differ
+    with and without what follows it, so such a text is cut at spaces only."""
+    vocab = [("[UNK]", 0.0), ("▁x", -1.0), ("yz", -1.0), ("▁xy", -1.0), ("z\n", -1.0), ("z", -5.0), ("q", -5.0)]
+    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=0))
+    tokenizer.normalizer, tokenizer.pre_tokenizer = normalizers.NFKC(), pre_tokenizers.Metaspace()
+    assert tokenizer.encode("xyz").tokens == ["▁x", "yz"]
+    assert tokenizer.encode("xyz\nq").tokens[:2] == ["▁xy", "z\n"]
+    assert "\n" not in cut_characters(tokenizer) and " " in cut_characters(tokenizer)
+    tokenizer.enable_truncation(4)
+    text = "xyz\nq " * 2000
+    assert _described(encode_cut(tokenizer.encode_batch, [text], 4, characters=" ")) == _described(
+        tokenizer.encode_batch([text]))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Nmt(), normalizers.NFKC()])  # sentencepiece's
+    assert tokenizer.encode("xyz\nq").tokens[:2] == ["▁x", "yz"] and "\n" in cut_characters(tokenizer)
 
 
 @pytest.fixture
@@ -180,7 +287,7 @@ class _Recording:
 
 def test_the_tokenizer_step_answers_a_long_texts_rows_from_its_start(step):
     loaded, seen = step
-    assert loaded.cut
+    assert loaded.cut_before == CUT_BEFORE
     prose = " ".join(validation_texts())
     texts = [prose, "a short text", prose[:5000]]
     (answer,) = loaded.execute([TextRequest(texts)])
@@ -217,7 +324,7 @@ def pair_step(exports, tmp_path, monkeypatch):
 
 def test_the_tokenizer_step_answers_long_documents_rows_from_their_start(pair_step):
     loaded, seen = pair_step
-    assert loaded.mode == "pair" and loaded.cut
+    assert loaded.mode == "pair" and loaded.cut_before == CUT_BEFORE
     prose = " ".join(validation_texts())
     query, documents = "what does the text say about the weather", [prose, "a short document", prose[:5000]]
     (answer,) = loaded.execute([_PairRequest(query, documents)])

@@ -6,7 +6,9 @@ validation: one implementation of tokenising, padding and pooling.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from itertools import chain
 
 import numpy as np
@@ -64,6 +66,19 @@ _LOCAL_NORMALIZERS = ("BertNormalizer", "NFC", "NFD", "NFKC", "NFKD", "Lowercase
 #: The characters a text is first cut to, per token the model takes: enough for nearly every text of words
 #: (a token of a word-piece or BPE vocabulary averages well under this), the rare rest cut again, longer
 CUT_CHARS_PER_TOKEN = 8
+#: The whitespace a text may be cut before: what every pre-tokenizer above but Metaspace splits at, and every
+#: normalizer above leaves whitespace (not all of str.isspace: BertNormalizer drops \x0b, \x0c and \x85 as
+#: controls, BertPreTokenizer keeps \x1c-\x1f in words); each tokenizer cuts before those it ends a word at
+#: (:func:`cut_characters`)
+CUT_BEFORE = " \t\n\r\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+
+
+@functools.lru_cache(maxsize=None)
+def _cut_patterns(characters: str) -> tuple[re.Pattern, re.Pattern]:
+    """A cut's character and the non-space before it: in the reversed text, and forward (matched from the
+    character, the rarer of the two, with a look behind)."""
+    cut = "[" + "".join(f"\\u{ord(character):04x}" for character in characters) + "]"
+    return re.compile(cut + r"\S"), re.compile(cut + r"(?<=\S.)", re.DOTALL)
 
 
 def _splits_at_spaces(pre: dict | None) -> bool:
@@ -84,46 +99,60 @@ def _local(normalizer: dict | None) -> bool:
         return True
     if kind == "Sequence":
         return all(_local(n) for n in normalizer["normalizers"])
-    if kind == "Replace":  # a literal without a space cannot match across the space a text is cut before
+    if kind == "Replace":  # a literal without whitespace cannot match across the whitespace a text is cut before
         literal = normalizer.get("pattern", {}).get("String")
-        return literal is not None and " " not in literal
+        return literal is not None and not any(character.isspace() for character in literal)
     return kind in _LOCAL_NORMALIZERS
 
 
-def cuts_safely(tokenizer: Tokenizer) -> bool:
-    """Whether a text cut before a space (a non-space before it) tokenizes to a prefix of the whole text's
-    tokens, so that a text far longer than the model takes may be tokenized only as far as truncation keeps
-    (:func:`encode_cut`): its normalizer changes characters on their own, its pre-tokenizer splits at every
-    space, and no added token holds whitespace (added tokens are matched in the text, across words; a
-    normalizer may make a space of other whitespace)."""
+def cut_characters(tokenizer: Tokenizer) -> str:
+    """The characters of :data:`CUT_BEFORE` a text may be cut before (a non-space before it) so that it
+    tokenizes to a prefix of the whole text's tokens; "" where no cut is safe.  Then a text far longer than
+    the model takes may be tokenized only as far as truncation keeps (:func:`encode_cut`).  Safe where the
+    normalizer changes characters on their own, the pre-tokenizer splits at every space, and no added token
+    holds whitespace (added tokens are matched in the text, across words; a normalizer may make a space of
+    other whitespace); then before each character that ends the word before it as a space does, probed
+    through the tokenizer's own steps (a Metaspace splits only at spaces: there a newline ends a word only
+    where the normalizer makes it a space, as sentencepiece's does)."""
     described = json.loads(tokenizer.to_str())
-    return (_local(described.get("normalizer")) and _splits_at_spaces(described.get("pre_tokenizer"))
+    if not (_local(described.get("normalizer")) and _splits_at_spaces(described.get("pre_tokenizer"))
             and not any(character.isspace() for token in described.get("added_tokens") or []
-                        for character in token["content"]))
+                        for character in token["content"])):
+        return ""
+    normalize = tokenizer.normalizer.normalize_str if tokenizer.normalizer is not None else str
+    split = tokenizer.pre_tokenizer.pre_tokenize_str
+    return "".join(character for character in CUT_BEFORE
+                   if all(split(normalize(word + character + "b"))[0] == split(normalize(word + " b"))[0]
+                          for word in ("a", ".", "7")))
 
 
-def _cut(text: str, chars: int) -> str | None:
-    """``text`` up to the last space at or before ``chars`` that follows a non-space, else up to the first
-    such space after it; None where it is no longer than ``chars`` or has no such space."""
+def cuts_safely(tokenizer: Tokenizer) -> bool:
+    """Whether some cut of a long text is safe (:func:`cut_characters`)."""
+    return bool(cut_characters(tokenizer))
+
+
+def _cut(text: str, chars: int, characters: str) -> str | None:
+    """``text`` up to the last of ``characters`` at or before ``chars`` that follows a non-space, else up to the
+    first such after it; None where it is no longer than ``chars`` or has none."""
     if len(text) <= chars:
         return None
-    at = text.rfind(" ", 0, chars + 1)
-    while at > 0 and text[at - 1].isspace():
-        at = text.rfind(" ", 0, at)
-    if at <= 0:
-        at = text.find(" ", chars)
-        while at > 0 and text[at - 1].isspace():
-            at = text.find(" ", at + 1)
-    return text[:at] if at > 0 else None
+    last_cut, next_cut = _cut_patterns(characters)
+    last = last_cut.search(text[chars::-1])  # reversed: the cut's character, then the non-space before it
+    if last is not None:
+        return text[:chars - last.start()]
+    after = next_cut.search(text, chars + 1)
+    return text[:after.start()] if after is not None else None
 
 
-def encode_cut(encode, texts: list[str], max_length: int, first: tuple[str, int] | None = None) -> list:
-    """``encode(texts)`` (a truncating tokenizer's ``encode_batch``) for a tokenizer that
-    :func:`cuts_safely`, tokenizing each long text only as far as truncation keeps: cut before a space past
-    :data:`CUT_CHARS_PER_TOKEN` characters a token, a cut whose tokens did not overflow ``max_length`` cut
-    again four times as long, up to the whole text.  A cut's tokens are the whole text's first ones, so
-    once they overflow, truncation keeps the same tokens (and offsets) as from the whole text; a megabyte
-    of text then costs what its first few thousand characters do.
+def encode_cut(encode, texts: list[str], max_length: int, first: tuple[str, int] | None = None,
+               characters: str = " ") -> list:
+    """``encode(texts)`` (a truncating tokenizer's ``encode_batch``) for a tokenizer whose
+    :func:`cut_characters` are ``characters``, tokenizing each long text only as far as truncation keeps: cut
+    before one of them past :data:`CUT_CHARS_PER_TOKEN` characters a token, a cut whose tokens did not
+    overflow ``max_length`` cut again four times as long, up to the whole text.  A cut's tokens are the whole
+    text's first ones, so once they overflow, truncation keeps the same tokens (and offsets) as from the whole
+    text; a megabyte of text then costs what its first few thousand characters do.  A text without such
+    whitespace (CJK, one long word) is tokenized whole: within a word a cut may change its tokens.
 
     ``first``: (a text, its token count without special tokens) that each of ``texts`` is the second of a
     pair with, truncated longest first.  A cut is kept where it overflowed with that text whole: then the
@@ -133,7 +162,7 @@ def encode_cut(encode, texts: list[str], max_length: int, first: tuple[str, int]
     found: list = [None] * len(texts)
     waiting, chars = list(range(len(texts))), CUT_CHARS_PER_TOKEN * max_length
     while waiting:
-        cuts = [_cut(texts[index], chars) for index in waiting]
+        cuts = [_cut(texts[index], chars, characters) for index in waiting]
         encodings = encode([pair(texts[index] if cut is None else cut) for index, cut in zip(waiting, cuts)])
         again = []
         for index, cut, encoding in zip(waiting, cuts, encodings):

@@ -62,7 +62,7 @@ from encoding import (
     TOKENIZER_MODES,
     TextTooLongError,
     check_lengths,
-    cuts_safely,
+    cut_characters,
     encode_cut,
     load_tokenizer,
     padded_length,
@@ -178,8 +178,8 @@ class TritonPythonModel:
         # the same ids, less work (bench/data/tried.md, "The tokenizer step's own work"); tokenizers before
         # 0.20 have no encode_batch_fast
         self.rows_only = not set(SPAN_ARRAYS) & set(self.output_names)
-        # a long text tokenized only as far as truncation keeps, where that is exact (encoding.encode_cut)
-        self.cut = self.truncate and cuts_safely(self.tokenizer)
+        # a long text tokenized only as far as truncation keeps, cut where that is exact (encoding.encode_cut)
+        self.cut_before = cut_characters(self.tokenizer) if self.truncate else ""
         self.prompts = params.prompts.named
         self.default_prompt = params.prompts.default
         if self.mode == "sided":
@@ -252,9 +252,9 @@ class TritonPythonModel:
         if self._too_many(len(documents)):
             raise ValueError(f"DOCUMENTS has {len(documents)} items and one request takes at most "
                              f"{self.max_rows}; send them in several requests (the client does)")
-        if self.cut:  # long documents tokenized only as far as truncation keeps, where that is exact
+        if self.cut_before:  # long documents tokenized only as far as truncation keeps, where that is exact
             first = (query[0], len(self.untruncated.encode(query[0], add_special_tokens=False).ids))
-            encodings = encode_cut(self.tokenizer.encode_batch, documents, self.max_length, first)
+            encodings = encode_cut(self.tokenizer.encode_batch, documents, self.max_length, first, self.cut_before)
         else:
             encodings = self.tokenizer.encode_batch([(query[0], d) for d in documents])
         if not self.truncate:
@@ -313,7 +313,7 @@ class TritonPythonModel:
         where no output needs them, and a long text's only as far as truncation keeps where that is exact."""
         fast = getattr(tokenizer, "encode_batch_fast", None) if self.rows_only else None
         encode = fast or tokenizer.encode_batch
-        return encode_cut(encode, texts, limit) if self.cut else encode(texts)
+        return encode_cut(encode, texts, limit, characters=self.cut_before) if self.cut_before else encode(texts)
 
     def _tokens(self, request):
         prompt = self._prompt(request)
