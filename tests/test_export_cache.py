@@ -93,14 +93,15 @@ def test_second_export_reuses_every_layer(model_type, layers, tiny_checkpoint, t
     assert np.array_equal(_onnx_output(tmp_path / "again"), _onnx_output(tmp_path / "cold"))
 
 
-def test_no_cache_reads_the_checkpoint(tiny_checkpoint, tmp_path, reads):
+def test_no_cache_reads_the_checkpoint(tiny_checkpoint, tmp_path, reads, monkeypatch):
     directory = tiny_checkpoint("bert")
     _walk(directory, LayerCache(tmp_path / "cache"))  # warm the cache
     reads.clear()
     out = tmp_path / "repo"
+    monkeypatch.setenv("NEXUS_SLI_CACHE_DIR", str(tmp_path / "unused"))  # the default cache (--cache-dir: refused)
     # fp32: the flag is what is under test, not auto's search of every configuration (test_openvino)
     assert main(["export", "--model", str(directory), "--name", "tiny", "--out", str(out), "--precision", "fp32",
-                 "--no-cache", "--cache-dir", str(tmp_path / "unused")]) == 0
+                 "--no-cache"]) == 0
     report = export_report.read(out / "tiny_encoder")
     assert report.walk.from_cache == 0 and report.validation.passed is True
     assert {k for k in _layer_reads(reads)} >= {CHANGED, "encoder.layer.0.attention.self.query.weight"}
