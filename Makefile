@@ -36,7 +36,7 @@ export: install
 		--precision '$(PRECISION)' --backend '$(BACKEND)' --target '$(TARGET)' --optimize '$(OPTIMIZE)' \
 		$(if $(ACCELERATOR),--accelerator '$(ACCELERATOR)') $(if $(NAME),--name '$(NAME)') --out '$(OUT)' \
 		$(if $(NO_CACHE),--no-cache) $(if $(MAX_BATCH_SIZE),--max-batch-size '$(MAX_BATCH_SIZE)') \
-		$(if $(ALLOW_PICKLE),--allow-pickle)
+		$(if $(ALLOW_PICKLE),--allow-pickle) $(if $(NO_SEARCH),--no-search) $(if $(NO_TRUNCATE),--no-truncate)
 
 # A seeded checkpoint of xlm-roberta-large's shape (560M parameters: past ONNX's 2 GB protobuf limit),
 # exported with auto, served once and measured (docs/export.md, "Models past 2 GB", has what it costs).
@@ -52,15 +52,16 @@ publish: install
 
 # Where OUT holds no model yet, serve exports MODEL in ONNX Runtime fp32 (one graph, no search), answers with
 # it, then exports as asked (auto: the fastest faithful graph) in the background and swaps the winner in
-# (NO_SEARCH=1: not that).  A GPU export (TARGET=gpu) is made first, as make export makes it.
+# (NO_SEARCH=1: not that).  A GPU export (TARGET=gpu) is made first, as make export makes it, and served as it is.
+FIRST_EXPORT = $(if $(MODEL),--model '$(MODEL)') --task '$(TASK)' --precision '$(PRECISION)' --backend '$(BACKEND)' \
+	--optimize '$(OPTIMIZE)' $(if $(NAME),--name '$(NAME)') $(if $(NO_SEARCH),--no-search) \
+	$(if $(ALLOW_PICKLE),--allow-pickle) $(if $(NO_CACHE),--no-cache) $(if $(NO_TRUNCATE),--no-truncate) \
+	$(if $(MAX_BATCH_SIZE),--max-batch-size '$(MAX_BATCH_SIZE)')
 serve: install
 	@[ '$(TARGET)' = cpu ] || ls '$(OUT)'/*/config.pbtxt >/dev/null 2>&1 || $(MAKE) --no-print-directory export
 	$(BIN)/nexus-sli serve --model-repository '$(OUT)' --http-port $(HTTP_PORT) \
 		--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --gateway-port $(GATEWAY_PORT) \
-		$(if $(MODEL),--model '$(MODEL)') --task '$(TASK)' --precision '$(PRECISION)' --backend '$(BACKEND)' \
-		--optimize '$(OPTIMIZE)' $(if $(NAME),--name '$(NAME)') $(if $(NO_SEARCH),--no-search) \
-		$(if $(ALLOW_PICKLE),--allow-pickle) $(if $(NO_CACHE),--no-cache) \
-		$(if $(MAX_BATCH_SIZE),--max-batch-size '$(MAX_BATCH_SIZE)')
+		$(if $(filter cpu,$(TARGET)),$(FIRST_EXPORT))
 
 # Everything but the long tiers (pyproject's addopts deselect the `load` and `real_checkpoint` markers),
 # a module per worker on every core (pytest-xdist), handed out in collection order (tests/conftest.py puts
