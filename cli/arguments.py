@@ -40,6 +40,13 @@ def port_or_0(value: str) -> int:
     return _in_range(int, 0, MAX_PORT, f"a port from 1 to {MAX_PORT}, or 0 (none)")(value)
 
 
+def batch_rows(value: str) -> int:
+    """``--max-batch-size``: the rows a repository may merge, 1 to what one request of the gateway may carry."""
+    from nexus_sli.exporter.triton.config import MAX_ROWS_ASKED
+
+    return _in_range(int, 1, MAX_ROWS_ASKED, f"a number of rows from 1 to {MAX_ROWS_ASKED}")(value)
+
+
 def positive_int(value: str) -> int:
     return _in_range(int, 1, None, "an integer >= 1")(value)
 

@@ -6,6 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
+from .arguments import batch_rows
+
+
 def add_parser(commands) -> None:
     from nexus_sli.exporter.targets import AUTO, DEVICES, TARGETS, precisions
     from nexus_sli.tasks import TASKS
@@ -29,7 +32,7 @@ def add_parser(commands) -> None:
     export.add_argument("--optimize", default="balanced", choices=["balanced", "throughput", "latency"],
                         help="what auto picks the fastest graph for: client batches (throughput), one query at a "
                              "time (latency), or both alike (balanced, default); recorded in validation.json")
-    export.add_argument("--max-batch-size", type=int, default=None, metavar="ROWS",
+    export.add_argument("--max-batch-size", type=batch_rows, default=None, metavar="ROWS",
                         help="rows one execution merges and the most texts one request carries (default 64 on "
                              "cpu, 256 on gpu); larger carries large calls faster and makes a lone query wait "
                              "longer behind them (docs/export.md)")

@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .arguments import port, port_or_0
+from .arguments import batch_rows, port, port_or_0
 from .interrupts import interrupt_on_sigterm
 
 
@@ -52,7 +52,7 @@ def _add_first_export_options(serve: argparse.ArgumentParser) -> None:
     first.add_argument("--precision", default=AUTO, choices=[AUTO, *precisions()], help="the search's, as for export")
     first.add_argument("--optimize", default="balanced", choices=["balanced", "throughput", "latency"],
                        help="the search's, as for export")
-    first.add_argument("--max-batch-size", type=int, default=None, metavar="ROWS", help="as for export")
+    first.add_argument("--max-batch-size", type=batch_rows, default=None, metavar="ROWS", help="as for export")
     for flag in ("--allow-pickle", "--no-truncate", "--no-cache"):
         first.add_argument(flag, action="store_true", help="as for export")
     first.add_argument("--no-search", action="store_true",

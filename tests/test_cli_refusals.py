@@ -121,6 +121,15 @@ def test_serve_says_the_searchs_options_go_unused_with_no_search(tmp_path, capsy
     assert "--backend only apply to the search, and --no-search runs none: serving onnxruntime fp32" in err
 
 
+@pytest.mark.parametrize("rows", ["0", "4096"])
+def test_serve_refuses_a_max_batch_size_no_export_takes_as_the_command_line_is_read(tmp_path, capsys, rows):
+    """0 was dropped (the default served instead), and 4096 failed in the first export's process."""
+    with pytest.raises(SystemExit) as refused:
+        main(["serve", "--model-repository", str(tmp_path / "repo"), "--max-batch-size", rows])
+    assert refused.value.code == 2 and f"takes a number of rows from 1 to 2048, got '{rows}'" in capsys.readouterr().err
+    assert not (tmp_path / "repo").exists()
+
+
 def test_serve_refuses_one_port_given_for_two_listeners(tmp_path, capsys):
     http, metrics = free_ports(2)
     assert main(["serve", "--model-repository", str(tmp_path), "--http-port", str(http), "--grpc-port", str(http),

@@ -106,8 +106,9 @@ def test_cli_reports_bad_input_clearly(tmp_path, capsys):
     assert "invalid model name" in capsys.readouterr().err
     assert main(["export", "--model", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main(["export", "--max-batch-size", "0", "--out", str(tmp_path)]) == 2
-    assert "max_batch_size must be a whole number from 1 to 2048, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # as the command line is read
+        main(["export", "--max-batch-size", "0", "--out", str(tmp_path)])
+    assert refused.value.code == 2 and "takes a number of rows from 1 to 2048, got '0'" in capsys.readouterr().err
     assert main(["export", "--task", "translation", "--out", str(tmp_path)]) == 2
     assert "known tasks: embedding" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

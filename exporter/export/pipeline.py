@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 
 from nexus_sli.exporter.errors import ExportError, NexusError, ValidationError
 from nexus_sli.exporter.targets import Candidate, Configuration, ExportedGraph, configurations_for
+from nexus_sli.exporter.triton.config import MAX_ROWS_ASKED
 from nexus_sli.exporter.triton.config import read as read_config
 from nexus_sli.exporter.triton.folders import check_free
 from nexus_sli.exporter.triton.models import ServingFacts, write_models, write_readme
@@ -510,11 +511,6 @@ def _report(options: ExportOptions, prepared: Prepared, attempts: list[Attempt],
         **(embedder.record() if embedder else {}),
         pooled_in_graph=graph.pooled,
         outputs=graph.pooling.outputs if graph.pooled else prepared.task.output_names(), walk=prepared.walk)
-
-
-#: The most rows ``--max-batch-size`` may ask for: the gateway's largest call (``GatewayConfig.max_inputs``,
-#: OpenAI's limit), as one request.
-MAX_ROWS_ASKED = 2048
 
 
 def check_max_batch_size(rows: int | None) -> None:

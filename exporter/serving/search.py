@@ -71,7 +71,7 @@ class ModelChoice:
                 "--precision", precision, "--optimize", self.optimize, "--out", str(out),
                 *(["--model", self.model] if self.model else []),
                 *(["--name", name or self.name] if name or self.name else []),
-                *(["--max-batch-size", str(self.max_batch_size)] if self.max_batch_size else []),
+                *(["--max-batch-size", str(self.max_batch_size)] if self.max_batch_size is not None else []),
                 *[flag for flag, given in (("--allow-pickle", self.allow_pickle), ("--no-truncate", self.no_truncate),
                                            ("--no-cache", self.no_cache), ("--no-search", first)) if given]]
 

@@ -27,6 +27,9 @@ MAX_BATCH_SIZE = 64
 #: and concurrent calls merge into executions of up to 256 rows.  Chosen on a GPU among the variants
 #: bench/gpu_served.py serves (docs/gpu.md, "Served on a GPU").
 GPU_MAX_BATCH_SIZE = 256
+#: The most rows ``--max-batch-size`` may ask for: the gateway's largest call (``GatewayConfig.max_inputs``,
+#: OpenAI's limit), as one request.
+MAX_ROWS_ASKED = 2048
 #: Instances of a GPU encoder (each a CUDA context and a session on that GPU; with ``nexus-sli serve``, each
 #: one process that also tokenizes): while one tokenizes and copies, the other computes.  Two, not four:
 #: four carried more short calls at once but no more calls of 256, held more GPU memory and made a
