@@ -37,7 +37,7 @@ def add_parser(commands) -> None:
                              "cpu, 256 on gpu); larger carries large calls faster and makes a lone query wait "
                              "longer behind them (docs/export.md)")
     export.add_argument("--no-search", action="store_true",
-                        help="export the first configuration's first graph only (by default ONNX Runtime "
+                        help="export the first configuration's first graph only (on a CPU by default ONNX Runtime "
                              "fp32's plain graph), validated, nothing else made or timed: the quickest faithful "
                              "export")
     export.add_argument("--name", default="", help="model name in the repository (default: from the model id)")
