@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from nexus_sli.exporter.serving.search import (FIRST, BackgroundSearch, ModelChoice, export_first, holds_a_model,
                                                    remove_abandoned_searches)
     from nexus_sli.exporter.serving.server import is_remote, serve_forever
+    from nexus_sli.exporter.serving.swap import retired_left
 
     # Started in the background by a shell without job control (a script's `&`), serve inherits SIGINT ignored,
     # and Python leaves it so: Ctrl-C's signal sent by `kill -INT` or a process manager would be lost, and with it
@@ -78,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
     search = None
     if not is_remote(repository):
         remove_abandoned_searches(repository)
+        for folder in retired_left(repository):
+            print(f"nexus-sli: {folder} holds models a swap took out of {repository} (a serve stopped during it, or "
+                  "its undo failed): delete it once the repository serves what you expect, else move its models "
+                  "back", file=sys.stderr, flush=True)
     first_export = not is_remote(repository) and not holds_a_model(repository)
     if not first_export and _first_export_options(args):
         print(f"nexus-sli: {repository} holds a model: served as it is ({', '.join(_first_export_options(args))} "

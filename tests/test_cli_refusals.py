@@ -121,6 +121,18 @@ def test_serve_says_the_searchs_options_go_unused_with_no_search(tmp_path, capsy
     assert "--backend only apply to the search, and --no-search runs none: serving onnxruntime fp32" in err
 
 
+def test_serve_names_a_folder_of_models_a_swap_left_beside_the_repository(tmp_path, capsys):
+    http, grpc = free_ports(2)
+    (tmp_path / ".repo-retired-abc" / "tiny_encoder").mkdir(parents=True)
+    with socket.socket() as server:  # a port in use stops serve right after the folders are looked at
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert main(["serve", "--model-repository", str(tmp_path / "repo"), "--http-port", str(http), "--grpc-port",
+                     str(grpc), "--metrics-port", str(server.getsockname()[1]), "--gateway-port", "0"]) == 2
+    assert f"{tmp_path / '.repo-retired-abc'} holds models a swap took out of" in capsys.readouterr().err
+    assert (tmp_path / ".repo-retired-abc" / "tiny_encoder").is_dir()
+
+
 @pytest.mark.parametrize("rows", ["0", "4096"])
 def test_serve_refuses_a_max_batch_size_no_export_takes_as_the_command_line_is_read(tmp_path, capsys, rows):
     """0 was dropped (the default served instead), and 4096 failed in the first export's process."""

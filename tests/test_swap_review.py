@@ -198,3 +198,15 @@ def test_a_stopped_first_exports_staging_folder_goes_where_the_repositorys_name_
         folder.mkdir()
     _stop_export(ended, tmp_path / "repo[1]", grace=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == [other.name]
+
+
+def test_a_retired_folder_left_beside_the_repository_is_named_and_kept(tmp_path):
+    """A swap's folder of the models it took out, left by a serve stopped during the swap (or an undo that failed):
+    serve names it at start, never removes it; an empty one, or another repository's, is not named."""
+    from nexus_sli.exporter.serving.swap import retired_left
+
+    repository = _model_set(tmp_path / "repo[1]", "new")
+    left = _model_set(tmp_path / ".repo[1]-retired-abc", "old")
+    (tmp_path / ".repo[1]-retired-empty").mkdir()
+    _model_set(tmp_path / ".repo1-retired-abc", "another's")
+    assert retired_left(repository) == [left]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import compileall
 import contextlib
+import glob
 import hashlib
 import logging
 import os
@@ -88,7 +89,7 @@ def swap_in(found: Path, repository: Path, server) -> list[str]:
     # The python steps' bytecode written now, not by their first load: Triton reads a folder written to after a
     # model loaded as a changed model, and loads it again with the next ensemble that calls it.
     compileall.compile_dir(found, quiet=1)
-    retired = Path(tempfile.mkdtemp(prefix=f".{repository.name}-retired-", dir=repository.parent))
+    retired = Path(tempfile.mkdtemp(prefix=_retired_prefix(repository), dir=repository.parent))
     moves = Renames()
     try:
         _move_in(found, repository, retired, names, moves)
@@ -109,6 +110,18 @@ def swap_in(found: Path, repository: Path, server) -> list[str]:
     shutil.rmtree(retired, ignore_errors=True)
     log.info("serving the new %s at version %d", ", ".join(names), version)
     return names
+
+
+def _retired_prefix(repository: Path) -> str:
+    return f".{repository.name}-retired-"
+
+
+def retired_left(repository: Path) -> list[Path]:
+    """The folders of models a swap took out of ``repository`` that are still there: its undo failed, or its serve
+    stopped in the middle.  Never removed by serve: they may hold the models the repository served."""
+    repository = Path(repository).resolve()
+    return sorted(folder for folder in repository.parent.glob(glob.escape(_retired_prefix(repository)) + "*")
+                  if folder.is_dir() and any(folder.iterdir()))
 
 
 def _move_in(found: Path, repository: Path, retired: Path, names: list[str], moves: Renames) -> None:
