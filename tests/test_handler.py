@@ -105,6 +105,16 @@ def test_albert_virtual_layers_wrap_onto_shared_weights():
         handler.get_layer_prefix(24)
 
 
+def test_a_numpy_integer_is_an_index_and_a_bool_is_not():
+    import numpy as np
+
+    handler = BERTFamilyHandler()
+    handler.create_layer(BertConfig(**TINY), np.int64(1))
+    assert handler.get_layer_prefix(np.int64(1)) == handler.get_layer_prefix(1)
+    with pytest.raises(LayerIndexError, match="layer index True is out of range"):
+        handler.get_layer_prefix(True)
+
+
 @pytest.mark.parametrize("bad_index", [-1, 3, 100])
 def test_out_of_range_index_is_typed_error(bad_index):
     with pytest.raises(LayerIndexError, match="out of range"):

@@ -253,6 +253,30 @@ def test_an_entry_larger_than_the_bound_is_not_stored(tmp_path, caplog):
     assert cache.size_bytes() == 0
 
 
+def test_a_layer_too_large_to_cache_leaves_no_older_layer_under_its_key(tmp_path):
+    """cache_layer replaces the entry of its key: one it cannot store must not leave the older layer to be read."""
+    sizes = {}
+    for mode in ("int8", "none"):
+        probe = LayerCache(tmp_path / mode, 1)
+        sizes[mode] = probe.cache_layer("m", 0, small_layer(0), mode).stat().st_size
+    cache = LayerCache(tmp_path / "bounded", (sizes["int8"] + sizes["none"]) / 2 / GIB)
+    assert cache.cache_layer("m", 0, small_layer(0), "int8") is not None
+    assert cache.cache_layer("m", 0, small_layer(1), "none") is None  # too large: not stored
+    assert cache.get_state_dict("m", 0) is None
+    with pytest.raises(LayerCacheError, match="factory"):  # nor its structure kept to rebuild from
+        cache.get_layer("m", 0)
+
+
+def test_a_layer_rebuilt_without_a_factory_has_the_structure_of_its_own_entry(tmp_path):
+    """Two entries of one (model, layer) under two source hashes: each rebuilt as it was cached."""
+    cache = LayerCache(tmp_path, 1)
+    gelu, relu = nn.Sequential(nn.Linear(8, 8), nn.GELU()), nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    cache.cache_layer("m", 0, gelu, "none", source_hash="h1")
+    cache.cache_layer("m", 0, relu, "none", source_hash="h2")
+    assert isinstance(cache.get_layer("m", 0, source_hash="h1")[1], nn.GELU)
+    assert isinstance(cache.get_layer("m", 0, source_hash="h2")[1], nn.ReLU)
+
+
 # ------------------------------------------------------------------ damage and crashes
 
 

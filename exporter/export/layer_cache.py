@@ -232,8 +232,8 @@ class LayerCache:
         self.max_bytes = _budget_bytes(max_cache_size_gb)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        #: (model_id, layer_index) -> weightless layer copy, for get_layer without a factory
-        self._skeletons: dict[tuple[str, int], nn.Module] = {}
+        #: (model_id, layer_index, source_hash) -> weightless layer copy, for get_layer without a factory
+        self._skeletons: dict[tuple[str, int, str | None], nn.Module] = {}
         self._remove_dead_temps()
 
     # ----------------------------------------------------------------- public API
@@ -263,11 +263,14 @@ class LayerCache:
         if len(data) > self.max_bytes:
             log.warning("layer %s[%d] (%d bytes as %s) exceeds the cache bound of %d bytes; not cached",
                         model_id, layer_index, len(data), quantization_mode, self.max_bytes)
+            # the entry it was to replace goes too: a later get_layer must miss, not return the older layer
+            path.unlink(missing_ok=True)
+            self._skeletons.pop((model_id, layer_index, source_hash), None)
             return None
         cache_files.make_room(self.cache_dir, _ENTRY_SUFFIX, len(data), self.max_bytes, path, _WHAT)
         cache_files.write_atomic(path, lambda handle: handle.write(data))
         _touch(path)
-        self._skeletons[(model_id, layer_index)] = _skeleton(layer)
+        self._skeletons[(model_id, layer_index, source_hash)] = _skeleton(layer)
         return path
 
     def get_layer(
@@ -292,7 +295,7 @@ class LayerCache:
         ``factory`` or use :meth:`get_state_dict`.  ``quantization_mode``, when
         given, makes an entry stored in another mode a miss.
         """
-        build = self._resolve_factory(model_id, layer_index, factory)
+        build = self._resolve_factory(model_id, layer_index, source_hash, factory)
         state = self.get_state_dict(model_id, layer_index, source_hash=source_hash,
                                     quantization_mode=quantization_mode)
         if state is None:
@@ -393,12 +396,12 @@ class LayerCache:
             return False
         return True
 
-    def _resolve_factory(self, model_id, layer_index, factory):
+    def _resolve_factory(self, model_id, layer_index, source_hash, factory):
         if factory is not None:
             if not callable(factory):
                 raise LayerCacheError(f"factory must be callable, got {type(factory).__name__}")
             return factory
-        skeleton = self._skeletons.get((model_id, layer_index))
+        skeleton = self._skeletons.get((model_id, layer_index, source_hash))
         if skeleton is None:
             raise LayerCacheError(
                 f"cannot rebuild layer {layer_index} of {model_id!r} without a factory: pass "

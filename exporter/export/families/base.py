@@ -10,6 +10,7 @@ duplicates, so two families can never silently claim the same model type.
 from __future__ import annotations
 
 import importlib
+import numbers
 from typing import Any, ClassVar, Iterator
 
 from torch import nn
@@ -116,7 +117,9 @@ class EncoderFamily:
                 f"{self.model_type} is encoder-only: layer_type must be 'encoder', got {layer_type!r}"
             )
         count = self.virtual_layer_count(config) if config is not None else None
-        if not isinstance(layer_idx, int) or layer_idx < 0 or (count is not None and layer_idx >= count):
+        # numpy's integers are indices too; a bool is an int to Python, and no index
+        if (isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral) or layer_idx < 0
+                or (count is not None and layer_idx >= count)):
             bound = f"[0, {count})" if count is not None else "non-negative integers"
             raise LayerIndexError(
                 f"layer index {layer_idx!r} is out of range for {self.model_type}: valid indices are {bound}"
