@@ -105,6 +105,17 @@ def test_albert_virtual_layers_wrap_onto_shared_weights():
         handler.get_layer_prefix(24)
 
 
+def test_a_checkpoints_prefix_goes_with_its_config():
+    """Bound to a task checkpoint's keys (``bert.``), then asked for another model's layer: not that prefix."""
+    handler = BERTFamilyHandler()
+    config = BertConfig(**TINY)
+    handler.bind(config, ["bert.encoder.layer.0.attention.self.query.weight"])
+    handler.create_layer(config, 0)  # the same model: its checkpoint's prefix stays
+    assert handler.get_layer_prefix(0) == "bert.encoder.layer.0."
+    handler.create_layer(BertConfig(**TINY), 0)
+    assert handler.get_layer_prefix(0) == "encoder.layer.0."
+
+
 def test_a_numpy_integer_is_an_index_and_a_bool_is_not():
     import numpy as np
 

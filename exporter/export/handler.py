@@ -81,7 +81,7 @@ class BERTFamilyHandler:
     def bind(self, config: Any, checkpoint_keys: Iterable[str] | None = None) -> "BERTFamilyHandler":
         """Make the handler specific to ``config`` and, given its keys, to a checkpoint."""
         family = _family_of(config)
-        if family is not self._family:
+        if family is not self._family or config is not self._config:  # another model: its checkpoint's prefix unknown
             self._prefix = None
         self._family, self._config = family, config
         if checkpoint_keys is not None:
