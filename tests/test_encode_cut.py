@@ -88,6 +88,18 @@ def tokenizer(request):
     return built
 
 
+def _cut_and_seen(tokenizer, text: str, max_length: int) -> tuple[list, list[int]]:
+    """``text`` through :func:`encode_cut` with ``tokenizer``'s cut characters: its encodings, and the length of
+    each text the tokenizer was given."""
+    seen: list[int] = []
+
+    def encode(texts):
+        seen.extend(map(len, texts))
+        return tokenizer.encode_batch(texts)
+
+    return encode_cut(encode, [text], max_length, characters=cut_characters(tokenizer)), seen
+
+
 def _described(encodings) -> list[tuple]:
     return [(e.ids, e.type_ids, e.offsets, e.special_tokens_mask, e.word_ids, e.attention_mask, bool(e.overflowing))
             for e in encodings]
@@ -131,13 +143,7 @@ def test_a_long_text_is_tokenized_only_as_far_as_truncation_keeps(tokenizer):
     prose = " ".join(validation_texts())  # about 30,000 characters
     unbroken = "x" * (3 * CUT_CHARS_PER_TOKEN * max_length) + " " + prose  # its first space past the first cut
     for text in (prose, unbroken):
-        seen: list[int] = []
-
-        def encode(texts):
-            seen.extend(len(t) for t in texts)
-            return tokenizer.encode_batch(texts)
-
-        cut = encode_cut(encode, [text], max_length, characters=cut_characters(tokenizer))
+        cut, seen = _cut_and_seen(tokenizer, text, max_length)
         assert _described(cut) == _described(tokenizer.encode_batch([text]))
         assert seen and max(seen) < len(text) / 20, seen
     assert seen[0] == 3 * CUT_CHARS_PER_TOKEN * max_length  # up to the first space, not the whole text
@@ -201,13 +207,7 @@ def test_a_newline_separated_text_is_tokenized_only_from_its_start():
     tokenizer = _packaged()
     tokenizer.enable_truncation(128)
     text = _separated(["\n"])
-    seen: list[int] = []
-
-    def encode(texts):
-        seen.extend(map(len, texts))
-        return tokenizer.encode_batch(texts)
-
-    cut = encode_cut(encode, [text], 128, characters=cut_characters(tokenizer))
+    cut, seen = _cut_and_seen(tokenizer, text, 128)
     assert _described(cut) == _described(tokenizer.encode_batch([text]))
     assert seen == [len(text[:CUT_CHARS_PER_TOKEN * 128 + 1].rsplit("\n", 1)[0])], seen
 
@@ -230,13 +230,7 @@ def test_a_text_without_whitespace_is_tokenized_whole(tokenizer):
     whole text's."""
     tokenizer.enable_truncation(16)
     for text in ("中文字符" * 500, "x" * 2000, "中文。字符，" * 400):
-        seen: list[int] = []
-
-        def encode(texts):
-            seen.extend(map(len, texts))
-            return tokenizer.encode_batch(texts)
-
-        cut = encode_cut(encode, [text], 16, characters=cut_characters(tokenizer))
+        cut, seen = _cut_and_seen(tokenizer, text, 16)
         assert _described(cut) == _described(tokenizer.encode_batch([text]))
         assert seen[-1] == len(text)
 
