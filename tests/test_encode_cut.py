@@ -1,5 +1,5 @@
 """A long text tokenized only as far as truncation keeps (``encoding.encode_cut``): for every kind of tokenizer
-that ``cuts_safely`` admits, the same encodings as tokenizing the whole text (ids, types, offsets, special
+that ``cut_characters`` admits, the same encodings as tokenizing the whole text (ids, types, offsets, special
 tokens, words), whatever the text; the kinds where a cut could change a word's tokens are refused; and the
 tokenizer step, with it, answers a long text's rows as the whole text's while tokenizing only its start."""
 
@@ -17,8 +17,7 @@ from nexus_sli.exporter.export.source import resolve_model
 from nexus_sli.exporter.export.validate import validation_texts
 from nexus_sli.exporter.serving.joined_steps import triton_json
 from nexus_sli.exporter.triton import config as tc
-from nexus_sli.exporter.triton.python_models.encoding import (CUT_BEFORE, CUT_CHARS_PER_TOKEN, cut_characters,
-                                                               cuts_safely, encode_cut)
+from nexus_sli.exporter.triton.python_models.encoding import CUT_BEFORE, CUT_CHARS_PER_TOKEN, cut_characters, encode_cut
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
 #: Characters a cut meets: words, runs of spaces, tabs and newlines, punctuation, digits, CJK (no spaces between
@@ -84,7 +83,7 @@ TOKENIZERS = {"wordpiece": _packaged, "byte-level-bpe": _byte_level_bpe, "metasp
 def tokenizer(request):
     built = TOKENIZERS[request.param]()
     built.no_padding()
-    assert cuts_safely(built), request.param
+    assert cut_characters(built), request.param
     return built
 
 
@@ -162,7 +161,7 @@ def test_a_long_text_is_tokenized_only_as_far_as_truncation_keeps(tokenizer):
 def test_a_tokenizer_whose_words_may_join_across_a_space_is_never_cut(change, why):
     tokenizer = _packaged()
     change(tokenizer)
-    assert not cuts_safely(tokenizer), why
+    assert cut_characters(tokenizer) == "", why
 
 
 #: Words apart by whitespace other than spaces: newlines, tabs, and mixed (with \x0b and \x85, not cut before)

@@ -126,11 +126,6 @@ def cut_characters(tokenizer: Tokenizer) -> str:
                           for word in ("a", ".", "7")))
 
 
-def cuts_safely(tokenizer: Tokenizer) -> bool:
-    """Whether some cut of a long text is safe (:func:`cut_characters`)."""
-    return bool(cut_characters(tokenizer))
-
-
 def _cut(text: str, chars: int, characters: str) -> str | None:
     """``text`` up to the last of ``characters`` at or before ``chars`` that follows a non-space, else up to the
     first such after it; None where it is no longer than ``chars`` or has none."""
