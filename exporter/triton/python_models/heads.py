@@ -137,9 +137,10 @@ def answer_spans(context: str, start_logits: np.ndarray, end_logits: np.ndarray,
             key = context[a:b].lower()
             if score > best.get(key, (-1.0,))[0]:
                 best[key] = (score, a, b)
-    ranked = sorted(best.values(), key=lambda found: -found[0])
+    ranked = list(best.values())
     if impossible and null is not None:  # never one with a text's answer: it has none
-        ranked = sorted([*ranked, (null, 0, 0)], key=lambda found: -found[0])
+        ranked.append((null, 0, 0))
+    ranked.sort(key=lambda found: -found[0])
     return [{"text": context[a:b], "start": a, "end": b, "score": score} for score, a, b in ranked[:top_k]]
 
 
